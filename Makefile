@@ -1,0 +1,43 @@
+# decodelab: `make demo` and `make test` work on a fresh machine; they build .venv on first use.
+SHELL := /bin/bash
+VENV := .venv
+STAMP := $(VENV)/.installed
+PY := $(VENV)/bin/python
+
+# A Python 3.12: python3.12 on PATH, else pyenv's newest 3.12.x, else a clear error.
+PYTHON312 ?= $(shell command -v python3.12 2>/dev/null || \
+  { command -v pyenv >/dev/null 2>&1 && \
+    v=$$(pyenv versions --bare 2>/dev/null | grep -E '^3\.12(\.[0-9]+)?$$' | sort -V | tail -n 1) && \
+    [ -n "$$v" ] && echo "$$(pyenv prefix $$v)/bin/python3.12"; })
+
+.PHONY: venv demo test lint bench clean
+
+venv: $(STAMP)
+
+# Reinstall only when the project's metadata changes (the install is editable, so code edits need none).
+$(STAMP): pyproject.toml
+	@if [ -z "$(PYTHON312)" ]; then echo "error: no Python 3.12 found (need python3.12 on PATH or pyenv with a 3.12.x)"; exit 1; fi
+	@echo "using $(PYTHON312)"
+	test -x $(PY) || $(PYTHON312) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e ".[test,notebooks]"
+	$(PY) -m ipykernel install --sys-prefix --name python3 >/dev/null
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m serving demo
+
+# The ci hypothesis profile is derandomized and bounded; -n 2 uses both cores of a CI machine.
+test: $(STAMP)
+	HYPOTHESIS_PROFILE=ci $(PY) -m pytest -q -n 2 --nbmake notebooks tests paged kernels_pallas sampling speculative serving bench
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+bench: $(STAMP)
+	$(PY) -m bench peers
+	$(PY) -m bench decode
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,172 @@
+"""Reference decode attention over the paged cache, and exact merging of attention states.
+
+Written for a reader to check line by line, not for speed: every kernel in ``kernels_pallas/``
+is tested against these functions. Computation is in float32, or float64 when the inputs are
+float64 (as in tests with x64 enabled).
+
+An attention state over a subset of keys is ``(v, s)``: ``v`` the softmax-weighted values over
+that subset, ``s`` the natural-log log-sum-exp of its scaled (and soft-capped) logits. Two states
+over disjoint subsets merge exactly (``proofs/merge_states.md``).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from paged.kv_cache import KVCache
+from paged.page_table import PageTable
+
+
+def _compute_dtype(dtype):
+    return jnp.promote_types(dtype, jnp.float32)
+
+
+def scaled_logits(q_dot_k: jax.Array, sm_scale: float, logits_soft_cap: float | None):
+    """``s = (q . k) * sm_scale``, then ``cap * tanh(s / cap)`` with a soft cap."""
+    s = q_dot_k * sm_scale
+    if logits_soft_cap is not None:
+        s = logits_soft_cap * jnp.tanh(s / logits_soft_cap)
+    return s
+
+
+def token_mask(page_table: PageTable) -> jax.Array:
+    """bool[B, nnz_padded, page_size]: which (page-slot, token-slot) pairs hold request b's keys.
+
+    Entry ``[b, j, t]`` is true when ``page_indices[j]`` is one of request b's pages and slot ``t``
+    of it holds one of its tokens (all slots but the tail of its last page).
+    """
+    num_indices = page_table.page_indices.shape[0]
+    j = jnp.arange(num_indices)[None, :]
+    start = page_table.page_indptr[:-1, None]
+    end = page_table.page_indptr[1:, None]
+    owns = (start <= j) & (j < end)  # [B, nnz]
+    is_last = j == end - 1
+    slot = jnp.arange(page_table.page_size)
+    filled = jnp.where(
+        is_last[..., None], slot[None, None, :] < page_table.last_page_len[:, None, None], True
+    )
+    return owns[..., None] & filled
+
+
+def decode_attention_reference(
+    q: jax.Array,
+    cache: KVCache,
+    page_table: PageTable,
+    *,
+    sm_scale: float,
+    logits_soft_cap: float | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """Grouped-query decode attention of one new token per request over its paged keys.
+
+    Every page slot of the table is gathered once, and each request masks in its own tokens:
+    simple and exact, at the cost of ``B x nnz`` logits (fine for tests and small batches).
+
+    Args:
+      q: ``[B, H, D]``, H a multiple of the cache's ``num_kv_heads``.
+      cache: the KV pool.
+      page_table: B requests.
+      sm_scale: the logit scale.
+      logits_soft_cap: optional soft cap on the scaled logits.
+
+    Returns:
+      ``(o, lse)``: ``o`` ``[B, H, D]`` in the compute dtype (float32 or float64), ``lse``
+      ``[B, H]`` natural-log log-sum-exp of the scaled logits; an empty request gets ``o = 0``
+      and ``lse = -inf``.
+    """
+    dtype = _compute_dtype(q.dtype)
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads = cache.num_kv_heads
+    group = num_heads // num_kv_heads
+    # [nnz, page_size, KVH, D]: every listed page, token-major.
+    k = cache.to_nhd(cache.k_pages[page_table.page_indices]).astype(dtype)
+    v = cache.to_nhd(cache.v_pages[page_table.page_indices]).astype(dtype)
+    num_tokens = k.shape[0] * k.shape[1]
+    k = k.reshape(num_tokens, num_kv_heads, head_dim)
+    v = v.reshape(num_tokens, num_kv_heads, head_dim)
+    q_grouped = q.astype(dtype).reshape(batch, num_kv_heads, group, head_dim)
+    logits = jnp.einsum("bkgd,tkd->bkgt", q_grouped, k, precision="highest")
+    logits = scaled_logits(logits, sm_scale, logits_soft_cap)
+    mask = token_mask(page_table).reshape(batch, 1, 1, num_tokens)
+    logits = jnp.where(mask, logits, -jnp.inf)
+    lse = jax.nn.logsumexp(logits, axis=-1)  # -inf for an empty request
+    weights = jnp.where(mask, jnp.exp(logits - jnp.where(jnp.isfinite(lse), lse, 0)[..., None]), 0)
+    o = jnp.einsum("bkgt,tkd->bkgd", weights, v, precision="highest")
+    return o.reshape(batch, num_heads, head_dim), lse.reshape(batch, num_heads)
+
+
+def _merge_along(v: jax.Array, s: jax.Array, axis: int) -> tuple[jax.Array, jax.Array]:
+    """Merges states stacked along ``axis`` (negative) of ``s``; ``v`` has one more trailing axis,
+    D, so its state axis is ``axis - 1``."""
+    dtype = _compute_dtype(jnp.result_type(v, s))
+    v = v.astype(dtype)
+    s = s.astype(dtype)
+    s_max = jnp.max(s, axis=axis, keepdims=True)
+    # An all-empty set of states has s_max = -inf; shifting by 0 instead keeps exp() at 0, not NaN.
+    shift = jnp.where(jnp.isfinite(s_max), s_max, 0)
+    weights = jnp.exp(s - shift)  # in [0, 1]; the largest is exactly 1 when any state is non-empty
+    total = jnp.sum(weights, axis=axis)
+    weighted = jnp.sum(weights[..., None] * v, axis=axis - 1)
+    safe_total = jnp.where(total > 0, total, 1)
+    merged_v = jnp.where(total[..., None] > 0, weighted / safe_total[..., None], 0)
+    merged_s = jnp.where(total > 0, jnp.squeeze(shift, axis) + jnp.log(safe_total), -jnp.inf)
+    return merged_v, merged_s
+
+
+def merge_state(
+    v_a: jax.Array, s_a: jax.Array, v_b: jax.Array, s_b: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """Merges two attention states over disjoint key sets into the state over their union.
+
+    ``v = (v_a e^{s_a} + v_b e^{s_b}) / (e^{s_a} + e^{s_b})`` and ``s = logaddexp(s_a, s_b)``,
+    computed with the larger ``s`` subtracted so nothing overflows; two empty states
+    (``s = -inf``) merge to ``v = 0, s = -inf``.
+
+    Args:
+      v_a, v_b: ``[..., D]``.
+      s_a, s_b: ``[...]`` (the leading shape of ``v_a``).
+
+    Returns:
+      ``(v [..., D], s [...])`` in float32 (float64 for float64 inputs).
+
+    Example:
+      >>> v, s = merge_state(jnp.ones((1, 2)), jnp.zeros(1), jnp.zeros((1, 2)), jnp.zeros(1))
+      >>> v.tolist(), round(float(s[0]), 6)
+      ([[0.5, 0.5]], 0.693147)
+    """
+    _check_state_shapes("v_a", v_a, "s_a", s_a)
+    _check_state_shapes("v_b", v_b, "s_b", s_b)
+    if v_a.shape != v_b.shape:
+        raise ValueError(f"v_a {v_a.shape} and v_b {v_b.shape} differ")
+    return _merge_along(jnp.stack([v_a, v_b], axis=-2), jnp.stack([s_a, s_b], axis=-1), -1)
+
+
+def merge_states(v: jax.Array, s: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Merges ``S`` attention states over disjoint key sets into one.
+
+    Args:
+      v: ``[..., S, H, D]`` partial outputs.
+      s: ``[..., S, H]`` their log-sum-exps; ``-inf`` marks an empty state.
+
+    Returns:
+      ``(v [..., H, D], s [..., H])`` in float32 (float64 for float64 inputs).
+
+    Example:
+      >>> v = jnp.array([[[1.0, 1.0]], [[3.0, 5.0]]])  # S=2, H=1, D=2
+      >>> s = jnp.log(jnp.array([[1.0], [3.0]]))
+      >>> merged, lse = merge_states(v, s)
+      >>> [round(x, 5) for x in merged[0].tolist()], round(float(jnp.exp(lse[0])), 5)
+      ([2.5, 4.0], 4.0)
+    """
+    _check_state_shapes("v", v, "s", s)
+    if v.ndim < 3:
+        raise ValueError(f"v must have shape [..., S, H, D], got {v.shape}")
+    return _merge_along(v, s, -2)
+
+
+def _check_state_shapes(v_name, v, s_name, s):
+    if v.shape[:-1] != s.shape:
+        raise ValueError(
+            f"{s_name} must have shape {v.shape[:-1]} (that of {v_name} without its last axis), "
+            f"got {s.shape}"
+        )

@@ -1,0 +1,229 @@
+"""The paged KV pool and the append of new tokens into it.
+
+Two layouts (``design.md``):
+
+- ``"HND"``: ``[num_pages, num_kv_heads, page_size, head_dim]``. One (page, head) is a contiguous
+  ``[page_size, head_dim]`` tile (4 KiB at 16 x 128 bfloat16), which is what the decode kernel
+  streams; the default.
+- ``"NHD"``: ``[num_pages, page_size, num_kv_heads, head_dim]``. One token's heads are
+  contiguous, which suits appends.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kernels_pallas.platform import is_concrete
+from paged.page_table import PageTable, validate_page_table
+
+LAYOUTS = ("HND", "NHD")
+
+
+@dataclasses.dataclass(frozen=True)
+class KVCache:
+    """Key and value pages of one attention layer (a pytree; ``layout`` is static).
+
+    Attributes:
+      k_pages: ``[num_pages, num_kv_heads, page_size, head_dim]`` (HND) or
+        ``[num_pages, page_size, num_kv_heads, head_dim]`` (NHD).
+      v_pages: same shape and dtype as ``k_pages``.
+      layout: ``"HND"`` or ``"NHD"``.
+    """
+
+    k_pages: jax.Array
+    v_pages: jax.Array
+    layout: str = "HND"
+
+    @property
+    def num_pages(self) -> int:
+        return self.k_pages.shape[0]
+
+    @property
+    def page_size(self) -> int:
+        return self.k_pages.shape[2] if self.layout == "HND" else self.k_pages.shape[1]
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.k_pages.shape[1] if self.layout == "HND" else self.k_pages.shape[2]
+
+    @property
+    def head_dim(self) -> int:
+        return self.k_pages.shape[3]
+
+    @property
+    def dtype(self):
+        return self.k_pages.dtype
+
+    def to_nhd(self, pages: jax.Array) -> jax.Array:
+        """``pages`` (this cache's layout) as ``[..., page_size, num_kv_heads, head_dim]``."""
+        return jnp.swapaxes(pages, -3, -2) if self.layout == "HND" else pages
+
+
+jax.tree_util.register_dataclass(
+    KVCache, data_fields=["k_pages", "v_pages"], meta_fields=["layout"]
+)
+
+
+def validate_kv_cache(cache: KVCache) -> None:
+    """Raises ValueError if the cache's layout, shapes or dtypes are inconsistent."""
+    if cache.layout not in LAYOUTS:
+        raise ValueError(f"cache.layout must be one of {LAYOUTS}, got {cache.layout!r}")
+    if cache.k_pages.ndim != 4:
+        raise ValueError(f"cache.k_pages must be 4-D, got shape {cache.k_pages.shape}")
+    if cache.k_pages.shape != cache.v_pages.shape:
+        raise ValueError(
+            f"cache.k_pages {cache.k_pages.shape} and cache.v_pages {cache.v_pages.shape} differ"
+        )
+    if cache.k_pages.dtype != cache.v_pages.dtype:
+        raise ValueError(
+            f"cache.k_pages dtype {cache.k_pages.dtype} differs from cache.v_pages dtype "
+            f"{cache.v_pages.dtype}"
+        )
+
+
+def new_kv_cache(
+    num_pages: int,
+    page_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype=jnp.bfloat16,
+    layout: str = "HND",
+) -> KVCache:
+    """An all-zero KV pool.
+
+    Example:
+      >>> new_kv_cache(8, 16, 2, 64, layout="NHD").k_pages.shape
+      (8, 16, 2, 64)
+    """
+    for name, value in [
+        ("num_pages", num_pages),
+        ("page_size", page_size),
+        ("num_kv_heads", num_kv_heads),
+        ("head_dim", head_dim),
+    ]:
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    if layout == "HND":
+        shape = (num_pages, num_kv_heads, page_size, head_dim)
+    else:
+        shape = (num_pages, page_size, num_kv_heads, head_dim)
+    return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), layout)
+
+
+def token_slots(
+    page_table: PageTable, batch_indices: jax.Array, positions: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """Where token ``positions[i]`` of request ``batch_indices[i]`` lives: ``(page, slot)``.
+
+    Returns:
+      ``(pages int32[nnz], slots int32[nnz])``. Out-of-range inputs are clipped to valid indices
+      (never read out of bounds); ``append_kv`` validates them when they are concrete.
+    """
+    page_size = page_table.page_size
+    batch = jnp.clip(batch_indices, 0, page_table.batch_size - 1)
+    flat = page_table.page_indptr[batch] + positions // page_size
+    flat = jnp.clip(flat, 0, page_table.page_indices.shape[0] - 1)
+    return page_table.page_indices[flat], (positions % page_size).astype(jnp.int32)
+
+
+def _validate_append(cache, page_table, k_new, v_new, batch_indices, positions):
+    validate_kv_cache(cache)
+    validate_page_table(page_table, cache.num_pages)
+    if page_table.page_size != cache.page_size:
+        raise ValueError(
+            f"page_table.page_size={page_table.page_size} differs from the cache's "
+            f"page_size={cache.page_size}"
+        )
+    expected = (cache.num_kv_heads, cache.head_dim)
+    for name, array in [("k_new", k_new), ("v_new", v_new)]:
+        if array.ndim != 3 or array.shape[1:] != expected:
+            raise ValueError(
+                f"{name} must have shape [nnz, {expected[0]}, {expected[1]}], got {array.shape}"
+            )
+    if k_new.shape != v_new.shape:
+        raise ValueError(f"k_new {k_new.shape} and v_new {v_new.shape} differ")
+    nnz = k_new.shape[0]
+    for name, array in [("batch_indices", batch_indices), ("positions", positions)]:
+        if array.shape != (nnz,):
+            raise ValueError(f"{name} must have shape [{nnz}], got {array.shape}")
+        if not jnp.issubdtype(array.dtype, jnp.integer):
+            raise ValueError(f"{name} must be an integer array, got {array.dtype}")
+    if not is_concrete(batch_indices, positions, page_table.page_indptr, page_table.last_page_len):
+        return
+    batch = np.asarray(batch_indices)
+    pos = np.asarray(positions)
+    bad = (batch < 0) | (batch >= page_table.batch_size)
+    if np.any(bad):
+        i = int(np.argmax(bad))
+        raise ValueError(
+            f"batch_indices[{i}]={batch[i]} is outside the batch of {page_table.batch_size}"
+        )
+    lengths = np.asarray(page_table.seq_lens())[batch]
+    bad = (pos < 0) | (pos >= lengths)
+    if np.any(bad):
+        i = int(np.argmax(bad))
+        raise ValueError(
+            f"positions[{i}]={pos[i]} is outside request {batch[i]}'s length {lengths[i]} "
+            "(page_table must already cover the appended tokens)"
+        )
+    pairs = batch.astype(np.int64) * (int(lengths.max(initial=0)) + 1) + pos
+    unique, counts = np.unique(pairs, return_counts=True)
+    if np.any(counts > 1):
+        i = int(np.flatnonzero(np.isin(pairs, unique[counts > 1]))[0])
+        raise ValueError(
+            f"(batch_indices, positions)=({batch[i]}, {pos[i]}) appears more than once"
+        )
+
+
+def append_kv(
+    cache: KVCache,
+    page_table: PageTable,
+    k_new: jax.Array,
+    v_new: jax.Array,
+    batch_indices: jax.Array,
+    positions: jax.Array,
+) -> KVCache:
+    """Writes ragged new tokens into their pages (reference; returns a new cache).
+
+    Token ``i`` goes to page ``page_indices[page_indptr[b] + p // page_size]``, slot
+    ``p % page_size``, for ``b = batch_indices[i]`` and ``p = positions[i]``.
+
+    Args:
+      cache: the KV pool.
+      page_table: the table as it stands after the append (it already covers the new tokens).
+      k_new, v_new: ``[nnz, num_kv_heads, head_dim]`` in the cache's dtype (cast otherwise).
+      batch_indices: int ``[nnz]``, the request of each token.
+      positions: int ``[nnz]``, each token's position in its request.
+
+    Returns:
+      The updated cache.
+
+    Raises:
+      ValueError: for shape mismatches, and (concrete inputs) a position outside its request's
+        length, a batch index outside the batch, or the same (request, position) twice.
+
+    Example:
+      >>> cache = new_kv_cache(4, 2, 1, 1, jnp.float32, layout="NHD")
+      >>> table = PageTable.from_page_lists([[2, 0]], seq_lens=[3], page_size=2)
+      >>> k = jnp.arange(3.0).reshape(3, 1, 1)
+      >>> out = append_kv(cache, table, k, k, jnp.zeros(3, jnp.int32), jnp.arange(3))
+      >>> out.k_pages[:, :, 0, 0].tolist()
+      [[2.0, 0.0], [0.0, 0.0], [0.0, 1.0], [0.0, 0.0]]
+    """
+    _validate_append(cache, page_table, k_new, v_new, batch_indices, positions)
+    pages, slots = token_slots(page_table, batch_indices, positions)
+    k_new = k_new.astype(cache.dtype)
+    v_new = v_new.astype(cache.dtype)
+    if cache.layout == "NHD":
+        k_pages = cache.k_pages.at[pages, slots].set(k_new, mode="drop")
+        v_pages = cache.v_pages.at[pages, slots].set(v_new, mode="drop")
+    else:
+        k_pages = cache.k_pages.at[pages, :, slots].set(k_new, mode="drop")
+        v_pages = cache.v_pages.at[pages, :, slots].set(v_new, mode="drop")
+    return KVCache(k_pages, v_pages, cache.layout)

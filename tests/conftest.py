@@ -1,0 +1,65 @@
+"""Shared test configuration: hypothesis profiles, float64 references, kernel execution mode.
+
+- Hypothesis profiles: ``ci`` (derandomized, bounded, no deadline; ``make test`` selects it via
+  ``HYPOTHESIS_PROFILE=ci``) and ``dev`` (more examples, for local work). Default: ``dev`` unless
+  ``CI`` is set.
+- ``float64``: a fixture (and context manager ``enable_x64``) that turns on JAX's x64 mode for the
+  body of one test only, so float64 references never leak x64 into other tests.
+- ``interpret``: Pallas kernels run with ``interpret=True`` on a CPU and compiled on a GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import jax
+import pytest
+from hypothesis import HealthCheck, settings
+
+settings.register_profile(
+    "ci",
+    derandomize=True,
+    max_examples=25,
+    deadline=None,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+settings.register_profile(
+    "dev",
+    max_examples=200,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))
+
+ON_GPU = jax.default_backend() == "gpu"
+
+
+@contextlib.contextmanager
+def enable_x64():
+    """Float64 inside the block only (``jax.enable_x64`` is thread-local and restored after)."""
+    with jax.enable_x64(True):
+        yield
+
+
+@pytest.fixture
+def float64():
+    """Runs the test body with x64 enabled, restoring the previous mode afterwards."""
+    with enable_x64():
+        yield
+
+
+@pytest.fixture
+def interpret() -> bool:
+    """Whether Pallas kernels must be interpreted here (no GPU)."""
+    return not ON_GPU
+
+
+def pytest_collection_modifyitems(config, items):
+    if ON_GPU:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
