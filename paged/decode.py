@@ -7,10 +7,17 @@ import math
 import jax
 import jax.numpy as jnp
 
-from kernels_pallas.platform import resolve_backend
+from kernels_pallas import paged_decode_tuning as tuning
+from kernels_pallas.merge_states import merge_partial_states
+from kernels_pallas.paged_decode import paged_decode
+from kernels_pallas.platform import interpret_mode, is_concrete, resolve_backend
 from paged.attention_reference import decode_attention_reference
 from paged.kv_cache import KVCache, validate_kv_cache
 from paged.page_table import PageTable, validate_page_table
+from paged.plan import DecodePlan, plan_decode, traced_default_plan, validate_plan
+
+# Whether a Pallas kernel backs decode_attention.
+PALLAS_AVAILABLE = True
 
 
 def validate_decode_inputs(
@@ -48,6 +55,7 @@ def decode_attention(
     sm_scale: float | None = None,
     logits_soft_cap: float | None = None,
     return_lse: bool = False,
+    plan: DecodePlan | None = None,
     backend: str = "auto",
 ):
     """Grouped-query decode attention: one new query token per request over its paged keys.
@@ -56,9 +64,16 @@ def decode_attention(
     ``(q . k) * sm_scale``, soft-capped as ``cap * tanh(s / cap)`` when ``logits_soft_cap`` is
     given; accumulation is in float32.
 
-    The backend is chosen when the function is traced (``kernels_pallas.platform``):
-    ``"auto"`` is the Pallas kernel on a GPU and the reference elsewhere, unless
-    ``DECODELAB_BACKEND=reference``; an explicit ``backend=`` wins.
+    Backends, chosen when the function is traced (``kernels_pallas.platform``): ``"auto"`` is
+    the fused Pallas kernel on a GPU and the reference elsewhere, unless
+    ``DECODELAB_BACKEND=reference``; an explicit ``backend=`` wins (``"pallas"`` on a CPU runs the
+    kernel in interpret mode). The kernel reads pages in place in either layout; nothing is
+    converted on the hot path.
+
+    Split-KV: the Pallas path follows a ``DecodePlan``. Pass the one ``paged.plan_decode`` made
+    for this step (on the host, once, reused by every layer). Without one, a plan is made here
+    when the table is concrete, and under ``jit`` a static default split is used
+    (``paged.plan.traced_default_plan``).
 
     Args:
       q: ``[B, H, D]`` queries, in the cache's dtype.
@@ -67,6 +82,7 @@ def decode_attention(
       sm_scale: logit scale; default ``1 / sqrt(D)``.
       logits_soft_cap: optional cap ``> 0``.
       return_lse: also return the log-sum-exp.
+      plan: the step's ``DecodePlan`` (Pallas backend only; ignored by the reference).
       backend: ``"auto"``, ``"reference"`` or ``"pallas"``.
 
     Returns:
@@ -74,9 +90,9 @@ def decode_attention(
       (natural log). An empty request (no pages) gets ``o = 0`` and ``lse = -inf``.
 
     Raises:
-      ValueError: for mismatched shapes or dtypes, head counts that do not divide, and (concrete
-        tables) page-table invariants: indices outside the pool, ``page_indptr`` not starting at
-        0 or decreasing, ``last_page_len`` out of range.
+      ValueError: for mismatched shapes or dtypes, head counts that do not divide, a plan made
+        for another batch, and (concrete tables) page-table invariants: indices outside the pool,
+        ``page_indptr`` not starting at 0 or decreasing, ``last_page_len`` out of range.
 
     Example:
       >>> from paged import new_kv_cache
@@ -89,12 +105,46 @@ def decode_attention(
     validate_decode_inputs(q, cache, page_table, logits_soft_cap)
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(q.shape[-1])
-    chosen = resolve_backend(backend, pallas_available=False)
-    assert chosen == "reference"
-    o, lse = decode_attention_reference(
-        q, cache, page_table, sm_scale=sm_scale, logits_soft_cap=logits_soft_cap
-    )
+    if resolve_backend(backend, pallas_available=PALLAS_AVAILABLE) == "reference":
+        o, lse = decode_attention_reference(
+            q, cache, page_table, sm_scale=sm_scale, logits_soft_cap=logits_soft_cap
+        )
+    else:
+        o, lse = _decode_attention_pallas(q, cache, page_table, sm_scale, logits_soft_cap, plan)
     o = o.astype(q.dtype)
     lse = lse.astype(jnp.float32)
     return (o, lse) if return_lse else o
 
+
+def _decode_attention_pallas(q, cache, page_table, sm_scale, logits_soft_cap, plan):
+    batch, num_q_heads, head_dim = q.shape
+    num_kv_heads = cache.num_kv_heads
+    if plan is None:
+        if is_concrete(page_table.page_indptr, page_table.last_page_len):
+            plan = plan_decode(page_table, num_q_heads, num_kv_heads, head_dim)
+        else:
+            plan = traced_default_plan(page_table, num_q_heads, num_kv_heads, head_dim)
+    validate_plan(plan, batch)
+    params = tuning.kernel_parameters(head_dim, num_q_heads // num_kv_heads, q.dtype)
+    interpret = interpret_mode()
+    o, lse = paged_decode(
+        q,
+        cache.k_pages,
+        cache.v_pages,
+        page_table.page_indices,
+        plan.work_request,
+        plan.work_page_start,
+        plan.work_page_end,
+        plan.work_last_page_len,
+        layout=cache.layout,
+        sm_scale=float(sm_scale),
+        logits_soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
+        write_final=plan.write_final,
+        interpret=interpret,
+        **params,
+    )
+    if plan.write_final:
+        return o, lse
+    return merge_partial_states(
+        o, lse, plan.merge_indptr, num_q_heads=num_q_heads, out_dtype=q.dtype, interpret=interpret
+    )

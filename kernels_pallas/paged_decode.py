@@ -1,0 +1,258 @@
+"""Fused split-KV paged decode attention (Pallas, Triton lowering).
+
+What it computes: grouped-query attention of one new query token per request over that
+request's keys and values, which live in pages of a KV pool reached through a CSR page table.
+
+What it optimizes. Decode attention is memory bound: each key and value byte is used by only
+``G = num_q_heads / num_kv_heads`` query heads, far too few multiply-adds a byte to keep tensor
+cores busy. The kernel's whole job is to stream K and V at the copy bandwidth:
+
+- Pages are read in place through ``page_indices`` (no gathered copy of the cache is ever
+  materialized); one program handles one (work item, KV head), where a work item is a chunk of
+  one request's pages, and loads ``pages_per_step`` pages of ``[page_size, head_dim]`` per loop
+  step (one contiguous 4 KiB tile a page in the HND layout at 16 x 128 bfloat16).
+- All ``G`` query heads that share a KV head are computed from one read of its K and V. The
+  ``G`` rows are padded to 16 (the smallest tensor-core tile) in registers only: q is loaded with
+  a row mask, output rows are stored with a row mask; nothing padded touches memory.
+- Online softmax in float32, in base 2 (``exp2`` is one instruction; ``log2 e`` is folded into
+  the logit scale), converted back to natural log for the returned log-sum-exp.
+- Split-KV: when a batch has too few (request, KV head) pairs to fill the GPU, the planner
+  (``paged/plan.py``) cuts long requests into chunks; each chunk's partial output and LSE go to a
+  float32 workspace and ``merge_states.py`` combines them. When no request is split, this kernel
+  normalizes and writes the final output itself (``write_final=True``), with no merge launch.
+
+The kernel never reads outside its arrays whatever the page table says about unused entries:
+the page-index loads past a work item's end are masked (they fetch page 0, a valid page, whose
+logits are then masked out), and query/output rows past ``G`` are masked.
+
+Distance from the bandwidth floor: see ``docs/benchmark_results/*-decode.md`` (the floor is the
+KV bytes of the batch over the measured copy bandwidth).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+LOG2_E = math.log2(math.e)
+LN_2 = math.log(2.0)
+# Masked logits get this instead of -inf so that exp2(masked - running_max) is exactly 0 and
+# never exp2(-inf - (-inf)) = NaN; it is far below any real base-2 logit.
+MASKED_LOGIT = -1e30
+MIN_ROWS = 16  # tensor-core dots need at least 16 rows
+
+
+def paged_decode_kernel(
+    # Scalar work description, one entry per work item (the grid's first axis).
+    work_request_ref,  # [num_work] int32; -1 marks a padding item
+    work_page_start_ref,  # [num_work] int32, offset into page_indices
+    work_page_end_ref,  # [num_work] int32
+    work_last_page_len_ref,  # [num_work] int32, valid slots in the item's final page
+    page_indices_ref,  # [num_indices] int32
+    q_ref,  # [batch * num_q_heads, head_dim], the whole array
+    k_pages_ref,  # [num_pages, page_size, head_dim], this program's KV head
+    v_pages_ref,  # [num_pages, page_size, head_dim]
+    # Outputs: final (write_final) or per-work-item partials.
+    o_ref,  # [batch * num_q_heads, head_dim] (final) | [rows, head_dim] float32 (partial)
+    lse_ref,  # [batch * num_q_heads] (final) | [rows] float32 (partial)
+    *,
+    group_size: int,
+    rows: int,
+    num_kv_heads: int,
+    pages_per_step: int,
+    logit_scale_log2: float,
+    logits_soft_cap: float | None,
+    sm_scale: float,
+    write_final: bool,
+    precision,
+):
+    work = pl.program_id(0)
+    kv_head = pl.program_id(1)
+    request = work_request_ref[work]
+    page_start = work_page_start_ref[work]
+    page_end = work_page_end_ref[work]
+    page_size, head_dim = k_pages_ref.shape[1], k_pages_ref.shape[2]
+    block_tokens = pages_per_step * page_size
+
+    row_ids = jnp.arange(rows)
+    row_is_real = row_ids < group_size
+    first_row = (jnp.maximum(request, 0) * num_kv_heads + kv_head) * group_size
+    q = plgpu.load(
+        q_ref.at[pl.ds(first_row, rows), :], mask=row_is_real[:, None], other=0.0
+    )  # [rows, head_dim]
+
+    num_tokens = jnp.where(
+        page_end > page_start,
+        (page_end - page_start - 1) * page_size + work_last_page_len_ref[work],
+        0,
+    )
+    num_steps = pl.cdiv(page_end - page_start, pages_per_step)
+
+    def step(i, carry):
+        acc, running_max, running_sum = carry
+        first = page_start + i * pages_per_step
+        page_is_real = first + jnp.arange(pages_per_step) < page_end
+        pages = plgpu.load(
+            page_indices_ref.at[pl.ds(first, pages_per_step)], mask=page_is_real, other=0
+        )  # [pages_per_step]
+        k = k_pages_ref[pages].reshape(block_tokens, head_dim)
+        v = v_pages_ref[pages].reshape(block_tokens, head_dim)
+        logits = plgpu.dot(q, k, trans_b=True, precision=precision)  # [rows, block_tokens] f32
+        if logits_soft_cap is None:
+            logits = logits * logit_scale_log2
+        else:
+            capped = logits_soft_cap * jnp.tanh(logits * (sm_scale / logits_soft_cap))
+            logits = capped * LOG2_E
+        token = i * block_tokens + jnp.arange(block_tokens)
+        logits = jnp.where((token < num_tokens)[None, :], logits, MASKED_LOGIT)
+        new_max = jnp.maximum(running_max, jnp.max(logits, axis=1))
+        correction = jnp.exp2(running_max - new_max)
+        probs = jnp.exp2(logits - new_max[:, None])
+        running_sum = running_sum * correction + jnp.sum(probs, axis=1)
+        acc = acc * correction[:, None] + plgpu.dot(
+            probs.astype(v.dtype), v, precision=precision
+        )
+        return acc, new_max, running_sum
+
+    init = (
+        jnp.zeros((rows, head_dim), jnp.float32),
+        jnp.full((rows,), -jnp.inf, jnp.float32),
+        jnp.zeros((rows,), jnp.float32),
+    )
+    acc, running_max, running_sum = lax.fori_loop(0, num_steps, step, init)
+
+    nonempty = running_sum > 0
+    out = acc / jnp.where(nonempty, running_sum, 1.0)[:, None]
+    lse = jnp.where(nonempty, (running_max + jnp.log2(running_sum)) * LN_2, -jnp.inf)
+    if write_final:
+        keep = row_is_real & (request >= 0)
+        plgpu.store(
+            o_ref.at[pl.ds(first_row, rows), :], out.astype(o_ref.dtype), mask=keep[:, None]
+        )
+        plgpu.store(lse_ref.at[pl.ds(first_row, rows)], lse, mask=keep)
+    else:
+        o_ref[...] = out
+        lse_ref[...] = lse
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "layout",
+        "sm_scale",
+        "logits_soft_cap",
+        "write_final",
+        "pages_per_step",
+        "num_warps",
+        "num_stages",
+        "interpret",
+    ),
+)
+def paged_decode(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    page_indices: jax.Array,
+    work_request: jax.Array,
+    work_page_start: jax.Array,
+    work_page_end: jax.Array,
+    work_last_page_len: jax.Array,
+    *,
+    layout: str,
+    sm_scale: float,
+    logits_soft_cap: float | None,
+    write_final: bool,
+    pages_per_step: int = 8,
+    num_warps: int = 4,
+    num_stages: int = 2,
+    interpret: bool = False,
+):
+    """Runs the decode kernel over a list of work items.
+
+    Args:
+      q: ``[B, H, D]``.
+      k_pages, v_pages: ``[num_pages, KVH, page_size, D]`` (``layout="HND"``) or
+        ``[num_pages, page_size, KVH, D]`` (``"NHD"``).
+      page_indices: int32 ``[num_indices]``; every ``[start, end)`` range of a work item must lie
+        inside it. Entries in use must be valid pages (the caller validates).
+      work_request, work_page_start, work_page_end, work_last_page_len: int32 ``[W]``, one work
+        item each: a request (``-1`` for padding), its page range in ``page_indices``, and the
+        number of valid slots in the range's final page.
+      layout, sm_scale, logits_soft_cap: as in ``paged.decode_attention``.
+      write_final: every request is exactly one work item, so write normalized outputs
+        ``(o [B, H, D] in q.dtype, lse [B, H] float32)`` directly; otherwise write partial states
+        ``(o [W, KVH, rows, D] float32, lse [W, KVH, rows] float32)``, ``rows = max(16, G)``.
+      pages_per_step, num_warps, num_stages: tuning (``paged_decode_tuning.py``).
+      interpret: run in Pallas interpret mode (CPU).
+
+    Returns:
+      The final or partial ``(o, lse)`` described above.
+    """
+    batch, num_q_heads, head_dim = q.shape
+    num_pages = k_pages.shape[0]
+    if layout == "HND":
+        _, num_kv_heads, page_size, _ = k_pages.shape
+        kv_spec = pl.BlockSpec((num_pages, None, page_size, head_dim), lambda w, h: (0, h, 0, 0))
+    elif layout == "NHD":
+        _, page_size, num_kv_heads, _ = k_pages.shape
+        kv_spec = pl.BlockSpec((num_pages, page_size, None, head_dim), lambda w, h: (0, 0, h, 0))
+    else:
+        raise ValueError(f"layout must be 'HND' or 'NHD', got {layout!r}")
+    group_size = num_q_heads // num_kv_heads
+    rows = max(MIN_ROWS, pl.next_power_of_2(group_size))
+    num_work = work_request.shape[0]
+    q_rows = q.reshape(batch * num_q_heads, head_dim)
+
+    def whole(array):
+        return pl.BlockSpec(array.shape, lambda w, h: (0,) * array.ndim)
+
+    if write_final:
+        out_shape = (
+            jax.ShapeDtypeStruct((batch * num_q_heads, head_dim), q.dtype),
+            jax.ShapeDtypeStruct((batch * num_q_heads,), jnp.float32),
+        )
+        out_specs = (whole(out_shape[0]), whole(out_shape[1]))
+    else:
+        out_shape = (
+            jax.ShapeDtypeStruct((num_work, num_kv_heads, rows, head_dim), jnp.float32),
+            jax.ShapeDtypeStruct((num_work, num_kv_heads, rows), jnp.float32),
+        )
+        out_specs = (
+            pl.BlockSpec((None, None, rows, head_dim), lambda w, h: (w, h, 0, 0)),
+            pl.BlockSpec((None, None, rows), lambda w, h: (w, h, 0)),
+        )
+    precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
+    kernel = functools.partial(
+        paged_decode_kernel,
+        group_size=group_size,
+        rows=rows,
+        num_kv_heads=num_kv_heads,
+        pages_per_step=pages_per_step,
+        logit_scale_log2=sm_scale * LOG2_E,
+        logits_soft_cap=logits_soft_cap,
+        sm_scale=sm_scale,
+        write_final=write_final,
+        precision=precision,
+    )
+    work_arrays = (work_request, work_page_start, work_page_end, work_last_page_len)
+    o, lse = pl.pallas_call(
+        kernel,
+        grid=(num_work, num_kv_heads),
+        in_specs=[*(whole(a) for a in work_arrays), whole(page_indices), whole(q_rows),
+                  kv_spec, kv_spec],
+        out_specs=out_specs,
+        out_shape=out_shape,
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name=f"paged_decode_{layout}_p{pages_per_step}_w{num_warps}_s{num_stages}"
+        + ("_final" if write_final else "_partial"),
+    )(*work_arrays, page_indices, q_rows, k_pages, v_pages)
+    if write_final:
+        return o.reshape(batch, num_q_heads, head_dim), lse.reshape(batch, num_q_heads)
+    return o, lse

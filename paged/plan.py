@@ -1,0 +1,249 @@
+"""The split-KV decode planner: how a batch's pages are cut into work items for the kernel.
+
+FlashInfer's plan/run split: ``plan_decode`` runs on the host from concrete lengths, once per
+decode step, and every layer reuses its plan (``paged.decode_attention(..., plan=plan)``).
+
+Why split at all: the kernel runs one program per (work item, KV head). A batch of 1 request
+with 8 KV heads gives 8 programs, 8 of the H200's 132 SMs; the rest idle and the memory system
+is far from saturated. Cutting each request's pages into chunks gives more programs, at the cost
+of writing partial states and merging them (``kernels_pallas/merge_states.py``).
+
+The rule (FlashInfer's, in ``../shared/anchors.md``): with ``max_grid = blocks_per_sm * num_sms``
+programs, if ``batch * num_kv_heads >= max_grid`` do not split; otherwise take the smallest
+chunk (at least ``min_chunk_pages``) such that ``sum_b ceil(pages_b / chunk) * num_kv_heads <=
+max_grid``. A fixed chunk (``fixed_split_pages``) instead makes every request's result
+independent of the rest of the batch, bit for bit (its chunks and their merge order depend on
+its own length only).
+
+Work-item arrays are padded to ``bucket_size`` so that lengths changing inside a bucket reuse
+the compiled program; padding items have request ``-1`` and an empty page range.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kernels_pallas import paged_decode_tuning as tuning
+from kernels_pallas.platform import is_concrete
+from paged.page_table import PageTable, bucket_size
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodePlan:
+    """Work items for one decode step (a pytree; ``write_final`` is static).
+
+    Attributes:
+      work_request: int32[W], each item's request; -1 for padding.
+      work_page_start, work_page_end: int32[W], the item's range in ``page_indices``.
+      work_last_page_len: int32[W], valid slots in the range's final page.
+      merge_indptr: int32[B + 1]; request b's items are ``merge_indptr[b]:merge_indptr[b + 1]``.
+      chunk_pages: int32 scalar, the chunk size chosen (pages), for reports.
+      num_work_items: int32 scalar, the real (unpadded) items, for reports.
+      write_final: every request is one item and results need no merge (static).
+    """
+
+    work_request: jax.Array
+    work_page_start: jax.Array
+    work_page_end: jax.Array
+    work_last_page_len: jax.Array
+    merge_indptr: jax.Array
+    chunk_pages: jax.Array
+    num_work_items: jax.Array
+    write_final: bool
+
+    @property
+    def batch_size(self) -> int:
+        return self.merge_indptr.shape[0] - 1
+
+    def splits_per_request(self) -> np.ndarray:
+        """Host-side: the number of work items of each request."""
+        return np.diff(np.asarray(self.merge_indptr))
+
+
+jax.tree_util.register_dataclass(
+    DecodePlan,
+    data_fields=[
+        "work_request",
+        "work_page_start",
+        "work_page_end",
+        "work_last_page_len",
+        "merge_indptr",
+        "chunk_pages",
+        "num_work_items",
+    ],
+    meta_fields=["write_final"],
+)
+
+
+def choose_chunk_pages(
+    pages_per_request: np.ndarray, num_kv_heads: int, *, max_grid: int, min_chunk_pages: int
+) -> int:
+    """The smallest chunk (in pages) whose work items still fit ``max_grid`` programs.
+
+    Returns the longest request's page count (no split) when the batch already fills the grid.
+
+    Example:
+      >>> choose_chunk_pages(np.array([2048]), 8, max_grid=264, min_chunk_pages=8)  # 33 chunks
+      63
+      >>> choose_chunk_pages(np.array([64] * 64), 8, max_grid=264, min_chunk_pages=8)
+      64
+    """
+    longest = int(pages_per_request.max(initial=0))
+    if longest == 0:
+        return 1
+    batch = len(pages_per_request)
+    if batch * num_kv_heads >= max_grid or longest <= min_chunk_pages:
+        return longest
+
+    def num_programs(chunk: int) -> int:
+        return int(np.sum(-(-pages_per_request // chunk))) * num_kv_heads
+
+    low, high = min_chunk_pages, longest  # num_programs(high) = nonempty * KVH <= max_grid
+    while low < high:
+        middle = (low + high) // 2
+        if num_programs(middle) <= max_grid:
+            high = middle
+        else:
+            low = middle + 1
+    return low
+
+
+def _work_items(indptr, last_page_len, page_size, chunk):
+    requests, starts, ends, last_lens, counts = [], [], [], [], []
+    for b in range(len(last_page_len)):
+        begin, finish = int(indptr[b]), int(indptr[b + 1])
+        item_starts = list(range(begin, finish, chunk)) or [begin]
+        for start in item_starts:
+            end = min(start + chunk, finish)
+            requests.append(b)
+            starts.append(start)
+            ends.append(end)
+            last_lens.append(int(last_page_len[b]) if end == finish else page_size)
+        counts.append(len(item_starts))
+    return requests, starts, ends, last_lens, counts
+
+
+def plan_decode(
+    page_table: PageTable,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    *,
+    fixed_split_pages: int | None = None,
+    max_grid: int | None = None,
+    min_chunk_pages: int | None = None,
+    num_work_items: int | None = None,
+) -> DecodePlan:
+    """Plans one decode step on the host from the table's concrete lengths.
+
+    Args:
+      page_table: the batch's table (concrete arrays; it is read on the host).
+      num_q_heads, num_kv_heads, head_dim: the attention shape (``head_dim`` and the group size
+        select tuned parameters).
+      fixed_split_pages: cut every request into chunks of exactly this many pages (the last one
+        shorter) and always merge: batch-invariant, deterministic results.
+      max_grid: programs that fill the GPU (default: the tuned ``blocks_per_sm`` x SM count).
+      min_chunk_pages: never cut chunks smaller than this (default: tuned).
+      num_work_items: static length to pad the work arrays to (default ``bucket_size``).
+
+    Returns:
+      A ``DecodePlan``; reuse it for every layer of the step.
+
+    Raises:
+      ValueError: for a traced table, bad head counts, or a non-positive ``fixed_split_pages``.
+
+    Example:
+      >>> table = PageTable.from_seq_lens([4096], page_size=16)
+      >>> plan = plan_decode(table, 32, 8, 128)
+      >>> int(plan.chunk_pages), plan.splits_per_request().tolist(), plan.write_final
+      (8, [32], False)
+    """
+    arrays = (page_table.page_indptr, page_table.last_page_len)
+    if not is_concrete(*arrays):
+        raise ValueError(
+            "plan_decode needs concrete page-table arrays (call it outside jit, once per step)"
+        )
+    if num_kv_heads < 1 or num_q_heads % num_kv_heads:
+        raise ValueError(
+            f"num_q_heads={num_q_heads} must be a positive multiple of num_kv_heads={num_kv_heads}"
+        )
+    params = tuning.planner_parameters(head_dim, num_q_heads // num_kv_heads)
+    max_grid = params["blocks_per_sm"] * tuning.num_sms() if max_grid is None else max_grid
+    min_chunk = params["min_chunk_pages"] if min_chunk_pages is None else min_chunk_pages
+    indptr = np.asarray(page_table.page_indptr)
+    last_page_len = np.asarray(page_table.last_page_len)
+    pages = np.diff(indptr)
+    if fixed_split_pages is not None:
+        if fixed_split_pages < 1:
+            raise ValueError(f"fixed_split_pages must be >= 1, got {fixed_split_pages}")
+        chunk, write_final = fixed_split_pages, False
+    else:
+        chunk = choose_chunk_pages(pages, num_kv_heads, max_grid=max_grid, min_chunk_pages=min_chunk)
+        write_final = bool(np.all(pages <= chunk))
+    requests, starts, ends, last_lens, counts = _work_items(
+        indptr, last_page_len, page_table.page_size, chunk
+    )
+    real = len(requests)
+    size = bucket_size(real) if num_work_items is None else num_work_items
+    if size < real:
+        raise ValueError(f"num_work_items={size} is smaller than the {real} work items needed")
+    padding = size - real
+
+    def padded(values, fill):
+        return jnp.asarray(np.array(values + [fill] * padding, np.int32))
+
+    return DecodePlan(
+        work_request=padded(requests, -1),
+        work_page_start=padded(starts, 0),
+        work_page_end=padded(ends, 0),
+        work_last_page_len=padded(last_lens, 0),
+        merge_indptr=jnp.asarray(np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)),
+        chunk_pages=jnp.asarray(chunk, jnp.int32),
+        num_work_items=jnp.asarray(real, jnp.int32),
+        write_final=write_final,
+    )
+
+
+def traced_default_plan(page_table: PageTable, num_q_heads: int, num_kv_heads: int, head_dim: int):
+    """A plan built on the device when lengths are not known on the host (under ``jit``).
+
+    Every request is cut into the same static number of chunks ``S`` (its own pages divided
+    evenly); ``S`` depends only on static shapes: enough programs to fill ``max_grid`` if every
+    request were long. Empty chunks of short requests cost an early-exiting program each.
+    """
+    params = tuning.planner_parameters(head_dim, num_q_heads // num_kv_heads)
+    max_grid = params["blocks_per_sm"] * tuning.num_sms()
+    batch = page_table.batch_size
+    splits = max(1, min(params["max_traced_splits"], -(-max_grid // (batch * num_kv_heads))))
+    indptr = page_table.page_indptr
+    pages = indptr[1:] - indptr[:-1]  # [B]
+    chunk = (pages + splits - 1) // splits  # [B], 0 for an empty request
+    index = jnp.arange(splits)
+    starts = jnp.minimum(indptr[:-1, None] + index[None, :] * chunk[:, None], indptr[1:, None])
+    ends = jnp.minimum(starts + chunk[:, None], indptr[1:, None])
+    is_final = (ends == indptr[1:, None]) & (ends > starts)
+    last_lens = jnp.where(is_final, page_table.last_page_len[:, None], page_table.page_size)
+    requests = jnp.broadcast_to(jnp.arange(batch)[:, None], (batch, splits))
+    return DecodePlan(
+        work_request=requests.reshape(-1).astype(jnp.int32),
+        work_page_start=starts.reshape(-1).astype(jnp.int32),
+        work_page_end=ends.reshape(-1).astype(jnp.int32),
+        work_last_page_len=last_lens.reshape(-1).astype(jnp.int32),
+        merge_indptr=(jnp.arange(batch + 1) * splits).astype(jnp.int32),
+        chunk_pages=jnp.max(chunk, initial=0).astype(jnp.int32),
+        num_work_items=jnp.asarray(batch * splits, jnp.int32),
+        write_final=splits == 1,
+    )
+
+
+def validate_plan(plan: DecodePlan, batch_size: int) -> None:
+    """Raises ValueError if the plan was made for another batch size."""
+    if plan.merge_indptr.shape != (batch_size + 1,):
+        raise ValueError(
+            f"plan was made for {plan.merge_indptr.shape[0] - 1} requests but the batch has "
+            f"{batch_size}"
+        )
