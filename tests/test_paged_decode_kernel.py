@@ -1,0 +1,239 @@
+"""The fused paged decode kernel (and its merge) against the float64 reference.
+
+On a CPU the kernels run in Pallas interpret mode on small shapes; on a GPU the same tests run
+compiled, plus the ``gpu``-marked ones at benchmark shapes. Error measure:
+``||out - ref|| / ||ref||`` with the reference in float64 on the same (rounded) inputs; bounds
+from ``testing.md``: float32 < 1e-5, bfloat16 < 1e-2.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import paged
+from kernels_pallas import platform
+from paged.attention_reference import decode_attention_reference
+from tests.conftest import ON_GPU, enable_x64
+
+PAGE_SIZE = 16
+# Pairwise cover of layout x group size x head_dim x dtype (every pair appears at least once).
+CONFIGS = [
+    ("HND", 1, 64, jnp.float32),
+    ("HND", 4, 128, jnp.bfloat16),
+    ("HND", 8, 64, jnp.bfloat16),
+    ("NHD", 1, 128, jnp.bfloat16),
+    ("NHD", 4, 64, jnp.float32),
+    ("NHD", 8, 128, jnp.float32),
+]
+# One token, a full page, a page plus one, empty, thousands, lengths that do not divide a split.
+RAGGED_LENS = (1, 16, 17, 0, 2000, 45, 33)
+NUM_KV_HEADS = 2
+TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}
+
+
+def make_inputs(seed, lens, layout, group, head_dim, dtype, num_pool_pages=192, num_kv_heads=2):
+    """Random q and pool (never zeros), pages scattered over the pool in random order."""
+    rng = np.random.default_rng(seed)
+    table = paged.PageTable.from_seq_lens(
+        lens, PAGE_SIZE, pages=rng.permutation(num_pool_pages).tolist()
+    )
+    if layout == "HND":
+        shape = (num_pool_pages, num_kv_heads, PAGE_SIZE, head_dim)
+    else:
+        shape = (num_pool_pages, PAGE_SIZE, num_kv_heads, head_dim)
+    cache = paged.KVCache(
+        jnp.asarray(rng.standard_normal(shape), dtype),
+        jnp.asarray(rng.standard_normal(shape), dtype),
+        layout,
+    )
+    q = jnp.asarray(rng.standard_normal((len(lens), num_kv_heads * group, head_dim)) * 2.0, dtype)
+    return q, cache, table
+
+
+def reference64(q, cache, table, soft_cap=None):
+    """The reference in float64 on the same rounded inputs: (o, lse) as NumPy arrays."""
+    with enable_x64():
+        cache64 = paged.KVCache(
+            cache.k_pages.astype(jnp.float64), cache.v_pages.astype(jnp.float64), cache.layout
+        )
+        o, lse = decode_attention_reference(
+            q.astype(jnp.float64),
+            cache64,
+            table,
+            sm_scale=1.0 / np.sqrt(q.shape[-1]),
+            logits_soft_cap=soft_cap,
+        )
+        return np.asarray(o), np.asarray(lse)
+
+
+def relative_error(out, ref):
+    out = np.asarray(jnp.asarray(out).astype(jnp.float32), np.float64)
+    assert np.all(np.isfinite(out)), "kernel output has NaN or inf"
+    if not np.any(ref):  # an all-empty batch: the output must be exactly zero
+        return float(np.max(np.abs(out), initial=0.0))
+    return np.linalg.norm(out - ref) / np.linalg.norm(ref)
+
+
+def check_against_reference(q, cache, table, lens, plan=None, soft_cap=None):
+    o, lse = paged.decode_attention(
+        q, cache, table, return_lse=True, plan=plan, backend="pallas", logits_soft_cap=soft_cap
+    )
+    ref_o, ref_lse = reference64(q, cache, table, soft_cap)
+    assert o.dtype == q.dtype and lse.dtype == jnp.float32
+    assert relative_error(o, ref_o) < TOLERANCE[q.dtype.type]
+    empty = np.array(lens) == 0
+    lse = np.asarray(lse)
+    assert np.all(np.asarray(o)[empty] == 0)
+    assert np.all(np.isneginf(lse[empty]))
+    np.testing.assert_allclose(lse[~empty], ref_lse[~empty], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("layout,group,head_dim,dtype", CONFIGS)
+@pytest.mark.parametrize("split", ["planner", "fixed3", "no_split"])
+def test_kernel_matches_reference(layout, group, head_dim, dtype, split):
+    q, cache, table = make_inputs(0, RAGGED_LENS, layout, group, head_dim, dtype)
+    num_q_heads = q.shape[1]
+    if split == "planner":
+        plan = paged.plan_decode(table, num_q_heads, NUM_KV_HEADS, head_dim)
+    elif split == "fixed3":  # 3 pages: splits that divide no length above
+        plan = paged.plan_decode(table, num_q_heads, NUM_KV_HEADS, head_dim, fixed_split_pages=3)
+    else:
+        plan = paged.plan_decode(table, num_q_heads, NUM_KV_HEADS, head_dim, max_grid=1)
+        assert plan.write_final
+    check_against_reference(q, cache, table, RAGGED_LENS, plan=plan)
+
+
+@pytest.mark.parametrize("soft_cap", [None, 3.0])
+def test_traced_default_plan_and_soft_cap(soft_cap):
+    """Under jit the table is traced: the static default split runs and still matches."""
+    q, cache, table = make_inputs(1, RAGGED_LENS, "HND", 4, 64, jnp.float32)
+    decode = jax.jit(
+        lambda q, cache, table: paged.decode_attention(
+            q, cache, table, return_lse=True, backend="pallas", logits_soft_cap=soft_cap
+        )
+    )
+    o, lse = decode(q, cache, table)
+    ref_o, ref_lse = reference64(q, cache, table, soft_cap)
+    assert relative_error(o, ref_o) < 1e-5
+    finite = np.isfinite(ref_lse)
+    np.testing.assert_allclose(np.asarray(lse)[finite], ref_lse[finite], rtol=1e-5, atol=1e-5)
+    assert np.all(np.isneginf(np.asarray(lse)[~finite]))
+
+
+LEN_BUCKET = st.lists(st.integers(0, 160), min_size=4, max_size=4)
+
+
+@given(lens=LEN_BUCKET, seed=st.integers(0, 2**31 - 1), fixed=st.sampled_from([None, 1, 2, 5]))
+def test_random_lengths_inside_one_bucket(lens, seed, fixed):
+    """Hypothesis draws lengths and page placements; shapes stay in one bucket (no recompiles)."""
+    q, cache, table = make_inputs(seed, lens, "HND", 4, 64, jnp.float32, num_pool_pages=48)
+    table = table.padded(64)  # one static size for every draw
+    plan = paged.plan_decode(
+        table, q.shape[1], NUM_KV_HEADS, 64, fixed_split_pages=fixed, num_work_items=256
+    )
+    check_against_reference(q, cache, table, lens, plan=plan)
+
+
+def test_fixed_split_is_batch_invariant_bit_for_bit():
+    """With fixed_split_pages, a request's output does not depend on its batch neighbours."""
+    q, cache, table = make_inputs(2, (300, 7, 1000), "HND", 4, 128, jnp.bfloat16)
+    full = paged.decode_attention(
+        q, cache, table, backend="pallas",
+        plan=paged.plan_decode(table, q.shape[1], NUM_KV_HEADS, 128, fixed_split_pages=4),
+    )
+    pages = table.page_lists()
+    alone_table = paged.PageTable.from_page_lists([pages[0]], [300], PAGE_SIZE)
+    alone = paged.decode_attention(
+        q[:1], cache, alone_table, backend="pallas",
+        plan=paged.plan_decode(alone_table, q.shape[1], NUM_KV_HEADS, 128, fixed_split_pages=4),
+    )
+    assert np.array_equal(np.asarray(full[0]).view(np.uint16), np.asarray(alone[0]).view(np.uint16))
+
+
+def test_plans_inside_a_bucket_compile_once():
+    """Changing lengths inside a bucket changes plan values, not shapes: one compilation."""
+    traces = []
+
+    @jax.jit
+    def decode(q, cache, table, plan):
+        traces.append(1)
+        return paged.decode_attention(q, cache, table, plan=plan, backend="pallas")
+
+    for seed, lens in enumerate([(5, 40, 17), (100, 1, 60), (33, 34, 35)]):
+        q, cache, table = make_inputs(seed, lens, "HND", 4, 64, jnp.float32, num_pool_pages=48)
+        table = table.padded(32)
+        plan = paged.plan_decode(table, q.shape[1], NUM_KV_HEADS, 64, fixed_split_pages=2,
+                                 num_work_items=64)
+        decode(q, cache, table, plan).block_until_ready()
+    assert len(traces) == 1
+
+
+def test_plan_for_another_batch_is_rejected():
+    q, cache, table = make_inputs(3, (5, 40), "HND", 4, 64, jnp.float32)
+    other = paged.PageTable.from_seq_lens([5, 40, 3], PAGE_SIZE)
+    plan = paged.plan_decode(other, q.shape[1], NUM_KV_HEADS, 64)
+    with pytest.raises(ValueError, match="plan was made for 3 requests but the batch has 2"):
+        paged.decode_attention(q, cache, table, plan=plan, backend="pallas")
+
+
+def test_plan_decode_rejects_traced_tables_and_bad_splits():
+    table = paged.PageTable.from_seq_lens([5, 40], PAGE_SIZE)
+    with pytest.raises(ValueError, match="fixed_split_pages must be >= 1, got 0"):
+        paged.plan_decode(table, 8, 2, 64, fixed_split_pages=0)
+    with pytest.raises(ValueError, match="num_q_heads=6 must be a positive multiple"):
+        paged.plan_decode(table, 6, 4, 64)
+    with pytest.raises(ValueError, match="needs concrete page-table arrays"):
+        jax.jit(lambda t: paged.plan_decode(t, 8, 2, 64).chunk_pages)(table)
+
+
+def test_planner_follows_the_grid_rule():
+    """No split when batch x KV heads fills the grid; otherwise the smallest chunk that fits."""
+    one_long = paged.PageTable.from_seq_lens([4096], PAGE_SIZE)
+    plan = paged.plan_decode(one_long, 32, 8, 128, max_grid=264, min_chunk_pages=8)
+    splits = int(plan.splits_per_request()[0])
+    assert splits * 8 <= 264 < (splits + 1) * 8 or int(plan.chunk_pages) == 8
+    many = paged.PageTable.from_seq_lens([1024] * 64, PAGE_SIZE)
+    plan = paged.plan_decode(many, 32, 8, 128, max_grid=264)
+    assert plan.write_final and plan.splits_per_request().tolist() == [1] * 64
+
+
+def test_auto_backend_and_kill_switch(monkeypatch):
+    """auto = pallas on a GPU, reference elsewhere; DECODELAB_BACKEND=reference forces it."""
+    monkeypatch.setattr(platform, "on_gpu", lambda: True)
+    assert platform.resolve_backend("auto") == "pallas"
+    monkeypatch.setenv("DECODELAB_BACKEND", "reference")
+    assert platform.resolve_backend("auto") == "reference"
+    assert platform.resolve_backend("pallas") == "pallas"  # an explicit argument wins
+    monkeypatch.setenv("DECODELAB_BACKEND", "fast")
+    with pytest.raises(ValueError, match="DECODELAB_BACKEND must be 'reference' or unset"):
+        platform.resolve_backend("auto")
+    with pytest.raises(ValueError, match="backend must be one of"):
+        platform.resolve_backend("cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["HND", "NHD"])
+@pytest.mark.parametrize("batch,context", [(1, 32768), (4, 4096), (32, 4096), (256, 512)])
+def test_benchmark_shapes_on_gpu(layout, batch, context):
+    """Compiled, at the benchmark's shapes: 32 query heads, 8 KV heads, head_dim 128, bf16."""
+    assert ON_GPU
+    lens = [context] * batch
+    lens[0] = context - 5  # a ragged tail
+    pages_needed = sum(-(-n // PAGE_SIZE) for n in lens)
+    q, cache, table = make_inputs(
+        7, lens, layout, 4, 128, jnp.bfloat16, num_pool_pages=pages_needed + 64, num_kv_heads=8
+    )
+    o, lse = paged.decode_attention(q, cache, table, return_lse=True, backend="pallas")
+    ref_o, ref_lse = decode_attention_reference(
+        q.astype(jnp.float32),
+        paged.KVCache(cache.k_pages.astype(jnp.float32), cache.v_pages.astype(jnp.float32), layout),
+        table,
+        sm_scale=1.0 / np.sqrt(128),
+    )
+    assert relative_error(o, np.asarray(ref_o, np.float64)) < 1e-2
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), rtol=1e-4, atol=1e-3)
