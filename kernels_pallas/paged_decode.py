@@ -23,7 +23,8 @@ cores busy. The kernel's whole job is to stream K and V at the copy bandwidth:
 
 The kernel never reads outside its arrays whatever the page table says about unused entries:
 the page-index loads past a work item's end are masked (they fetch page 0, a valid page, whose
-logits are then masked out), and query/output rows past ``G`` are masked.
+logits and values are then masked out, so stale or NaN data in unused slots never reaches the
+output), and query/output rows past ``G`` are masked.
 
 Distance from the bandwidth floor: see ``docs/benchmark_results/*-decode.md`` (the floor is the
 KV bytes of the batch over the measured copy bandwidth).
@@ -109,8 +110,10 @@ def paged_decode_kernel(
         else:
             capped = logits_soft_cap * jnp.tanh(logits * (sm_scale / logits_soft_cap))
             logits = capped * LOG2_E
-        token = i * block_tokens + jnp.arange(block_tokens)
-        logits = jnp.where((token < num_tokens)[None, :], logits, MASKED_LOGIT)
+        token_is_real = i * block_tokens + jnp.arange(block_tokens) < num_tokens
+        logits = jnp.where(token_is_real[None, :], logits, MASKED_LOGIT)
+        # A zero weight times a NaN left in an unused slot is still NaN: zero those values.
+        v = jnp.where(token_is_real[:, None], v, jnp.zeros_like(v))
         new_max = jnp.maximum(running_max, jnp.max(logits, axis=1))
         correction = jnp.exp2(running_max - new_max)
         probs = jnp.exp2(logits - new_max[:, None])

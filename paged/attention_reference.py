@@ -91,7 +91,10 @@ def decode_attention_reference(
     logits = jnp.where(mask, logits, -jnp.inf)
     lse = jax.nn.logsumexp(logits, axis=-1)  # -inf for an empty request
     weights = jnp.where(mask, jnp.exp(logits - jnp.where(jnp.isfinite(lse), lse, 0)[..., None]), 0)
-    o = jnp.einsum("bkgt,tkd->bkgd", weights, v, precision="highest")
+    # Zero the values a request does not own before the sum: a weight of 0 times a NaN left in
+    # an unused slot (or in another request's token) would still be NaN.
+    own_values = jnp.where(mask.reshape(batch, num_tokens, 1, 1), v[None], 0)  # [B, T, KVH, D]
+    o = jnp.einsum("bkgt,btkd->bkgd", weights, own_values, precision="highest")
     return o.reshape(batch, num_heads, head_dim), lse.reshape(batch, num_heads)
 
 

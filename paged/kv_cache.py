@@ -21,6 +21,8 @@ from kernels_pallas.platform import is_concrete
 from paged.page_table import PageTable, validate_page_table
 
 LAYOUTS = ("HND", "NHD")
+# A page index past any pool: scatters with mode="drop" skip tokens sent there.
+INVALID_PAGE = np.iinfo(np.int32).max
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,14 +124,24 @@ def token_slots(
     """Where token ``positions[i]`` of request ``batch_indices[i]`` lives: ``(page, slot)``.
 
     Returns:
-      ``(pages int32[nnz], slots int32[nnz])``. Out-of-range inputs are clipped to valid indices
-      (never read out of bounds); ``append_kv`` validates them when they are concrete.
+      ``(pages int32[nnz], slots int32[nnz])``. A token whose request or position is outside
+      the table (possible only under ``jit``, where ``append_kv`` cannot validate) gets page
+      ``INVALID_PAGE``, past any pool, so a scatter with ``mode="drop"`` drops it instead of
+      writing into a page another request reads. (Not -1: JAX indexing wraps negative indices.)
     """
     page_size = page_table.page_size
     batch = jnp.clip(batch_indices, 0, page_table.batch_size - 1)
+    lengths = page_table.seq_lens()[batch]
+    valid = (
+        (batch_indices >= 0)
+        & (batch_indices < page_table.batch_size)
+        & (positions >= 0)
+        & (positions < lengths)
+    )
     flat = page_table.page_indptr[batch] + positions // page_size
     flat = jnp.clip(flat, 0, page_table.page_indices.shape[0] - 1)
-    return page_table.page_indices[flat], (positions % page_size).astype(jnp.int32)
+    pages = jnp.where(valid, page_table.page_indices[flat], INVALID_PAGE)
+    return pages.astype(jnp.int32), (positions % page_size).astype(jnp.int32)
 
 
 def _validate_append(cache, page_table, k_new, v_new, batch_indices, positions):

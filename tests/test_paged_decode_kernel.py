@@ -155,6 +155,30 @@ def test_fixed_split_is_batch_invariant_bit_for_bit():
     assert np.array_equal(np.asarray(full[0]).view(np.uint16), np.asarray(alone[0]).view(np.uint16))
 
 
+@pytest.mark.parametrize("layout", ["HND", "NHD"])
+def test_unused_slots_holding_nan_never_reach_the_output(layout):
+    """Stale data in page tails and unlisted pages (here NaN) must be masked, never weighted 0."""
+    lens = (1, 17, 0, 40)
+    q, cache, table = make_inputs(4, lens, layout, 4, 64, jnp.float32, num_pool_pages=32)
+    k = np.full(cache.k_pages.shape, np.nan, np.float32)
+    v = np.full(cache.v_pages.shape, np.nan, np.float32)
+    real_k, real_v = np.asarray(cache.k_pages), np.asarray(cache.v_pages)
+    for b, pages in enumerate(table.page_lists()):
+        for j, page in enumerate(pages):
+            filled = min(PAGE_SIZE, lens[b] - j * PAGE_SIZE)
+            if layout == "HND":
+                k[page, :, :filled], v[page, :, :filled] = real_k[page, :, :filled], real_v[page, :, :filled]
+            else:
+                k[page, :filled], v[page, :filled] = real_k[page, :filled], real_v[page, :filled]
+    poisoned = paged.KVCache(jnp.asarray(k), jnp.asarray(v), layout)
+    clean = paged.decode_attention(q, cache, table, backend="pallas")
+    for fixed in (None, 1):
+        plan = paged.plan_decode(table, q.shape[1], NUM_KV_HEADS, 64, fixed_split_pages=fixed)
+        out = paged.decode_attention(q, poisoned, table, plan=plan, backend="pallas")
+        assert np.all(np.isfinite(np.asarray(out)))
+        np.testing.assert_allclose(np.asarray(out), np.asarray(clean), rtol=1e-5, atol=1e-6)
+
+
 def test_plans_inside_a_bucket_compile_once():
     """Changing lengths inside a bucket changes plan values, not shapes: one compilation."""
     traces = []

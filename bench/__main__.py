@@ -1,0 +1,139 @@
+"""Command line: ``python -m bench <suite> [--quick] [--dry-run] [--out DIR]``.
+
+- ``python -m bench peers`` on a GPU: measures the copy ceiling, runs the suite on the
+  standard grid, prints one line a measured row, and writes
+  ``docs/benchmark_results/YYYY-MM-DD-<suite>.md`` and ``.json``.
+- ``--quick``: a subset of the grid, for a fast look.
+- ``--dry-run``: every code path on the CPU with tiny shapes and a few calls (Pallas kernels
+  interpreted, PyTorch arms eager on the CPU when torch is installed); the report goes to
+  ``--out`` or a fresh temporary directory, never to ``docs/benchmark_results``, and says that
+  its figures are not speed figures.
+- Without a GPU and without ``--dry-run``: says so, prints no figure, writes nothing, exits 0.
+
+Exit status: 0 on success (and on the no-GPU message), 1 when the report was refused because
+two arms of a case could not be told apart, 2 for bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import shlex
+import sys
+import tempfile
+
+from bench.suites import SUITES
+
+NO_GPU_MESSAGE = (
+    "speed figures need a GPU; this machine has none (use --dry-run to exercise the code paths)"
+)
+REPOSITORY_ROOT = pathlib.Path(__file__).resolve().parents[1]
+REPORTS_DIRECTORY = REPOSITORY_ROOT / "docs" / "benchmark_results"
+# The dry run's copy "ceiling": 1 MiB, enough to run the code, not to measure anything.
+DRY_RUN_COPY_BYTES = 1 << 20
+DRY_RUN_REPEATS = 3
+
+
+def parse_arguments(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench", description="decodelab benchmarks (method: benchmarking.md)"
+    )
+    parser.add_argument("suite", choices=sorted(SUITES), help="which suite to run")
+    parser.add_argument("--quick", action="store_true", help="a subset of the grid")
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="tiny shapes on the CPU to exercise every code path; figures are not speed figures",
+    )
+    parser.add_argument(
+        "--out",
+        type=pathlib.Path,
+        default=None,
+        help="report directory (default docs/benchmark_results; a temporary one in a dry run)",
+    )
+    return parser.parse_args(argv)
+
+
+def _prepare_jax_platform(dry_run: bool) -> None:
+    """A dry run uses the CPU even on a GPU machine. Set before JAX starts; once JAX runs in
+    this process (tests calling ``main``), the CPU device is chosen with ``default_device``."""
+    if dry_run and "jax" not in sys.modules:
+        os.environ["JAX_PLATFORMS"] = "cpu"
+
+
+def _report_directory(out: pathlib.Path | None, dry_run: bool) -> pathlib.Path:
+    if not dry_run:
+        return out or REPORTS_DIRECTORY
+    if out is None:
+        return pathlib.Path(tempfile.mkdtemp(prefix="bench-dry-run-"))
+    if out.resolve() == REPORTS_DIRECTORY.resolve():
+        raise SystemExit(f"a dry run never writes to {REPORTS_DIRECTORY}; pick another --out")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs ``python -m bench`` with ``argv`` (default ``sys.argv[1:]``); returns the exit
+    status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    arguments = parse_arguments(argv)
+    _prepare_jax_platform(arguments.dry_run)
+
+    import jax
+
+    from bench import harness, report
+    from bench.suites import load_suite
+
+    suite = load_suite(arguments.suite)
+    if arguments.dry_run:
+        device = jax.devices("cpu")[0]
+    elif jax.default_backend() != "gpu":
+        print(NO_GPU_MESSAGE)
+        return 0
+    else:
+        device = jax.devices()[0]
+    out_dir = _report_directory(arguments.out, arguments.dry_run)
+    repeats = DRY_RUN_REPEATS if arguments.dry_run else harness.DEFAULT_REPEATS
+    options = harness.RunOptions(quick=arguments.quick, dry_run=arguments.dry_run, repeats=repeats)
+    command = shlex.join(["python", "-m", "bench", *argv])
+
+    if arguments.dry_run:
+        print(f"DRY RUN: {report.DRY_RUN_NOTE}.", flush=True)
+    print(f"suite {arguments.suite} on {device.device_kind}: {command}", flush=True)
+    with jax.default_device(device):
+        if arguments.dry_run:
+            ceiling = harness.measure_copy_ceiling(
+                DRY_RUN_COPY_BYTES, repeats=repeats, iters=options.dry_run_calls, use_torch=False
+            )
+        else:
+            ceiling = harness.measure_copy_ceiling(repeats=repeats)
+        methods = ", ".join(f"{name} {tbps:.3f}" for name, tbps in ceiling.by_method.items())
+        print(f"copy ceiling {ceiling.tbps:.3f} TB/s ({methods})", flush=True)
+        output = suite.run(options, ceiling)
+    try:
+        markdown_path, json_path = report.write_report(
+            arguments.suite,
+            output.results,
+            ceiling_tbps=ceiling.tbps,
+            command=command,
+            timing_method=harness.timing_method_description(repeats),
+            out_dir=out_dir,
+            notes=output.notes,
+            peers_for_ratio=output.peers_for_ratio,
+            ceiling_detail=ceiling.detail(),
+            dry_run=arguments.dry_run,
+            device=device,
+        )
+    except report.IndistinguishableArmsError as error:
+        print(f"report refused: {error}", file=sys.stderr)
+        return 1
+    for note in output.notes:
+        print(f"note: {note}")
+    print(f"wrote {markdown_path}\n      {json_path}")
+    if arguments.dry_run:
+        print(f"DRY RUN: {report.DRY_RUN_NOTE}.")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,358 @@
+"""Tests of the benchmark harness (``bench/``): the report's shape, the guards, the timing loop.
+
+Speed figures need a GPU; here everything runs on the CPU with tiny shapes (``--dry-run``),
+which checks that every code path runs and that reports have the shape ``benchmarking.md``
+fixes, not how fast anything is.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from bench import harness, report
+from bench.__main__ import NO_GPU_MESSAGE, REPORTS_DIRECTORY, main
+from bench.attention_inputs import ATTENTION_GRID, kv_bytes_per_set, make_attention_setup
+from bench.harness import CASE_FIELDS, CaseResult, RunOptions, Timing
+from bench.suites import peers
+
+REPOSITORY_ROOT = pathlib.Path(__file__).resolve().parents[1]
+TOP_LEVEL_KEYS = {
+    "suite",
+    "date",
+    "gpu",
+    "driver",
+    "jax_version",
+    "commit",
+    "command",
+    "ceiling_tbps",
+    "timing_method",
+    "cases",
+}
+OPTIONAL_TOP_LEVEL_KEYS = {"ceiling_detail", "notes"}
+ON_GPU = jax.default_backend() == "gpu"
+
+
+def _timing(median_us: float = 1.0) -> Timing:
+    return Timing.from_samples([median_us], 1, 2, "jax_loop")
+
+
+def _row(case: str, arm: str, attribution: str) -> CaseResult:
+    return CaseResult.from_timing(case, arm, attribution, _timing(), 1000, 1.0)
+
+
+# ----------------------------------------------------------------------------------------------
+# The dry run end to end
+
+
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory):
+    """Runs ``python -m bench peers --dry-run --out <tmp>`` once; returns (status, stdout,
+    markdown text, json object)."""
+    out_dir = tmp_path_factory.mktemp("dry_run")
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        status = main(["peers", "--dry-run", "--out", str(out_dir)])
+    [markdown_path] = out_dir.glob("*-peers.md")
+    [json_path] = out_dir.glob("*-peers.json")
+    return status, printed.getvalue(), markdown_path.read_text(), json.loads(json_path.read_text())
+
+
+def test_dry_run_writes_a_report_with_the_fixed_json_shape(dry_run):
+    status, _, _, document = dry_run
+    assert status == 0
+    assert TOP_LEVEL_KEYS <= set(document) <= TOP_LEVEL_KEYS | OPTIONAL_TOP_LEVEL_KEYS
+    assert document["suite"] == "peers"
+    assert (
+        document["command"]
+        == f"python -m bench peers --dry-run --out {document['command'].split()[-1]}"
+    )
+    assert document["ceiling_tbps"] > 0
+    assert "dispatch amortized" in document["timing_method"]
+    assert document["cases"]
+    for case in document["cases"]:
+        assert set(CASE_FIELDS) <= set(case), case
+        assert list(case)[: len(CASE_FIELDS)] == list(CASE_FIELDS)
+        assert case["min_us"] <= case["median_us"] <= case["max_us"]
+        assert case["bytes"] > 0
+        assert case["achieved_tbps"] == pytest.approx(case["bytes"] / case["median_us"] / 1e6)
+        assert case["fraction_of_ceiling"] == pytest.approx(
+            case["achieved_tbps"] / document["ceiling_tbps"]
+        )
+
+
+def test_dry_run_covers_every_jax_arm_and_case_kind(dry_run):
+    _, _, _, document = dry_run
+    arms = {case["arm"] for case in document["cases"]}
+    assert {
+        "xla_gather",
+        "xla_gather (repeat)",
+        "jax_pallas_paged_attention",
+        "jax_sort",
+        "jax_categorical",
+        "jax_categorical (repeat)",
+        "slice_only",
+    } <= arms
+    names = {case["case"] for case in document["cases"]}
+    assert {"B=1 ctx=64", "B=2 ctx=40", "top_p B=1", "gumbel B=4"} <= names
+    pallas = [case for case in document["cases"] if case["arm"] == "jax_pallas_paged_attention"]
+    for case in pallas:
+        assert case["k_splits"] in (1, 2)
+        assert case["attribution"].endswith(f"k_splits={case['k_splits']}")
+        assert {entry["k_splits"] for entry in case["k_splits_sweep"]} <= {1, 2}
+        assert case["max_abs_difference_from_xla_gather"] < peers.DISAGREEMENT_TOLERANCE
+
+
+def test_dry_run_is_marked_as_not_speed_figures(dry_run):
+    _, printed, markdown, document = dry_run
+    assert report.DRY_RUN_NOTE in document["notes"]
+    assert "DRY RUN" in markdown and report.DRY_RUN_NOTE in markdown
+    assert "DRY RUN" in printed
+    assert document["gpu"] == "cpu"
+    # One detail table per case, with a ratio column per peer arm.
+    assert "### B=1 ctx=64" in markdown and "vs xla_gather" in markdown
+
+
+def test_dry_run_refuses_the_reports_directory():
+    with pytest.raises(SystemExit):
+        main(["peers", "--dry-run", "--out", str(REPORTS_DIRECTORY)])
+
+
+@pytest.mark.skipif(ON_GPU, reason="checks the behaviour on a machine without a GPU")
+def test_without_gpu_and_without_dry_run_only_says_so(tmp_path):
+    out_dir = tmp_path / "reports"
+    environment = dict(os.environ, PYTHONPATH=str(REPOSITORY_ROOT))
+    completed = subprocess.run(
+        [sys.executable, "-m", "bench", "peers", "--out", str(out_dir)],
+        cwd=REPOSITORY_ROOT,
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert completed.returncode == 0
+    assert completed.stdout.strip() == NO_GPU_MESSAGE
+    assert not out_dir.exists()
+
+
+# ----------------------------------------------------------------------------------------------
+# Guards and records
+
+
+def test_check_distinguishable_raises_on_two_arms_with_one_attribution():
+    rows = [_row("B=1 ctx=16", "xla_gather", "xla"), _row("B=1 ctx=16", "decodelab", "xla")]
+    with pytest.raises(report.IndistinguishableArmsError, match="same attribution"):
+        report.check_distinguishable(rows)
+
+
+def test_check_distinguishable_allows_a_repeat_only_against_its_own_arm():
+    rows = [
+        _row("B=1 ctx=16", "decodelab", "kernel"),
+        _row("B=1 ctx=16", "decodelab (repeat)", "kernel"),
+        _row("B=1 ctx=16", "xla_gather", "xla"),
+        _row("B=4 ctx=16", "xla_gather", "kernel"),  # another case may share it
+    ]
+    report.check_distinguishable(rows)
+    rows.append(_row("B=1 ctx=16", "xla_gather (repeat)", "kernel"))
+    with pytest.raises(report.IndistinguishableArmsError):
+        report.check_distinguishable(rows)
+
+
+def test_check_distinguishable_raises_on_an_arm_listed_twice():
+    rows = [_row("B=1 ctx=16", "xla_gather", "a"), _row("B=1 ctx=16", "xla_gather", "b")]
+    with pytest.raises(report.IndistinguishableArmsError, match="twice"):
+        report.check_distinguishable(rows)
+
+
+def test_write_report_refuses_indistinguishable_arms_and_writes_nothing(tmp_path):
+    rows = [_row("top_p B=1", "jax_sort", "same"), _row("top_p B=1", "torch_sort", "same")]
+    with pytest.raises(report.IndistinguishableArmsError):
+        report.write_report(
+            "peers", rows, ceiling_tbps=1.0, command="x", timing_method="y", out_dir=tmp_path
+        )
+    assert not list(tmp_path.iterdir())
+
+
+def test_case_result_flattens_extra_and_rejects_clashes():
+    row = CaseResult.from_timing("B=1 ctx=16", "xla_gather", "xla", _timing(2.0), 8_000_000, 4.0)
+    row.extra["k_splits"] = 4
+    flat = row.to_json()
+    assert flat["k_splits"] == 4 and flat["achieved_tbps"] == pytest.approx(4.0)
+    assert flat["fraction_of_ceiling"] == pytest.approx(1.0)
+    row.extra["bytes"] = 1
+    with pytest.raises(ValueError, match="clash"):
+        row.to_json()
+
+
+def test_case_group_reads_the_method_off_the_case_name():
+    assert report.case_group("top_p B=32") == "top_p"
+    assert report.case_group("gumbel B=1") == "gumbel"
+    assert report.case_group("B=4 ctx=4096") == "attention"
+
+
+# ----------------------------------------------------------------------------------------------
+# Cold L2 and the timing loop
+
+
+@given(st.integers(min_value=64 << 10, max_value=64 << 30))
+def test_num_rotating_sets_keeps_four_l2_between_visits(bytes_per_set):
+    num_sets = harness.num_rotating_sets(bytes_per_set)
+    assert num_sets >= 2
+    assert (num_sets - 1) * bytes_per_set >= 4 * harness.H200_L2_BYTES
+    # And no more sets than that needs.
+    assert num_sets == 2 or (num_sets - 2) * bytes_per_set < 4 * harness.H200_L2_BYTES
+
+
+def test_num_rotating_sets_examples():
+    assert harness.num_rotating_sets(16 << 20) == 16  # batch 1 x 4096 tokens of KV
+    assert harness.num_rotating_sets(128256 * 4) == 492  # one float32 logits row
+    assert harness.num_rotating_sets(1 << 30) == 2
+    with pytest.raises(ValueError):
+        harness.num_rotating_sets(0)
+
+
+def test_time_in_loop_returns_sane_positive_times():
+    table = jnp.arange(24.0).reshape(4, 6)
+    timing = harness.time_in_loop(lambda s, x: jnp.cumsum(x[s]), 4, iters=8, operands=table)
+    assert 0 < timing.min_us <= timing.median_us <= timing.max_us
+    assert len(timing.samples_us) == 5 and timing.calls_per_sample == 8
+
+
+def test_time_in_loop_sizes_its_program_to_the_target():
+    timing = harness.time_in_loop(
+        lambda s: jnp.sin(jnp.float32(s)) * 2, 3, repeats=2, target_seconds=0.005
+    )
+    assert timing.calls_per_sample % 3 == 0
+    assert 0 < timing.min_us <= timing.median_us <= timing.max_us
+
+
+def test_checksum_depends_on_every_element():
+    assert float(harness.checksum_of((jnp.ones((2, 3)), jnp.arange(4)))) == 12.0
+
+
+# ----------------------------------------------------------------------------------------------
+# Inputs and peer arms
+
+
+def test_attention_setup_sets_are_disjoint_and_layouts_agree():
+    setup = make_attention_setup(
+        2,
+        40,
+        num_q_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        layouts=("HND", "head_major", "NHD"),
+        num_sets=3,
+    )
+    pages = np.asarray(setup.block_tables).reshape(-1)
+    assert sorted(pages.tolist()) == list(range(3 * 2 * 3))  # every page once, no overlap
+    np.testing.assert_array_equal(
+        np.asarray(setup.page_indices), np.asarray(setup.block_tables).reshape(3, -1)
+    )
+    assert setup.last_page_len.tolist() == [[8, 8]] * 3
+    k_hnd, _ = setup.pool("HND")
+    k_head_major, _ = setup.pool("head_major")
+    k_nhd, _ = setup.pool("NHD")
+    np.testing.assert_array_equal(np.swapaxes(np.asarray(k_hnd), 0, 1), np.asarray(k_head_major))
+    np.testing.assert_array_equal(np.swapaxes(np.asarray(k_hnd), 1, 2), np.asarray(k_nhd))
+    assert float(jnp.std(k_hnd.astype(jnp.float32))) > 0.5  # random, not zeros
+    assert setup.kv_bytes_per_set == 2 * 2 * 40 * 2 * 8 * 2
+    setup.delete()
+    assert k_hnd.is_deleted() and k_head_major.is_deleted()
+
+
+def test_peer_attention_outside_a_dry_run_sizes_its_programs():
+    """The calibrated (non-dry-run) timing path with the peers' arms, at a tiny shape."""
+    options = RunOptions(repeats=2, target_seconds=0.01, sweep_target_seconds=0.01)
+    setup = make_attention_setup(
+        1, 64, num_q_heads=4, num_kv_heads=2, head_dim=32, layouts="head_major", num_sets=2
+    )
+    notes: list[str] = []
+    rows = peers.peer_attention_results(
+        setup, options, 1.0, notes=notes, arms=("xla_gather", "jax_pallas_paged_attention")
+    )
+    setup.delete()
+    assert [row.arm for row in rows] == [
+        "xla_gather",
+        "jax_pallas_paged_attention",
+        "xla_gather (repeat)",
+    ]
+    assert rows[0].extra["iters"] == rows[2].extra["iters"]  # the repeat reruns one program
+    assert all(row.extra["iters"] % 2 == 0 for row in rows)
+    assert not notes
+    report.check_distinguishable(rows)
+
+
+def test_k_splits_candidates_divide_and_keep_a_compute_block():
+    for pages in (32, 64, 256, 2048):
+        for k_splits in peers.k_splits_candidates(pages, dry_run=False):
+            assert pages % k_splits == 0 and pages // k_splits >= 8
+    assert peers.k_splits_candidates(2048, dry_run=False)[-1] == peers.MAX_K_SPLITS
+    assert peers.k_splits_candidates(4, dry_run=True) == [1, 2]
+
+
+def test_jax_top_p_sample_only_draws_kept_tokens():
+    logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]] * 64))
+    keys = jax.random.split(jax.random.key(3), 16)
+    draws = jnp.stack([peers.jax_top_p_sample(logits, key, 0.7) for key in keys])
+    assert set(np.unique(np.asarray(draws)).tolist()) <= {0, 1}  # 0.5 + 0.3 reach 0.7
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the Pallas Triton backend's
+def test_jax_pallas_peer_lowers_for_an_h200_at_every_standard_shape(monkeypatch):
+    """The GPU path of the Pallas peer, as far as a CPU can follow it: every (case, k_splits)
+    of the standard grid lowers to a Triton custom call for an H200, and the attribution finds
+    the kernel's name in the program. Compiling the Triton kernel needs the GPU."""
+    gpu_info = pytest.importorskip("jax._src.pallas.triton.gpu_info")
+    h200 = gpu_info._get_gpu_info_impl(gpu_info.GpuVersion.H200)
+    # Lowering asks for the GPU's compute capability; tell it, for the CPU's device kind.
+    monkeypatch.setitem(gpu_info.registry, jax.devices()[0].device_kind, lambda: h200)
+    paged_attention = peers._jax_paged_attention_module().paged_attention
+    for batch, context in ATTENTION_GRID:
+        pages_per_sequence = context // 16
+        num_sets = harness.num_rotating_sets(
+            kv_bytes_per_set(batch, context, num_kv_heads=8, head_dim=128)
+        )
+        num_pages = num_sets * batch * pages_per_sequence
+        pool = jax.ShapeDtypeStruct((8, num_pages, 16, 128), jnp.bfloat16)
+        operands = (
+            jax.ShapeDtypeStruct((num_sets, batch, 32, 128), jnp.bfloat16),
+            pool,
+            pool,
+            jax.ShapeDtypeStruct((num_sets, batch, pages_per_sequence), jnp.int32),
+            jax.ShapeDtypeStruct((batch,), jnp.int32),
+        )
+        for k_splits in peers.k_splits_candidates(pages_per_sequence, dry_run=False):
+            compute_block = peers.pages_per_compute_block(pages_per_sequence // k_splits)
+
+            def step(set_index, operands, k_splits=k_splits, compute_block=compute_block):
+                queries, k_pages, v_pages, block_tables, seq_lens = operands
+                return paged_attention(
+                    queries[set_index],
+                    k_pages,
+                    v_pages,
+                    block_tables[set_index],
+                    seq_lens,
+                    k_splits=k_splits,
+                    pages_per_compute_block=compute_block,
+                )
+
+            loop = harness.TimedLoop(step, num_sets, operands)
+            lowered = loop.program(num_sets).trace(operands).lower(lowering_platforms=("cuda",))
+            text = lowered.as_text()
+            assert "__gpu$xla.gpu.triton" in text, (batch, context, k_splits)
+            assert peers.triton_kernel_names(text) == [
+                "paged_attention_block_h_16_pages_per_compute_block_8"
+            ]

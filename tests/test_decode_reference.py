@@ -1,0 +1,467 @@
+"""Reference decode attention and append against the independent float64 oracle.
+
+The oracle (``reference_dense``) gathers each request's tokens on the host by walking its page list
+and runs a textbook float64 softmax; the reference under test masks a gather of every listed page.
+Error measure (``shared/testing.md``): ``||out - ref|| / ||ref||`` per request, under 1e-5 for
+float32 inputs and 1e-2 for bfloat16 inputs (the oracle sees the same bf16-rounded values).
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from reference_dense import dense_attention, paged_attention_oracle, relative_error
+from strategies import (
+    PagedBucket,
+    fixed_total_seq_lens,
+    page_tables_with_shared_prefix,
+    pages_needed,
+    scattered_page_tables,
+)
+
+import paged
+
+NUM_KV_HEADS = 2
+SOFT_CAP = 5.0
+# Queries are scaled so that logits spread over several units: the soft cap then bends them
+# (a test with the cap ignored fails) and the softmax is far from uniform.
+QUERY_SCALE = 3.0
+TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}
+# The reference accumulates in float32 whatever the input dtype, so its LSE is float32-accurate.
+LSE_TOLERANCE = 1e-5
+
+# Ragged batches of up to 100 tokens in pages of 16: lengths 0, 1, 15, 16, 17, 32, 100 and
+# anything between, pages scattered over a pool with spare pages, one padded shape.
+DECODE_BUCKET = PagedBucket(batch_size=5, page_size=16, max_seq_len=100)
+
+# Every pair of (layout, GQA group, head_dim, dtype, soft cap) values appears in some case
+# (a covering array), so six cases stand in for the 32 of the full product.
+PAIRWISE_CASES = [
+    ("HND", 1, 16, jnp.float32, None),
+    ("HND", 1, 16, jnp.float32, SOFT_CAP),
+    ("HND", 4, 32, jnp.bfloat16, None),
+    ("NHD", 1, 32, jnp.bfloat16, None),
+    ("NHD", 4, 16, jnp.bfloat16, SOFT_CAP),
+    ("NHD", 4, 32, jnp.float32, SOFT_CAP),
+]
+
+
+def _case_id(case) -> str:
+    layout, group, head_dim, dtype, cap = case
+    return f"{layout}-group{group}-d{head_dim}-{jnp.dtype(dtype).name}-cap{cap}"
+
+
+def random_cache(rng, bucket: PagedBucket, head_dim: int, dtype, layout: str) -> paged.KVCache:
+    """A pool filled everywhere (used or not) with random normals: no zeros, no equal values."""
+    if layout == "HND":
+        shape = (bucket.num_pool_pages, NUM_KV_HEADS, bucket.page_size, head_dim)
+    else:
+        shape = (bucket.num_pool_pages, bucket.page_size, NUM_KV_HEADS, head_dim)
+    return paged.KVCache(
+        jnp.asarray(rng.standard_normal(shape), dtype),
+        jnp.asarray(rng.standard_normal(shape), dtype),
+        layout,
+    )
+
+
+def random_queries(rng, batch_size: int, num_heads: int, head_dim: int, dtype) -> jnp.ndarray:
+    return jnp.asarray(QUERY_SCALE * rng.standard_normal((batch_size, num_heads, head_dim)), dtype)
+
+
+def assert_matches_oracle(o, lse, o_ref, lse_ref, seq_lens, dtype):
+    """Per request: relative error of ``o`` under the dtype's bound, LSE to float32 accuracy,
+    empty requests exactly ``0`` and ``-inf``, and nothing NaN anywhere."""
+    o = np.asarray(o).astype(np.float64)
+    lse = np.asarray(lse)
+    assert not np.isnan(o).any() and not np.isnan(lse).any()
+    for b, length in enumerate(seq_lens):
+        if length == 0:
+            assert (o[b] == 0).all(), f"empty request {b} must give o = 0"
+            assert (lse[b] == -np.inf).all(), f"empty request {b} must give lse = -inf"
+            continue
+        error = relative_error(o[b], o_ref[b])
+        assert error < TOLERANCE[dtype], f"request {b} (length {length}): error {error:.3g}"
+        assert np.isfinite(lse[b]).all()
+        np.testing.assert_allclose(lse[b], lse_ref[b], rtol=LSE_TOLERANCE, atol=LSE_TOLERANCE)
+
+
+@pytest.mark.parametrize("case", PAIRWISE_CASES, ids=_case_id)
+@given(batch=scattered_page_tables(DECODE_BUCKET), seed=st.integers(0, 2**32 - 1))
+def test_decode_matches_dense_float64_attention(case, batch, seed):
+    layout, group, head_dim, dtype, cap = case
+    rng = np.random.default_rng(seed)
+    cache = random_cache(rng, DECODE_BUCKET, head_dim, dtype, layout)
+    q = random_queries(rng, DECODE_BUCKET.batch_size, NUM_KV_HEADS * group, head_dim, dtype)
+    o, lse = paged.decode_attention(
+        q, cache, batch.page_table, logits_soft_cap=cap, return_lse=True, backend="reference"
+    )
+    assert o.dtype == dtype and o.shape == q.shape
+    assert lse.dtype == jnp.float32 and lse.shape == q.shape[:2]
+    o_ref, lse_ref = paged_attention_oracle(
+        q,
+        cache.k_pages,
+        cache.v_pages,
+        layout,
+        batch.page_table,
+        sm_scale=head_dim**-0.5,
+        logits_soft_cap=cap,
+    )
+    assert_matches_oracle(o, lse, o_ref, lse_ref, batch.seq_lens, dtype)
+
+
+@given(
+    batch=page_tables_with_shared_prefix(DECODE_BUCKET),
+    seed=st.integers(0, 2**32 - 1),
+    sm_scale=st.sampled_from([None, 0.05, 0.4]),
+)
+def test_decode_with_shared_prefix_pages_matches_dense(batch, seed, sm_scale):
+    """Requests that list the same prefix pages each read them in full; ``sm_scale`` is honoured."""
+    head_dim, group = 16, 4
+    rng = np.random.default_rng(seed)
+    cache = random_cache(rng, DECODE_BUCKET, head_dim, jnp.float32, "NHD")
+    q = random_queries(rng, DECODE_BUCKET.batch_size, NUM_KV_HEADS * group, head_dim, jnp.float32)
+    o, lse = paged.decode_attention(
+        q, cache, batch.page_table, sm_scale=sm_scale, return_lse=True, backend="reference"
+    )
+    o_ref, lse_ref = paged_attention_oracle(
+        q,
+        cache.k_pages,
+        cache.v_pages,
+        "NHD",
+        batch.page_table,
+        sm_scale=head_dim**-0.5 if sm_scale is None else sm_scale,
+    )
+    assert_matches_oracle(o, lse, o_ref, lse_ref, batch.seq_lens, jnp.float32)
+
+
+@pytest.mark.parametrize("layout", ["HND", "NHD"])
+@pytest.mark.parametrize("seq_lens", [[0, 5, 0], [0, 0, 0], [16, 0, 17]])
+def test_empty_requests_give_zero_output_and_minus_inf_lse(layout, seq_lens):
+    rng = np.random.default_rng(len(seq_lens) + sum(seq_lens))
+    bucket = PagedBucket(batch_size=3, page_size=16, max_seq_len=17)
+    cache = random_cache(rng, bucket, 16, jnp.float32, layout)
+    table = paged.PageTable.from_seq_lens(
+        seq_lens, 16, pages=rng.permutation(bucket.num_pool_pages).tolist()
+    )
+    q = random_queries(rng, 3, NUM_KV_HEADS, 16, jnp.float32)
+    o, lse = paged.decode_attention(q, cache, table, return_lse=True, backend="reference")
+    o_ref, lse_ref = paged_attention_oracle(
+        q, cache.k_pages, cache.v_pages, layout, table, sm_scale=16**-0.5
+    )
+    assert_matches_oracle(o, lse, o_ref, lse_ref, seq_lens, jnp.float32)
+    assert sum(1 for n in seq_lens if n == 0) == int(np.isneginf(np.asarray(lse)[:, 0]).sum())
+
+
+def test_empty_batch_gives_empty_outputs():
+    cache = paged.new_kv_cache(4, 16, NUM_KV_HEADS, 16, jnp.float32)
+    table = paged.PageTable.from_seq_lens([], 16)
+    o, lse = paged.decode_attention(
+        jnp.ones((0, 4, 16), jnp.float32), cache, table, return_lse=True, backend="reference"
+    )
+    assert o.shape == (0, 4, 16) and lse.shape == (0, 4)
+
+
+def test_return_lse_false_returns_the_output_alone():
+    rng = np.random.default_rng(7)
+    bucket = PagedBucket(batch_size=2, page_size=16, max_seq_len=40)
+    cache = random_cache(rng, bucket, 16, jnp.float32, "HND")
+    table = paged.PageTable.from_seq_lens([40, 3], 16, pages=[5, 0, 2, 7])
+    q = random_queries(rng, 2, NUM_KV_HEADS, 16, jnp.float32)
+    alone = paged.decode_attention(q, cache, table, backend="reference")
+    with_lse = paged.decode_attention(q, cache, table, return_lse=True, backend="reference")
+    assert isinstance(alone, jnp.ndarray)
+    np.testing.assert_array_equal(np.asarray(alone), np.asarray(with_lse[0]))
+
+
+@pytest.mark.parametrize("layout", ["HND", "NHD"])
+@pytest.mark.parametrize("seq_lens", [[1, 16, 17, 100, 0], [33, 2, 64, 0, 99]])
+def test_float64_decode_is_exact_up_to_rounding(float64, layout, seq_lens):
+    """With x64 on and float64 inputs the reference computes in float64: ``o`` agrees with the
+    oracle to 1e-12; ``lse`` is returned as float32 (documented), so it agrees to float32."""
+    rng = np.random.default_rng(sum(seq_lens))
+    cache = random_cache(rng, DECODE_BUCKET, 16, jnp.float64, layout)
+    q = random_queries(rng, 5, NUM_KV_HEADS * 4, 16, jnp.float64)
+    table = paged.PageTable.from_seq_lens(
+        seq_lens, 16, pages=rng.permutation(DECODE_BUCKET.num_pool_pages).tolist()
+    )
+    o, lse = paged.decode_attention(
+        q, cache, table, logits_soft_cap=SOFT_CAP, return_lse=True, backend="reference"
+    )
+    assert o.dtype == jnp.float64
+    o_ref, lse_ref = paged_attention_oracle(
+        q, cache.k_pages, cache.v_pages, layout, table, sm_scale=0.25, logits_soft_cap=SOFT_CAP
+    )
+    for b, length in enumerate(seq_lens):
+        if length:
+            assert relative_error(o[b], o_ref[b]) < 1e-12
+    np.testing.assert_allclose(np.asarray(lse), lse_ref.astype(np.float32), rtol=1e-6)
+
+
+def test_unwritten_slots_never_reach_the_output():
+    """Slots no request has written (the tail of a last page, unused pages, the page that padding
+    entries name) may hold anything, NaN included, as recycled or uninitialized memory does; the
+    output must depend only on each request's own tokens.
+
+    Exposes a bug in ``decode_attention_reference``: masked slots get weight 0, but the value sum
+    ``einsum("bkgt,tkd->bkgd", weights, v)`` computes ``0 * NaN = NaN``, so a NaN in any gathered
+    slot poisons every request. Fix: mask the values per request before the sum,
+    ``v_mine = jnp.where(mask[b, t], v[t], 0)`` (``[B, T, KVH, D]``) and
+    ``einsum("bkgt,btkd->bkgd", weights, v_mine)``.
+    """
+    page_size, head_dim, seq_lens = 4, 8, [3, 6, 0]
+    cache = paged.new_kv_cache(8, page_size, NUM_KV_HEADS, head_dim, jnp.float32, layout="NHD")
+    cache = paged.KVCache(
+        jnp.full_like(cache.k_pages, jnp.nan), jnp.full_like(cache.v_pages, jnp.nan), "NHD"
+    )
+    table = paged.PageTable.from_seq_lens(seq_lens, page_size, pages=[6, 1, 3])
+    rng = np.random.default_rng(3)
+    total = sum(seq_lens)
+    k_new = rng.standard_normal((total, NUM_KV_HEADS, head_dim))
+    v_new = rng.standard_normal((total, NUM_KV_HEADS, head_dim))
+    batch_indices = np.repeat(np.arange(len(seq_lens)), seq_lens)
+    positions = np.concatenate([np.arange(n) for n in seq_lens])
+    cache = paged.append_kv(
+        cache,
+        table,
+        jnp.asarray(k_new, jnp.float32),
+        jnp.asarray(v_new, jnp.float32),
+        jnp.asarray(batch_indices, jnp.int32),
+        jnp.asarray(positions, jnp.int32),
+    )
+    q = random_queries(rng, len(seq_lens), NUM_KV_HEADS, head_dim, jnp.float32)
+    o, lse = paged.decode_attention(q, cache, table, return_lse=True, backend="reference")
+    o_ref, lse_ref = paged_attention_oracle(
+        q, cache.k_pages, cache.v_pages, "NHD", table, sm_scale=head_dim**-0.5
+    )
+    assert_matches_oracle(o, lse, o_ref, lse_ref, seq_lens, jnp.float32)
+
+
+def test_a_nan_in_one_request_stays_in_that_request():
+    """A request whose own value holds NaN (a diverged sequence) may return NaN itself, but the
+    requests batched with it must not notice. Fails with the same ``0 * NaN`` bug as above."""
+    page_size, head_dim = 4, 8
+    rng = np.random.default_rng(5)
+    bucket = PagedBucket(batch_size=3, page_size=page_size, max_seq_len=6)
+    cache = random_cache(rng, bucket, head_dim, jnp.float32, "HND")
+    table = paged.PageTable.from_seq_lens([6, 5, 1], page_size, pages=[4, 0, 7, 2, 1])
+    poisoned_page = table.page_lists()[0][1]  # holds request 0's tokens 4 and 5
+    cache = paged.KVCache(cache.k_pages, cache.v_pages.at[poisoned_page, 0, 1, 0].set(jnp.nan))
+    q = random_queries(rng, 3, NUM_KV_HEADS, head_dim, jnp.float32)
+    o, lse = paged.decode_attention(q, cache, table, return_lse=True, backend="reference")
+    o_ref, lse_ref = paged_attention_oracle(
+        q, cache.k_pages, cache.v_pages, "HND", table, sm_scale=head_dim**-0.5
+    )
+    assert np.isnan(o_ref[0]).any(), "the oracle propagates request 0's own NaN"
+    assert_matches_oracle(o[1:], lse[1:], o_ref[1:], lse_ref[1:], [5, 1], jnp.float32)
+
+
+# --------------------------------------------------------------------------------------------
+# Append, then decode
+# --------------------------------------------------------------------------------------------
+
+APPEND_BUCKET = PagedBucket(batch_size=4, page_size=16, max_seq_len=100)
+PROMPT_TOKENS, DECODE_TOKENS = 70, 30  # fixed nnz of the two appends, so shapes stay fixed
+
+
+def _append_in_order(cache, table, k_all, v_all, starts, stops, order):
+    """Appends tokens ``[starts[b], stops[b])`` of every request, in the drawn ``order``."""
+    entries = [(b, t) for b in range(len(starts)) for t in range(starts[b], stops[b])]
+    entries = [entries[i] for i in order]
+    batch_indices = np.array([b for b, _ in entries], np.int32)
+    positions = np.array([t for _, t in entries], np.int32)
+    k_new = np.stack([k_all[b][t] for b, t in entries])
+    v_new = np.stack([v_all[b][t] for b, t in entries])
+    return paged.append_kv(
+        cache,
+        table,
+        jnp.asarray(k_new, cache.dtype),
+        jnp.asarray(v_new, cache.dtype),
+        jnp.asarray(batch_indices),
+        jnp.asarray(positions),
+    )
+
+
+@pytest.mark.parametrize(
+    "layout, dtype, group", [("HND", jnp.float32, 4), ("NHD", jnp.bfloat16, 1)]
+)
+@given(
+    prompt_lens=fixed_total_seq_lens(APPEND_BUCKET.batch_size, PROMPT_TOKENS, max_seq_len=70),
+    decode_lens=fixed_total_seq_lens(APPEND_BUCKET.batch_size, DECODE_TOKENS, max_seq_len=30),
+    pool_order=st.permutations(range(APPEND_BUCKET.num_pool_pages)),
+    prompt_order=st.permutations(range(PROMPT_TOKENS)),
+    decode_order=st.permutations(range(DECODE_TOKENS)),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_append_then_decode_equals_dense_attention(
+    layout, dtype, group, prompt_lens, decode_lens, pool_order, prompt_order, decode_order, seed
+):
+    """Prompts appended into an empty cache, then more tokens crossing page boundaries (in a
+    shuffled order, under a table that has grown new pages); decode must equal dense attention
+    over the tokens as they were appended, not as they were stored."""
+    head_dim, page_size = 16, APPEND_BUCKET.page_size
+    final_lens = [p + d for p, d in zip(prompt_lens, decode_lens, strict=True)]
+    rng = np.random.default_rng(seed)
+    # Round through the cache dtype now, so the oracle sees exactly what the cache will hold.
+    k_all = [
+        np.asarray(jnp.asarray(rng.standard_normal((n, NUM_KV_HEADS, head_dim)), dtype))
+        for n in final_lens
+    ]
+    v_all = [
+        np.asarray(jnp.asarray(rng.standard_normal((n, NUM_KV_HEADS, head_dim)), dtype))
+        for n in final_lens
+    ]
+    page_lists, start = [], 0
+    for n in final_lens:
+        page_lists.append(list(pool_order[start : start + pages_needed(n, page_size)]))
+        start += pages_needed(n, page_size)
+    prompt_table = paged.PageTable.from_page_lists(
+        [
+            pages[: pages_needed(n, page_size)]
+            for pages, n in zip(page_lists, prompt_lens, strict=True)
+        ],
+        prompt_lens,
+        page_size,
+        num_indices=APPEND_BUCKET.num_indices,
+    )
+    final_table = paged.PageTable.from_page_lists(
+        page_lists, final_lens, page_size, num_indices=APPEND_BUCKET.num_indices
+    )
+    cache = paged.new_kv_cache(
+        APPEND_BUCKET.num_pool_pages, page_size, NUM_KV_HEADS, head_dim, dtype, layout
+    )
+    no_tokens_yet = [0] * APPEND_BUCKET.batch_size
+    cache = _append_in_order(
+        cache, prompt_table, k_all, v_all, no_tokens_yet, prompt_lens, prompt_order
+    )
+    cache = _append_in_order(
+        cache, final_table, k_all, v_all, prompt_lens, final_lens, decode_order
+    )
+
+    q = random_queries(rng, APPEND_BUCKET.batch_size, NUM_KV_HEADS * group, head_dim, dtype)
+    o, lse = paged.decode_attention(q, cache, final_table, return_lse=True, backend="reference")
+    o_ref, lse_ref = zip(
+        *(
+            dense_attention(q_b, k, v, sm_scale=head_dim**-0.5)
+            for q_b, k, v in zip(np.asarray(q).astype(np.float64), k_all, v_all, strict=True)
+        ),
+        strict=True,
+    )
+    assert_matches_oracle(o, lse, np.stack(o_ref), np.stack(lse_ref), final_lens, dtype)
+    # Pages no request holds were never written.
+    unused = sorted(set(range(APPEND_BUCKET.num_pool_pages)) - {p for ps in page_lists for p in ps})
+    assert not np.asarray(cache.k_pages[jnp.asarray(unused, jnp.int32)]).astype(np.float32).any()
+    assert not np.asarray(cache.v_pages[jnp.asarray(unused, jnp.int32)]).astype(np.float32).any()
+
+
+def _append_error_inputs():
+    """A 3-request table (5, 0 and 17 tokens, pages of 16) and two new tokens' worth of inputs."""
+    cache = paged.new_kv_cache(6, 16, NUM_KV_HEADS, 8, jnp.float32, layout="NHD")
+    table = paged.PageTable.from_seq_lens([5, 0, 17], 16, pages=[4, 1, 2])
+    k_new = jnp.ones((2, NUM_KV_HEADS, 8), jnp.float32)
+    return dict(cache=cache, page_table=table, k_new=k_new, v_new=k_new)
+
+
+BAD_APPENDS = {
+    "position at the request's length": (
+        dict(batch_indices=[0, 0], positions=[4, 5]),
+        "positions[1]=5 is outside request 0's length 5",
+    ),
+    "position in an empty request": (
+        dict(batch_indices=[2, 1], positions=[3, 0]),
+        "positions[1]=0 is outside request 1's length 0",
+    ),
+    "negative position": (
+        dict(batch_indices=[2, 2], positions=[-1, 16]),
+        "positions[0]=-1 is outside request 2's length 17",
+    ),
+    "duplicate token": (
+        dict(batch_indices=[2, 2], positions=[16, 16]),
+        "(batch_indices, positions)=(2, 16) appears more than once",
+    ),
+    "batch index past the batch": (
+        dict(batch_indices=[0, 3], positions=[0, 0]),
+        "batch_indices[1]=3 is outside the batch of 3",
+    ),
+    "negative batch index": (
+        dict(batch_indices=[-1, 0], positions=[0, 0]),
+        "batch_indices[0]=-1 is outside the batch of 3",
+    ),
+    "batch_indices of the wrong length": (
+        dict(batch_indices=[0, 0, 0], positions=[0, 1]),
+        "batch_indices must have shape [2], got (3,)",
+    ),
+    "float positions": (
+        dict(batch_indices=[0, 0], positions=jnp.array([0.0, 1.0])),
+        "positions must be an integer array, got float32",
+    ),
+    "k_new with the wrong head_dim": (
+        dict(batch_indices=[0, 0], positions=[0, 1], k_new=jnp.ones((2, NUM_KV_HEADS, 4))),
+        "k_new must have shape [nnz, 2, 8], got (2, 2, 4)",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_APPENDS))
+def test_invalid_appends_raise_naming_argument_and_value(case):
+    overrides, message = BAD_APPENDS[case]
+    overrides = dict(overrides)  # popped below; the table stays intact for other runs
+    arguments = _append_error_inputs()
+    for name in ("batch_indices", "positions"):
+        value = overrides.pop(name)
+        arguments[name] = value if isinstance(value, jnp.ndarray) else jnp.asarray(value, jnp.int32)
+    arguments.update(overrides)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        paged.append_kv(**arguments)
+
+
+def test_valid_append_of_the_error_cases_base_succeeds():
+    """The base inputs above are valid; each failure comes from its one change."""
+    arguments = _append_error_inputs()
+    out = paged.append_kv(
+        **arguments,
+        batch_indices=jnp.asarray([0, 2], jnp.int32),
+        positions=jnp.asarray([4, 16], jnp.int32),
+    )
+    # Request 0's token 4 is page 4, slot 4; request 2's token 16 is its second page (2), slot 0.
+    assert np.asarray(out.k_pages)[4, 4].tolist() == [[1.0] * 8] * NUM_KV_HEADS
+    assert np.asarray(out.k_pages)[2, 0].tolist() == [[1.0] * 8] * NUM_KV_HEADS
+    assert float(np.abs(np.asarray(out.k_pages)).sum()) == 2 * NUM_KV_HEADS * 8
+
+
+@pytest.mark.parametrize(
+    "batch_index, position",
+    [(0, 5), (0, 16), (1, 0), (2, 40), (0, -1), (3, 0)],
+    ids=["one-past-the-end", "a-page-past", "empty-request", "far-past", "negative", "no-request"],
+)
+def test_jitted_append_of_a_bad_token_leaves_other_requests_pages_alone(batch_index, position):
+    """Under ``jit`` the value checks cannot run, so a bad (request, position) goes through; it
+    may be dropped, but it must not land in a page that another request reads (``design.md``:
+    no write to a page another request still reads; nothing returns garbage silently).
+
+    Exposes a bug in ``paged.kv_cache.token_slots``: out-of-range positions are clipped to a
+    valid entry of ``page_indices``, which is the next request's page, and written there.
+    """
+    arguments = _append_error_inputs()  # requests: 5 tokens on [4], empty, 17 tokens on [1, 2]
+    cache = arguments["cache"]
+    filled = paged.KVCache(
+        jnp.full_like(cache.k_pages, 3.0), jnp.full_like(cache.v_pages, 3.0), cache.layout
+    )
+    arguments["cache"] = filled
+    arguments["k_new"] = arguments["v_new"] = jnp.full((1, NUM_KV_HEADS, 8), -7.0, jnp.float32)
+    out = jax.jit(paged.append_kv)(
+        **arguments,
+        batch_indices=jnp.asarray([batch_index], jnp.int32),
+        positions=jnp.asarray([position], jnp.int32),
+    )
+    own_pages = {0: [4], 1: [], 2: [1, 2]}.get(batch_index, [])
+    for page in range(cache.num_pages):
+        if page in own_pages:
+            continue
+        assert (np.asarray(out.k_pages[page]) == 3.0).all(), f"page {page} was written"
+        assert (np.asarray(out.v_pages[page]) == 3.0).all(), f"page {page} was written"
