@@ -4,11 +4,16 @@ VENV := .venv
 STAMP := $(VENV)/.installed
 PY := $(VENV)/bin/python
 
-# A Python 3.12: python3.12 on PATH, else pyenv's newest 3.12.x, else a clear error.
-PYTHON312 ?= $(shell command -v python3.12 2>/dev/null || \
-  { command -v pyenv >/dev/null 2>&1 && \
-    v=$$(pyenv versions --bare 2>/dev/null | grep -E '^3\.12(\.[0-9]+)?$$' | sort -V | tail -n 1) && \
-    [ -n "$$v" ] && echo "$$(pyenv prefix $$v)/bin/python3.12"; })
+# A Python 3.12 that really runs: python3.12 on PATH (a pyenv shim there may not run, so each
+# candidate is tried), else pyenv's newest 3.12.x, else empty (and a clear error below).
+PYTHON312 ?= $(shell \
+  works() { "$$1" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))' >/dev/null 2>&1; }; \
+  c=$$(command -v python3.12 2>/dev/null); if [ -n "$$c" ] && works "$$c"; then echo "$$c"; exit 0; fi; \
+  if command -v pyenv >/dev/null 2>&1; then \
+    for v in $$(pyenv versions --bare 2>/dev/null | grep -E '^3\.12(\.[0-9]+)?$$' | sort -V -r); do \
+      c="$$(pyenv prefix $$v 2>/dev/null)/bin/python3.12"; if works "$$c"; then echo "$$c"; exit 0; fi; \
+    done; \
+  fi)
 
 .PHONY: venv demo test lint bench clean
 

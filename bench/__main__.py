@@ -1,9 +1,10 @@
-"""Command line: ``python -m bench <suite> [--quick] [--dry-run] [--out DIR]``.
+"""Command line: ``python -m bench <suite> [--quick] [--tune] [--dry-run] [--out DIR]``.
 
 - ``python -m bench peers`` on a GPU: measures the copy ceiling, runs the suite on the
   standard grid, prints one line a measured row, and writes
   ``docs/benchmark_results/YYYY-MM-DD-<suite>.md`` and ``.json``.
 - ``--quick``: a subset of the grid, for a fast look.
+- ``--tune``: suites with tunable kernels (``decode``) also sweep their parameters.
 - ``--dry-run``: every code path on the CPU with tiny shapes and a few calls (Pallas kernels
   interpreted, PyTorch arms eager on the CPU when torch is installed); the report goes to
   ``--out`` or a fresh temporary directory, never to ``docs/benchmark_results``, and says that
@@ -45,6 +46,11 @@ def parse_arguments(argv: list[str]) -> argparse.Namespace:
         "--dry-run",
         action="store_true",
         help="tiny shapes on the CPU to exercise every code path; figures are not speed figures",
+    )
+    parser.add_argument(
+        "--tune",
+        action="store_true",
+        help="also sweep kernel parameters where the suite has them (decode), and report the best",
     )
     parser.add_argument(
         "--out",
@@ -94,7 +100,9 @@ def main(argv: list[str] | None = None) -> int:
         device = jax.devices()[0]
     out_dir = _report_directory(arguments.out, arguments.dry_run)
     repeats = DRY_RUN_REPEATS if arguments.dry_run else harness.DEFAULT_REPEATS
-    options = harness.RunOptions(quick=arguments.quick, dry_run=arguments.dry_run, repeats=repeats)
+    options = harness.RunOptions(
+        quick=arguments.quick, dry_run=arguments.dry_run, repeats=repeats, tune=arguments.tune
+    )
     command = shlex.join(["python", "-m", "bench", *argv])
 
     if arguments.dry_run:

@@ -724,6 +724,7 @@ class RunOptions:
 
     Attributes:
       quick: a subset of the standard grid.
+      tune: sweep kernel parameters where a suite has them.
       dry_run: tiny shapes and few calls on the CPU, to exercise every code path; its figures
         are not speed figures.
       repeats: timed programs per figure.
@@ -734,6 +735,7 @@ class RunOptions:
 
     quick: bool = False
     dry_run: bool = False
+    tune: bool = False
     repeats: int = DEFAULT_REPEATS
     target_seconds: float = DEFAULT_TARGET_SECONDS
     sweep_target_seconds: float = 0.05

@@ -1,0 +1,63 @@
+"""A small decode workload to run under NVIDIA compute-sanitizer (memcheck) on a GPU.
+
+    XLA_PYTHON_CLIENT_ALLOCATOR=platform XLA_PYTHON_CLIENT_PREALLOCATE=false \\
+        compute-sanitizer --tool memcheck python -m bench.memcheck_decode
+
+The platform allocator gives every array its own allocation, so a read past the end of one is
+a read past an allocation that memcheck reports, not a read into a neighbour inside JAX's pool.
+The workload covers what could go out of bounds: ragged lengths (empty, one token, a page plus
+one), a last page partly filled, chunks ending mid-step, the final request's output rows at the
+end of the output array, padding work items, both layouts, split and unsplit plans. The page
+pool is sized exactly to the pages in use, so the last page of the pool is read too.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import paged
+from paged.attention_reference import decode_attention_reference
+
+
+def main() -> int:
+    rng = np.random.default_rng(0)
+    lens = [0, 1, 17, 300, 33, 1000]
+    page_size, num_kv_heads, group, head_dim = 16, 8, 4, 128
+    num_pages = sum(-(-n // page_size) for n in lens)
+    table = paged.PageTable.from_seq_lens(
+        lens, page_size, pages=rng.permutation(num_pages).tolist()
+    )
+    worst = 0.0
+    for layout in ("HND", "NHD"):
+        shape = ((num_pages, num_kv_heads, page_size, head_dim) if layout == "HND"
+                 else (num_pages, page_size, num_kv_heads, head_dim))
+        cache = paged.KVCache(
+            jnp.asarray(rng.standard_normal(shape), jnp.bfloat16),
+            jnp.asarray(rng.standard_normal(shape), jnp.bfloat16),
+            layout,
+        )
+        q = jnp.asarray(rng.standard_normal((len(lens), num_kv_heads * group, head_dim)),
+                        jnp.bfloat16)
+        expected, _ = decode_attention_reference(q, cache, table, sm_scale=head_dim**-0.5)
+        for fixed in (None, 3):
+            for max_grid in (None, 1):
+                if fixed and max_grid:
+                    continue
+                plan = paged.plan_decode(table, q.shape[1], num_kv_heads, head_dim,
+                                         fixed_split_pages=fixed, max_grid=max_grid)
+                out = paged.decode_attention(q, cache, table, plan=plan, backend="pallas")
+                out = np.asarray(out.astype(jnp.float32))
+                error = np.linalg.norm(out - np.asarray(expected)) / np.linalg.norm(expected)
+                worst = max(worst, float(error))
+                print(f"{layout} fixed={fixed} max_grid={max_grid} write_final={plan.write_final}"
+                      f" relative error {error:.2e}", flush=True)
+    print(f"device {jax.devices()[0].device_kind}; worst relative error {worst:.2e}")
+    return 0 if worst < 1e-2 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

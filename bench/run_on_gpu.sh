@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# What one GPU session runs, stage by stage, from the repository root on the GPU host (which has
+# jax 0.11.2 and no package registry, hence PYTHONPATH=. and no virtual environment):
+#   bash bench/run_on_gpu.sh tests tune memcheck     # check, then sweep parameters
+#   bash bench/run_on_gpu.sh decode peers demo        # the committed reports
+# Logs and reports go to $OUT (the device tool's output folder) when it is set.
+set -uo pipefail
+export PYTHONPATH=. PYTHONUNBUFFERED=1
+out="${OUT:-/tmp/decodelab-gpu}"
+mkdir -p "$out"
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$out/gpu.txt"
+python3 -c "import jax, torch; print('jax', jax.__version__, jax.devices(), 'torch', torch.__version__)"
+for stage in "$@"; do
+  echo "=== $stage ($(date +%T))"
+  case "$stage" in
+    tests)
+      timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_paged_decode_kernel.py \
+        tests/test_decode_reference.py 2>&1 | tee "$out/gpu_tests.log" | tail -n 15 ;;
+    tune)
+      timeout 400 python3 -m bench decode --tune --out "$out" 2>&1 | tee "$out/tune.log" \
+        | grep -v '^  tune' ;;
+    memcheck)
+      XLA_PYTHON_CLIENT_ALLOCATOR=platform XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 300 \
+        compute-sanitizer --tool memcheck python3 -m bench.memcheck_decode 2>&1 \
+        | tee "$out/memcheck.log" | tail -n 12 ;;
+    decode|peers)
+      timeout 540 python3 -m bench "$stage" --out "$out" 2>&1 | tee "$out/$stage.log" \
+        | grep -v '^  tune' ;;
+    demo)
+      python3 -m serving demo 2>&1 | tee "$out/demo.log" ;;
+    *) echo "unknown stage $stage" ;;
+  esac
+done
+echo "=== done ($(date +%T))"

@@ -1,0 +1,334 @@
+"""The ``decode`` suite: decodelab's fused paged decode beside the peers, in the same run.
+
+Standard grid (32 query heads, 8 KV heads, head_dim 128, page_size 16, bfloat16, HND pool),
+cold L2, dispatch amortized (``bench/harness.py``). Bytes = K and V of the real tokens. Arms:
+
+- ``decodelab``: the public ``paged.decode_attention(..., plan=plan, backend="pallas")`` with
+  the plan ``paged.plan_decode`` made for the step: what a user gets.
+- ``decodelab_kernel``: the decode kernel alone (its partial states when it splits, so the merge
+  launch is excluded): how much of the API's time is the KV stream itself.
+- ``decodelab_no_split`` and ``decodelab_split16`` (only where the planner splits): the same API
+  with "never split" and "16 chunks a request", to show the planner's choice against both. Where
+  the planner's choice coincides with one of them, a note says so instead of timing it twice.
+- the peers (``bench.suites.peers.peer_attention_results``): XLA gather + softmax, JAX's Pallas
+  ``paged_attention`` at its best ``k_splits``, PyTorch gather + SDPA.
+- ``decodelab (repeat)``: the API arm timed again at the end of the case, the noise level.
+
+Each decodelab arm's attribution names the Triton kernels its program calls (read from the
+lowered program) and the number of splits, so no two arms can be confused.
+
+``--tune`` runs the cases of ``TUNE_CASES`` only and also sweeps the kernel's launch parameters
+(pages per step, warps, pipeline stages) and the planner's programs per SM there, records every figure in the decodelab row's
+``kernel_sweep`` field and names the best in the notes; the chosen values are then written into
+``kernels_pallas/paged_decode_tuning.py`` by hand, citing the report.
+"""
+
+from __future__ import annotations
+
+import gc
+import itertools
+import math
+from typing import Any
+
+import numpy as np
+
+import paged
+from bench import report
+from bench.attention_inputs import (
+    ATTENTION_GRID,
+    DRY_RUN_GRID,
+    DRY_RUN_SHAPE,
+    QUICK_GRID,
+    STANDARD_SHAPE,
+    AttentionSetup,
+    kv_bytes_per_set,
+    make_attention_setup,
+)
+from bench.harness import CaseResult, CopyCeiling, RunOptions, TimedLoop, expected_us, repeat_arm
+from bench.suites import SuiteOutput, peers
+from kernels_pallas import paged_decode_tuning as tuning
+from kernels_pallas.merge_states import merge_partial_states
+from kernels_pallas.paged_decode import paged_decode
+
+EXPECTED_TBPS = 2.5  # prior for sizing the first timed program
+DISAGREEMENT_TOLERANCE = 0.05  # max |ours - xla_gather| on bfloat16 outputs of magnitude < 1
+FIXED_SPLITS_ARM = 16
+DRY_RUN_MAX_CONTEXT = max(context for _, context in DRY_RUN_GRID)
+
+TUNE_CASES = ((1, 4096), (1, 32768), (4, 4096), (32, 4096), (256, 512))
+TUNE_KERNEL_GRID = {"pages_per_step": (4, 8, 16), "num_warps": (4, 8), "num_stages": (1, 2, 3)}
+TUNE_BLOCKS_PER_SM = (1, 2, 4, 8)
+DRY_RUN_KERNEL_GRID = {"pages_per_step": (4, 8), "num_warps": (4,), "num_stages": (2,)}
+DRY_RUN_BLOCKS_PER_SM = (1, 2)
+
+
+def run(options: RunOptions, ceiling: CopyCeiling) -> SuiteOutput:
+    """Times decodelab's arms and the peers on each case of the grid (module docstring)."""
+    notes: list[str] = []
+    results: list[CaseResult] = []
+    sweeps: dict[str, list[dict[str, Any]]] = {}
+    shape = DRY_RUN_SHAPE if options.dry_run else STANDARD_SHAPE
+    grid = DRY_RUN_GRID if options.dry_run else QUICK_GRID if options.quick else ATTENTION_GRID
+    if options.tune and not options.dry_run:
+        grid = TUNE_CASES  # a tuning run times the tuned cases only
+    for batch, context in grid:
+        num_sets = options.num_sets_for(kv_bytes_per_set(batch, context, **shape))
+        setup = make_attention_setup(
+            batch, context, **shape, layouts=("HND", peers.PEER_ATTENTION_LAYOUT), num_sets=num_sets
+        )
+        try:
+            rows = decodelab_results(setup, options, ceiling.tbps, notes)
+            if options.tune and (options.dry_run or (batch, context) in TUNE_CASES):
+                sweeps[setup.case] = tuning_sweep(setup, options)
+                rows[0].extra["kernel_sweep"] = sweeps[setup.case]
+            peer_rows = peers.peer_attention_results(
+                setup, options, ceiling.tbps, notes=notes, repeat_reference_arm=False
+            )
+            repeat = _api_result(setup, options, ceiling.tbps, repeat=rows[0])
+            results += rows + peer_rows + [repeat]
+            report.print_results([*rows, repeat])
+        finally:
+            gc.collect()
+            setup.delete()
+    if sweeps:
+        notes += summarize_sweeps(sweeps)
+    return SuiteOutput(results=results, notes=notes)
+
+
+# ----------------------------------------------------------------------------------------------
+# Arms
+
+
+def _table(setup: AttentionSetup, set_index) -> paged.PageTable:
+    return paged.PageTable(
+        setup.page_indptr[set_index],
+        setup.page_indices[set_index],
+        setup.last_page_len[set_index],
+        setup.page_size,
+    )
+
+
+def plan_for(setup: AttentionSetup, **overrides) -> paged.DecodePlan:
+    """The plan of set 0; every set has the same lengths, so one plan serves them all (a plan
+    holds positions in ``page_indices``, never page numbers). Dry-run contexts are a few pages,
+    shorter than the smallest chunk worth splitting; they split at 1 page so that the split
+    arms run too."""
+    if setup.context <= DRY_RUN_MAX_CONTEXT:
+        overrides.setdefault("min_chunk_pages", 1)
+    return paged.plan_decode(
+        _table(setup, 0), setup.num_q_heads, setup.num_kv_heads, setup.head_dim, **overrides
+    )
+
+
+def _operands(setup: AttentionSetup, plan: paged.DecodePlan):
+    k_pages, v_pages = setup.pool("HND")
+    return (setup.queries, k_pages, v_pages, setup.page_indptr, setup.page_indices,
+            setup.last_page_len, plan)
+
+
+def api_loop(setup: AttentionSetup, plan: paged.DecodePlan) -> TimedLoop:
+    """One call = the public ``paged.decode_attention`` on rotating set ``set_index``."""
+
+    def step(set_index, operands):
+        queries, k_pages, v_pages, _, _, _, plan = operands
+        cache = paged.KVCache(k_pages, v_pages, "HND")
+        return paged.decode_attention(
+            queries[set_index], cache, _table_from(operands, set_index, setup.page_size),
+            plan=plan, backend="pallas",
+        )
+
+    return TimedLoop(step, setup.num_sets, _operands(setup, plan))
+
+
+def _table_from(operands, set_index, page_size) -> paged.PageTable:
+    _, _, _, page_indptr, page_indices, last_page_len, _ = operands
+    return paged.PageTable(
+        page_indptr[set_index], page_indices[set_index], last_page_len[set_index], page_size
+    )
+
+
+def kernel_loop(
+    setup: AttentionSetup,
+    plan: paged.DecodePlan,
+    params: dict[str, int],
+    *,
+    include_merge: bool,
+    interpret: bool,
+) -> TimedLoop:
+    """One call = the raw decode kernel with ``params`` (and the merge, if asked and needed)."""
+
+    def step(set_index, operands):
+        queries, k_pages, v_pages, _, page_indices, _, plan = operands
+        o, lse = paged_decode(
+            queries[set_index], k_pages, v_pages, page_indices[set_index],
+            plan.work_request, plan.work_page_start, plan.work_page_end, plan.work_last_page_len,
+            layout="HND", sm_scale=setup.sm_scale, logits_soft_cap=None,
+            write_final=plan.write_final, interpret=interpret, **params,
+        )
+        if include_merge and not plan.write_final:
+            o, lse = merge_partial_states(
+                o, lse, plan.merge_indptr, num_q_heads=setup.num_q_heads,
+                out_dtype=setup.queries.dtype, interpret=interpret,
+            )
+        return o, lse
+
+    return TimedLoop(step, setup.num_sets, _operands(setup, plan))
+
+
+def kernel_names(loop: TimedLoop, options: RunOptions) -> str:
+    """The Triton kernels a loop's program calls, e.g. ``paged_decode_HND_p8_w4_s2_partial+
+    merge_partial_states`` (``interpret`` where no kernel is compiled)."""
+    if options.interpret:
+        return "interpret"
+    text = loop.lowered_text()
+    names = peers.triton_kernel_names(text, "paged_decode") + peers.triton_kernel_names(
+        text, "merge_partial_states"
+    )
+    return "+".join(names) if names else "no-triton-kernel-found"
+
+
+def _splits_label(plan: paged.DecodePlan) -> str:
+    splits = plan.splits_per_request()
+    low, high = int(splits.min()), int(splits.max())
+    return f"splits={low}" if low == high else f"splits={low}..{high}"
+
+
+def _plan_fields(plan: paged.DecodePlan) -> dict[str, Any]:
+    return {
+        "splits": int(plan.splits_per_request().max()),
+        "chunk_pages": int(plan.chunk_pages),
+        "num_work_items": int(plan.num_work_items),
+        "write_final": plan.write_final,
+    }
+
+
+def _timed_row(setup, options, ceiling_tbps, loop, arm, prefix, plan, iters=None, **extra):
+    timing = options.time(
+        loop, expected_us_per_call=expected_us(setup.kv_bytes_per_set, EXPECTED_TBPS), iters=iters
+    )
+    attribution = f"{prefix}{kernel_names(loop, options)}:{_splits_label(plan)}"
+    return CaseResult.from_timing(
+        setup.case, arm, attribution, timing, setup.kv_bytes_per_set, ceiling_tbps,
+        **_plan_fields(plan), **extra,
+    )
+
+
+def _api_result(setup, options, ceiling_tbps, *, plan=None, arm="decodelab", repeat=None):
+    plan = plan_for(setup) if plan is None else plan
+    loop = api_loop(setup, plan)
+    iters = None if repeat is None else repeat.extra["iters"]
+    arm = repeat_arm(repeat.arm) if repeat is not None else arm
+    return _timed_row(setup, options, ceiling_tbps, loop, arm, "paged.decode_attention:", plan,
+                      iters=iters)
+
+
+def decodelab_results(
+    setup: AttentionSetup, options: RunOptions, ceiling_tbps: float, notes: list[str]
+) -> list[CaseResult]:
+    """decodelab's arms on one case: API, kernel alone, and the split policies it beat."""
+    plan = plan_for(setup)
+    api = _api_result(setup, options, ceiling_tbps, plan=plan)
+    difference = peers.max_abs_difference(
+        api_loop(setup, plan).output(0), peers.reference_output(setup)
+    )
+    api.extra["max_abs_difference_from_xla_gather"] = difference
+    api.extra["kernel_parameters"] = tuning.kernel_parameters(
+        setup.head_dim, setup.num_q_heads // setup.num_kv_heads, setup.queries.dtype
+    )
+    if not difference <= DISAGREEMENT_TOLERANCE:
+        notes.append(f"{setup.case}: decodelab differs from xla_gather by {difference:.3g}")
+    params = api.extra["kernel_parameters"]
+    kernel = _timed_row(
+        setup, options, ceiling_tbps,
+        kernel_loop(setup, plan, params, include_merge=False, interpret=options.interpret),
+        "decodelab_kernel", "kernel_only(no merge):", plan,
+    )
+    rows = [api, kernel]
+    splits = int(plan.splits_per_request().max())
+    if splits > 1:
+        if plan.write_final:  # cannot happen: more than one split always merges
+            raise AssertionError("a split plan must merge")
+        no_split = plan_for(setup, max_grid=1)
+        rows.append(_api_result(setup, options, ceiling_tbps, plan=no_split,
+                                arm="decodelab_no_split"))
+        chunk = math.ceil(setup.pages_per_sequence / FIXED_SPLITS_ARM)
+        fixed = plan_for(setup, fixed_split_pages=chunk)
+        if np.array_equal(fixed.splits_per_request(), plan.splits_per_request()):
+            notes.append(f"{setup.case}: the planner's split ({_splits_label(plan)}) is the "
+                         f"fixed-{FIXED_SPLITS_ARM} arm's; not timed twice")
+        else:
+            rows.append(_api_result(setup, options, ceiling_tbps, plan=fixed,
+                                    arm=f"decodelab_split{FIXED_SPLITS_ARM}"))
+    else:
+        notes.append(f"{setup.case}: the planner does not split here, so its choice is the "
+                     "no-split arm; not timed twice")
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------
+# Tuning
+
+
+def tuning_sweep(setup: AttentionSetup, options: RunOptions) -> list[dict[str, Any]]:
+    """Times the kernel (with its merge) over the launch-parameter grid, and the planner's
+    programs per SM at the default launch parameters; failures are recorded, not raised."""
+    kernel_grid = DRY_RUN_KERNEL_GRID if options.dry_run else TUNE_KERNEL_GRID
+    blocks_per_sm = DRY_RUN_BLOCKS_PER_SM if options.dry_run else TUNE_BLOCKS_PER_SM
+    prior = expected_us(setup.kv_bytes_per_set, EXPECTED_TBPS)
+    plan = plan_for(setup)
+    entries = []
+    names = list(kernel_grid)
+    candidates = [dict(zip(names, values, strict=True))
+                  for values in itertools.product(*kernel_grid.values())]
+    planner_candidates = [{"blocks_per_sm": n} for n in blocks_per_sm]
+    for candidate in candidates + planner_candidates:
+        try:
+            if "blocks_per_sm" in candidate:
+                max_grid = candidate["blocks_per_sm"] * tuning.num_sms()
+                this_plan = plan_for(setup, max_grid=max_grid)
+                params = tuning.kernel_parameters(setup.head_dim, 4, setup.queries.dtype)
+            else:
+                this_plan, params = plan, candidate
+            loop = kernel_loop(setup, this_plan, params, include_merge=True,
+                               interpret=options.interpret)
+            timing = options.time(loop, expected_us_per_call=prior, sweep=True)
+            entries.append({**candidate, **_plan_fields(this_plan), "median_us": timing.median_us,
+                            "achieved_tbps": setup.kv_bytes_per_set / timing.median_us / 1e6})
+        except Exception as error:  # a candidate that fails to compile is recorded
+            entries.append({**candidate, "error": f"{type(error).__name__}: {str(error)[:200]}"})
+    for entry in entries:
+        print(f"  tune {setup.case:<16} {entry}", flush=True)
+    return entries
+
+
+def summarize_sweeps(sweeps: dict[str, list[dict[str, Any]]]) -> list[str]:
+    """Notes naming each case's best candidates and the launch parameters with the best
+    geometric-mean time over the tuned cases."""
+    notes = []
+    kernel_times: dict[tuple, list[float]] = {}
+    for case, entries in sweeps.items():
+        timed = [e for e in entries if "median_us" in e]
+        kernels = [e for e in timed if "pages_per_step" in e]
+        planners = [e for e in timed if "blocks_per_sm" in e]
+        if kernels:
+            best = min(kernels, key=lambda e: e["median_us"])
+            notes.append(
+                f"tune {case}: best launch pages_per_step={best['pages_per_step']} "
+                f"num_warps={best['num_warps']} num_stages={best['num_stages']}: "
+                f"{best['median_us']:.2f} us ({best['achieved_tbps']:.2f} TB/s)"
+            )
+        if planners:
+            best = min(planners, key=lambda e: e["median_us"])
+            notes.append(f"tune {case}: best planner blocks_per_sm={best['blocks_per_sm']} "
+                         f"(splits={best['splits']}): {best['median_us']:.2f} us")
+        for entry in kernels:
+            key = (entry["pages_per_step"], entry["num_warps"], entry["num_stages"])
+            kernel_times.setdefault(key, []).append(entry["median_us"])
+    complete = {k: v for k, v in kernel_times.items() if len(v) == len(sweeps)}
+    if complete:
+        best_key = min(complete, key=lambda k: float(np.mean(np.log(complete[k]))))
+        notes.append(
+            "tune: best launch parameters by geometric mean over the tuned cases: "
+            f"pages_per_step={best_key[0]} num_warps={best_key[1]} num_stages={best_key[2]}"
+        )
+    return notes
