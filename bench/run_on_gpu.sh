@@ -14,13 +14,13 @@ for stage in "$@"; do
   echo "=== $stage ($(date +%T))"
   case "$stage" in
     tests)
-      timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_paged_decode_kernel.py \
-        tests/test_decode_reference.py 2>&1 | tee "$out/gpu_tests.log" | tail -n 15 ;;
+      timeout 200 python3 -m pytest -q -x -p no:cacheprovider tests/test_paged_decode_kernel.py 2>&1 \
+        | tee "$out/gpu_tests.log" | tail -n 15 ;;
     tune)
-      timeout 400 python3 -m bench decode --tune --out "$out" 2>&1 | tee "$out/tune.log" \
+      timeout 420 python3 -m bench decode --tune --out "$out" 2>&1 | tee "$out/tune.log" \
         | grep -v '^  tune' ;;
     memcheck)
-      XLA_PYTHON_CLIENT_ALLOCATOR=platform XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 300 \
+      XLA_PYTHON_CLIENT_ALLOCATOR=platform XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 150 \
         compute-sanitizer --tool memcheck python3 -m bench.memcheck_decode 2>&1 \
         | tee "$out/memcheck.log" | tail -n 12 ;;
     decode|peers)
