@@ -17,7 +17,7 @@ for stage in "$@"; do
       timeout 200 python3 -m pytest -q -x -p no:cacheprovider tests/test_paged_decode_kernel.py 2>&1 \
         | tee "$out/gpu_tests.log" | tail -n 15 ;;
     tune)
-      timeout 420 python3 -m bench decode --tune --out "$out" 2>&1 | tee "$out/tune.log" \
+      timeout 330 python3 -m bench decode --tune --out "$out" 2>&1 | tee "$out/tune.log" \
         | grep -v '^  tune' ;;
     memcheck)
       XLA_PYTHON_CLIENT_ALLOCATOR=platform XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 150 \
