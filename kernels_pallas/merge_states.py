@@ -7,9 +7,11 @@ them, in order, into the final output with the exact rule of ``proofs/merge_stat
 ``m`` the running maximum. The fold order is fixed (work-item order), so a request's result
 does not depend on what else is in the batch.
 
-Bytes: it reads ``num_work x num_kv_heads x rows x head_dim`` float32 partials once and writes
-``B x H x D`` outputs, small next to the KV stream of the decode kernel (a 16-way split of a
-32K-token request reads 1 MiB of partials against 128 MiB of KV).
+Bytes: it reads ``num_work x num_kv_heads x P x head_dim`` float32 partials once (``P`` the
+query-head group padded to a power of two) and writes ``B x H x D`` outputs, small next to the
+KV stream of the decode kernel (a 33-way split of a 32K-token request at G = 4 reads 0.5 MiB of
+partials against 128 MiB of KV). What it costs is latency: each program folds its request's
+items ``items_per_step`` at a time so that many loads are in flight together.
 """
 
 from __future__ import annotations
@@ -25,53 +27,66 @@ from jax.experimental.pallas import triton as plgpu
 
 def merge_states_kernel(
     merge_indptr_ref,  # [B + 1] int32
-    partial_o_ref,  # [num_work, num_kv_heads, rows, head_dim] float32, the whole array
-    partial_lse_ref,  # [num_work, num_kv_heads, rows] float32, the whole array
+    partial_o_ref,  # [num_work * num_kv_heads * partial_rows, head_dim] float32, whole array
+    partial_lse_ref,  # [num_work * num_kv_heads * partial_rows] float32, whole array
     o_ref,  # [B * num_q_heads, head_dim], the whole array
     lse_ref,  # [B * num_q_heads] float32, the whole array
     *,
     group_size: int,
     num_kv_heads: int,
+    partial_rows: int,
+    items_per_step: int,
 ):
     request = pl.program_id(0)
     kv_head = pl.program_id(1)
-    rows, head_dim = partial_o_ref.shape[2], partial_o_ref.shape[3]
+    head_dim = partial_o_ref.shape[1]
     first = merge_indptr_ref[request]
     last = merge_indptr_ref[request + 1]
 
-    def fold(item, carry):
+    def fold(i, carry):
         acc, running_max, running_sum = carry
-        part_o = partial_o_ref[item, kv_head]  # [rows, head_dim]
-        part_lse = partial_lse_ref[item, kv_head]  # [rows]
-        new_max = jnp.maximum(running_max, part_lse)
-        # Where both are -inf (only empty states so far), shift by 0: weights stay 0, not NaN.
+        # items_per_step partial states at once: independent loads in flight, where one item at a
+        # time would pay a memory latency per item.
+        slot = jnp.arange(items_per_step * partial_rows)  # [S * P], item-major
+        item = first + i * items_per_step + slot // partial_rows
+        real = item < last
+        rows = (item * num_kv_heads + kv_head) * partial_rows + slot % partial_rows
+        rows = jnp.where(real, rows, 0)  # items past the last read row 0 (in bounds), then masked
+        part_lse = jnp.where(real, partial_lse_ref[rows], -jnp.inf)
+        part_o = jnp.where(real[:, None], partial_o_ref[rows], 0.0)
+        part_lse = part_lse.reshape(items_per_step, partial_rows)  # [S, P]
+        part_o = part_o.reshape(items_per_step, partial_rows, head_dim)  # [S, P, D]
+        new_max = jnp.maximum(running_max, jnp.max(part_lse, axis=0))
+        # Where everything so far is empty (-inf), shift by 0: weights stay 0, not NaN.
         shift = jnp.where(new_max == -jnp.inf, 0.0, new_max)
-        old_weight = jnp.exp(running_max - shift)
-        new_weight = jnp.exp(part_lse - shift)
-        acc = acc * old_weight[:, None] + part_o * new_weight[:, None]
-        running_sum = running_sum * old_weight + new_weight
+        old_weight = jnp.exp(running_max - shift)  # [P]
+        new_weight = jnp.exp(part_lse - shift[None, :])  # [S, P]
+        acc = acc * old_weight[:, None] + jnp.sum(new_weight[:, :, None] * part_o, axis=0)
+        running_sum = running_sum * old_weight + jnp.sum(new_weight, axis=0)
         return acc, new_max, running_sum
 
     init = (
-        jnp.zeros((rows, head_dim), jnp.float32),
-        jnp.full((rows,), -jnp.inf, jnp.float32),
-        jnp.zeros((rows,), jnp.float32),
+        jnp.zeros((partial_rows, head_dim), jnp.float32),
+        jnp.full((partial_rows,), -jnp.inf, jnp.float32),
+        jnp.zeros((partial_rows,), jnp.float32),
     )
-    acc, running_max, running_sum = lax.fori_loop(first, last, fold, init)
+    num_steps = pl.cdiv(last - first, items_per_step)
+    acc, running_max, running_sum = lax.fori_loop(0, num_steps, fold, init)
     nonempty = running_sum > 0
     out = acc / jnp.where(nonempty, running_sum, 1.0)[:, None]
     shift = jnp.where(running_max == -jnp.inf, 0.0, running_max)
     lse = jnp.where(nonempty, shift + jnp.log(jnp.where(nonempty, running_sum, 1.0)), -jnp.inf)
 
-    row_ids = jnp.arange(rows)
-    keep = row_ids < group_size
+    keep = jnp.arange(partial_rows) < group_size
     first_row = (request * num_kv_heads + kv_head) * group_size
-    plgpu.store(o_ref.at[pl.ds(first_row, rows), :], out.astype(o_ref.dtype), mask=keep[:, None])
-    plgpu.store(lse_ref.at[pl.ds(first_row, rows)], lse, mask=keep)
+    plgpu.store(o_ref.at[pl.ds(first_row, partial_rows), :], out.astype(o_ref.dtype),
+                mask=keep[:, None])
+    plgpu.store(lse_ref.at[pl.ds(first_row, partial_rows)], lse, mask=keep)
 
 
 @functools.partial(
-    jax.jit, static_argnames=("num_q_heads", "out_dtype", "num_warps", "interpret")
+    jax.jit,
+    static_argnames=("num_q_heads", "out_dtype", "items_per_step", "num_warps", "interpret"),
 )
 def merge_partial_states(
     partial_o: jax.Array,
@@ -80,25 +95,30 @@ def merge_partial_states(
     *,
     num_q_heads: int,
     out_dtype,
+    items_per_step: int = 8,
     num_warps: int = 4,
     interpret: bool = False,
 ):
     """Merges each request's partial states into its final output.
 
     Args:
-      partial_o: float32 ``[num_work, KVH, rows, D]`` from ``paged_decode(write_final=False)``.
-      partial_lse: float32 ``[num_work, KVH, rows]``.
+      partial_o: float32 ``[num_work, KVH, P, D]`` from ``paged_decode(write_final=False)``,
+        ``P`` the group size padded to a power of two.
+      partial_lse: float32 ``[num_work, KVH, P]``.
       merge_indptr: int32 ``[B + 1]``; request b's items are ``merge_indptr[b]:merge_indptr[b+1]``.
       num_q_heads: ``H``; the group size is ``H / KVH`` (rows past it are padding and ignored).
       out_dtype: dtype of the output (the query dtype).
+      items_per_step: partial states loaded at once (a power of two).
 
     Returns:
       ``(o [B, H, D] out_dtype, lse [B, H] float32)``; a request with only empty partials gets
       ``o = 0, lse = -inf``.
     """
-    num_work, num_kv_heads, rows, head_dim = partial_o.shape
+    num_work, num_kv_heads, partial_rows, head_dim = partial_o.shape
     batch = merge_indptr.shape[0] - 1
     group_size = num_q_heads // num_kv_heads
+    partial_o = partial_o.reshape(num_work * num_kv_heads * partial_rows, head_dim)
+    partial_lse = partial_lse.reshape(num_work * num_kv_heads * partial_rows)
 
     def whole(shape):
         return pl.BlockSpec(shape, lambda b, h: (0,) * len(shape))
@@ -108,7 +128,13 @@ def merge_partial_states(
         jax.ShapeDtypeStruct((batch * num_q_heads,), jnp.float32),
     )
     o, lse = pl.pallas_call(
-        functools.partial(merge_states_kernel, group_size=group_size, num_kv_heads=num_kv_heads),
+        functools.partial(
+            merge_states_kernel,
+            group_size=group_size,
+            num_kv_heads=num_kv_heads,
+            partial_rows=partial_rows,
+            items_per_step=items_per_step,
+        ),
         grid=(batch, num_kv_heads),
         in_specs=[whole(merge_indptr.shape), whole(partial_o.shape), whole(partial_lse.shape)],
         out_specs=(whole(out_shape[0].shape), whole(out_shape[1].shape)),

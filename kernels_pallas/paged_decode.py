@@ -59,14 +59,16 @@ def paged_decode_kernel(
     q_ref,  # [batch * num_q_heads, head_dim], the whole array
     k_pages_ref,  # [num_pages, page_size, head_dim], this program's KV head
     v_pages_ref,  # [num_pages, page_size, head_dim]
-    # Outputs: final (write_final) or per-work-item partials.
-    o_ref,  # [batch * num_q_heads, head_dim] (final) | [rows, head_dim] float32 (partial)
-    lse_ref,  # [batch * num_q_heads] (final) | [rows] float32 (partial)
+    # Outputs: final (write_final) or per-work-item partials, the whole arrays.
+    o_ref,  # [batch * num_q_heads, head_dim] | [num_work * num_kv_heads * partial_rows, head_dim]
+    lse_ref,  # [batch * num_q_heads] | [num_work * num_kv_heads * partial_rows] float32
     *,
     group_size: int,
     rows: int,
+    partial_rows: int,
     num_kv_heads: int,
     pages_per_step: int,
+    prefetch_page_indices: bool,
     logit_scale_log2: float,
     logits_soft_cap: float | None,
     sm_scale: float,
@@ -95,13 +97,22 @@ def paged_decode_kernel(
     )
     num_steps = pl.cdiv(page_end - page_start, pages_per_step)
 
-    def step(i, carry):
-        acc, running_max, running_sum = carry
+    def load_pages(i):
         first = page_start + i * pages_per_step
         page_is_real = first + jnp.arange(pages_per_step) < page_end
-        pages = plgpu.load(
+        return plgpu.load(
             page_indices_ref.at[pl.ds(first, pages_per_step)], mask=page_is_real, other=0
         )  # [pages_per_step]
+
+    def step(i, carry):
+        acc, running_max, running_sum, pages = carry
+        if prefetch_page_indices:
+            # Issued before this step's K/V loads, so the next step's page numbers arrive while
+            # this step's pages stream in: one memory latency less on every step's critical path.
+            next_pages = load_pages(i + 1)
+        else:
+            pages = load_pages(i)
+            next_pages = pages
         k = k_pages_ref[pages].reshape(block_tokens, head_dim)
         v = v_pages_ref[pages].reshape(block_tokens, head_dim)
         logits = plgpu.dot(q, k, trans_b=True, precision=precision)  # [rows, block_tokens] f32
@@ -121,14 +132,15 @@ def paged_decode_kernel(
         acc = acc * correction[:, None] + plgpu.dot(
             probs.astype(v.dtype), v, precision=precision
         )
-        return acc, new_max, running_sum
+        return acc, new_max, running_sum, next_pages
 
     init = (
         jnp.zeros((rows, head_dim), jnp.float32),
         jnp.full((rows,), -jnp.inf, jnp.float32),
         jnp.zeros((rows,), jnp.float32),
+        load_pages(0) if prefetch_page_indices else jnp.zeros((pages_per_step,), jnp.int32),
     )
-    acc, running_max, running_sum = lax.fori_loop(0, num_steps, step, init)
+    acc, running_max, running_sum, _ = lax.fori_loop(0, num_steps, step, init)
 
     nonempty = running_sum > 0
     out = acc / jnp.where(nonempty, running_sum, 1.0)[:, None]
@@ -140,8 +152,12 @@ def paged_decode_kernel(
         )
         plgpu.store(lse_ref.at[pl.ds(first_row, rows)], lse, mask=keep)
     else:
-        o_ref[...] = out
-        lse_ref[...] = lse
+        # Partials keep only the group's rows (padded to a power of two, partial_rows), not the
+        # 16 rows of the dot tile: a quarter of the bytes at G = 4 for the merge to read.
+        keep = row_ids < partial_rows
+        first_partial = (work * num_kv_heads + kv_head) * partial_rows
+        plgpu.store(o_ref.at[pl.ds(first_partial, rows), :], out, mask=keep[:, None])
+        plgpu.store(lse_ref.at[pl.ds(first_partial, rows)], lse, mask=keep)
 
 
 @functools.partial(
@@ -152,6 +168,7 @@ def paged_decode_kernel(
         "logits_soft_cap",
         "write_final",
         "pages_per_step",
+        "prefetch_page_indices",
         "num_warps",
         "num_stages",
         "interpret",
@@ -172,8 +189,9 @@ def paged_decode(
     logits_soft_cap: float | None,
     write_final: bool,
     pages_per_step: int = 8,
+    prefetch_page_indices: bool = True,
     num_warps: int = 4,
-    num_stages: int = 2,
+    num_stages: int = 1,
     interpret: bool = False,
 ):
     """Runs the decode kernel over a list of work items.
@@ -190,8 +208,10 @@ def paged_decode(
       layout, sm_scale, logits_soft_cap: as in ``paged.decode_attention``.
       write_final: every request is exactly one work item, so write normalized outputs
         ``(o [B, H, D] in q.dtype, lse [B, H] float32)`` directly; otherwise write partial states
-        ``(o [W, KVH, rows, D] float32, lse [W, KVH, rows] float32)``, ``rows = max(16, G)``.
-      pages_per_step, num_warps, num_stages: tuning (``paged_decode_tuning.py``).
+        ``(o [W, KVH, P, D] float32, lse [W, KVH, P] float32)`` with ``P = partial_rows(G)``
+        (the group padded to a power of two; rows past G are padding).
+      pages_per_step, prefetch_page_indices, num_warps, num_stages: tuning
+        (``paged_decode_tuning.py``).
       interpret: run in Pallas interpret mode (CPU).
 
     Returns:
@@ -209,6 +229,7 @@ def paged_decode(
         raise ValueError(f"layout must be 'HND' or 'NHD', got {layout!r}")
     group_size = num_q_heads // num_kv_heads
     rows = max(MIN_ROWS, pl.next_power_of_2(group_size))
+    partial = partial_rows(group_size)
     num_work = work_request.shape[0]
     q_rows = q.reshape(batch * num_q_heads, head_dim)
 
@@ -222,21 +243,21 @@ def paged_decode(
         )
         out_specs = (whole(out_shape[0]), whole(out_shape[1]))
     else:
+        partial_count = num_work * num_kv_heads * partial
         out_shape = (
-            jax.ShapeDtypeStruct((num_work, num_kv_heads, rows, head_dim), jnp.float32),
-            jax.ShapeDtypeStruct((num_work, num_kv_heads, rows), jnp.float32),
+            jax.ShapeDtypeStruct((partial_count, head_dim), jnp.float32),
+            jax.ShapeDtypeStruct((partial_count,), jnp.float32),
         )
-        out_specs = (
-            pl.BlockSpec((None, None, rows, head_dim), lambda w, h: (w, h, 0, 0)),
-            pl.BlockSpec((None, None, rows), lambda w, h: (w, h, 0)),
-        )
+        out_specs = (whole(out_shape[0]), whole(out_shape[1]))
     precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
     kernel = functools.partial(
         paged_decode_kernel,
         group_size=group_size,
         rows=rows,
+        partial_rows=partial,
         num_kv_heads=num_kv_heads,
         pages_per_step=pages_per_step,
+        prefetch_page_indices=prefetch_page_indices,
         logit_scale_log2=sm_scale * LOG2_E,
         logits_soft_cap=logits_soft_cap,
         sm_scale=sm_scale,
@@ -254,8 +275,15 @@ def paged_decode(
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name=f"paged_decode_{layout}_p{pages_per_step}_w{num_warps}_s{num_stages}"
+        + ("_prefetch" if prefetch_page_indices else "")
         + ("_final" if write_final else "_partial"),
     )(*work_arrays, page_indices, q_rows, k_pages, v_pages)
     if write_final:
         return o.reshape(batch, num_q_heads, head_dim), lse.reshape(batch, num_q_heads)
-    return o, lse
+    return (o.reshape(num_work, num_kv_heads, partial, head_dim),
+            lse.reshape(num_work, num_kv_heads, partial))
+
+
+def partial_rows(group_size: int) -> int:
+    """Rows a work item's partial state keeps per KV head: the group, padded to a power of 2."""
+    return pl.next_power_of_2(group_size)

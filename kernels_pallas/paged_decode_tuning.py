@@ -4,8 +4,10 @@ A small data table, not logic: the benchmark (``python -m bench decode --tune``)
 candidates on the GPU and the chosen values are recorded here with the report that chose them.
 A later autotuner will write this file.
 
-Keys are ``(head_dim, group_rows, dtype_name)`` where ``group_rows`` is the query-head group
-padded to the 16-row tensor-core tile (``max(16, next_pow2(num_q_heads / num_kv_heads))``).
+Kernel keys are ``(head_dim, group_rows, dtype_name, write_final)``: ``group_rows`` is the
+query-head group padded to the 16-row tensor-core tile (``max(16, next_pow2(num_q_heads /
+num_kv_heads))``), and ``write_final`` separates plans that split (short chunks, partials) from
+plans that do not (whole requests, final outputs), which favour different step sizes.
 """
 
 from __future__ import annotations
@@ -17,8 +19,10 @@ import jax
 H200_NUM_SMS = 132
 
 # Kernel launch parameters: pages loaded per loop step, warps per program, pipeline depth.
-DEFAULT_KERNEL = {"pages_per_step": 8, "num_warps": 4, "num_stages": 2}
-KERNEL_TABLE: dict[tuple[int, int, str], dict[str, int]] = {}
+DEFAULT_KERNEL = {
+    "pages_per_step": 8, "num_warps": 4, "num_stages": 1, "prefetch_page_indices": True,
+}
+KERNEL_TABLE: dict[tuple[int, int, str, bool], dict[str, int]] = {}
 
 # Planner: programs per SM that fill the GPU, the smallest chunk worth splitting off, and the
 # static number of splits a traced (unplanned) call uses at most.
@@ -33,9 +37,9 @@ def group_rows(group_size: int) -> int:
     return rows
 
 
-def kernel_parameters(head_dim: int, group_size: int, dtype) -> dict[str, int]:
+def kernel_parameters(head_dim: int, group_size: int, dtype, write_final: bool) -> dict[str, int]:
     """Launch parameters for a shape bucket (the default where the table has no entry)."""
-    key = (head_dim, group_rows(group_size), jax.numpy.dtype(dtype).name)
+    key = (head_dim, group_rows(group_size), jax.numpy.dtype(dtype).name, write_final)
     return {**DEFAULT_KERNEL, **KERNEL_TABLE.get(key, {})}
 
 

@@ -59,8 +59,9 @@ def decode_attention_reference(
 ) -> tuple[jax.Array, jax.Array]:
     """Grouped-query decode attention of one new token per request over its paged keys.
 
-    Every page slot of the table is gathered once, and each request masks in its own tokens:
-    simple and exact, at the cost of ``B x nnz`` logits (fine for tests and small batches).
+    Every page slot of the table is gathered once; then, one request at a time, the request
+    masks in its own tokens and attends over them. Simple and exact; its cost is
+    ``B x nnz x page_size`` logits, fine for tests and small batches.
 
     Args:
       q: ``[B, H, D]``, H a multiple of the cache's ``num_kv_heads``.
@@ -85,16 +86,21 @@ def decode_attention_reference(
     k = k.reshape(num_tokens, num_kv_heads, head_dim)
     v = v.reshape(num_tokens, num_kv_heads, head_dim)
     q_grouped = q.astype(dtype).reshape(batch, num_kv_heads, group, head_dim)
-    logits = jnp.einsum("bkgd,tkd->bkgt", q_grouped, k, precision="highest")
-    logits = scaled_logits(logits, sm_scale, logits_soft_cap)
-    mask = token_mask(page_table).reshape(batch, 1, 1, num_tokens)
-    logits = jnp.where(mask, logits, -jnp.inf)
-    lse = jax.nn.logsumexp(logits, axis=-1)  # -inf for an empty request
-    weights = jnp.where(mask, jnp.exp(logits - jnp.where(jnp.isfinite(lse), lse, 0)[..., None]), 0)
-    # Zero the values a request does not own before the sum: a weight of 0 times a NaN left in
-    # an unused slot (or in another request's token) would still be NaN.
-    own_values = jnp.where(mask.reshape(batch, num_tokens, 1, 1), v[None], 0)  # [B, T, KVH, D]
-    o = jnp.einsum("bkgt,btkd->bkgd", weights, own_values, precision="highest")
+    owns_token = token_mask(page_table).reshape(batch, num_tokens)
+
+    def attend(request):
+        q_b, mine = request  # [KVH, G, D], bool[T]
+        logits = jnp.einsum("kgd,tkd->kgt", q_b, k, precision="highest")
+        logits = scaled_logits(logits, sm_scale, logits_soft_cap)
+        logits = jnp.where(mine, logits, -jnp.inf)
+        lse = jax.nn.logsumexp(logits, axis=-1)  # -inf for an empty request
+        weights = jnp.where(mine, jnp.exp(logits - jnp.where(jnp.isfinite(lse), lse, 0)[..., None]), 0)
+        # Zero the values the request does not own: a weight of 0 times a NaN left in an unused
+        # slot (or in another request's token) would still be NaN.
+        own_values = jnp.where(mine[:, None, None], v, 0)
+        return jnp.einsum("kgt,tkd->kgd", weights, own_values, precision="highest"), lse
+
+    o, lse = jax.lax.map(attend, (q_grouped, owns_token))
     return o.reshape(batch, num_heads, head_dim), lse.reshape(batch, num_heads)
 
 

@@ -125,7 +125,9 @@ def _decode_attention_pallas(q, cache, page_table, sm_scale, logits_soft_cap, pl
         else:
             plan = traced_default_plan(page_table, num_q_heads, num_kv_heads, head_dim)
     validate_plan(plan, batch)
-    params = tuning.kernel_parameters(head_dim, num_q_heads // num_kv_heads, q.dtype)
+    params = tuning.kernel_parameters(
+        head_dim, num_q_heads // num_kv_heads, q.dtype, plan.write_final
+    )
     interpret = interpret_mode()
     o, lse = paged_decode(
         q,

@@ -26,7 +26,6 @@ lowered program) and the number of splits, so no two arms can be confused.
 from __future__ import annotations
 
 import gc
-import itertools
 import math
 from typing import Any
 
@@ -56,9 +55,21 @@ FIXED_SPLITS_ARM = 16
 DRY_RUN_MAX_CONTEXT = max(context for _, context in DRY_RUN_GRID)
 
 TUNE_CASES = ((1, 32768), (4, 4096), (32, 4096), (256, 512))
-TUNE_KERNEL_GRID = {"pages_per_step": (4, 8, 16), "num_warps": (4, 8), "num_stages": (1, 2, 3)}
-TUNE_BLOCKS_PER_SM = (1, 2, 4, 8)
-DRY_RUN_KERNEL_GRID = {"pages_per_step": (4, 8), "num_warps": (4,), "num_stages": (2,)}
+# Launch candidates: pages per step x warps x prefetch at one pipeline stage (stages > 1 lost
+# everywhere in the first sweep, 2026-11-30), plus two stages with prefetch.
+TUNE_KERNEL_CANDIDATES = [
+    {"pages_per_step": p, "num_warps": w, "num_stages": 1, "prefetch_page_indices": f}
+    for p in (4, 8, 16) for w in (4, 8) for f in (True, False)
+] + [
+    {"pages_per_step": p, "num_warps": 4, "num_stages": 2, "prefetch_page_indices": True}
+    for p in (4, 8, 16)
+]
+TUNE_BLOCKS_PER_SM = (1, 2, 4)
+LAUNCH_PARAMETERS = ("pages_per_step", "num_warps", "num_stages", "prefetch_page_indices")
+DRY_RUN_KERNEL_CANDIDATES = [
+    {"pages_per_step": p, "num_warps": 4, "num_stages": 1, "prefetch_page_indices": f}
+    for p in (4, 8) for f in (True, False)
+]
 DRY_RUN_BLOCKS_PER_SM = (1, 2)
 
 
@@ -81,7 +92,8 @@ def run(options: RunOptions, ceiling: CopyCeiling) -> SuiteOutput:
             if options.tune and (options.dry_run or (batch, context) in TUNE_CASES):
                 sweeps[setup.case] = tuning_sweep(setup, options)
                 rows[0].extra["kernel_sweep"] = sweeps[setup.case]
-            peer_rows = peers.peer_attention_results(
+            # A tuning run compares our parameters with each other; the peers run in the full run.
+            peer_rows = [] if options.tune else peers.peer_attention_results(
                 setup, options, ceiling.tbps, notes=notes, repeat_reference_arm=False
             )
             repeat = _api_result(setup, options, ceiling.tbps, repeat=rows[0])
@@ -233,7 +245,8 @@ def decodelab_results(
     )
     api.extra["max_abs_difference_from_xla_gather"] = difference
     api.extra["kernel_parameters"] = tuning.kernel_parameters(
-        setup.head_dim, setup.num_q_heads // setup.num_kv_heads, setup.queries.dtype
+        setup.head_dim, setup.num_q_heads // setup.num_kv_heads, setup.queries.dtype,
+        plan.write_final,
     )
     if not difference <= DISAGREEMENT_TOLERANCE:
         notes.append(f"{setup.case}: decodelab differs from xla_gather by {difference:.3g}")
@@ -272,21 +285,21 @@ def decodelab_results(
 def tuning_sweep(setup: AttentionSetup, options: RunOptions) -> list[dict[str, Any]]:
     """Times the kernel (with its merge) over the launch-parameter grid, and the planner's
     programs per SM at the default launch parameters; failures are recorded, not raised."""
-    kernel_grid = DRY_RUN_KERNEL_GRID if options.dry_run else TUNE_KERNEL_GRID
+    candidates = DRY_RUN_KERNEL_CANDIDATES if options.dry_run else TUNE_KERNEL_CANDIDATES
     blocks_per_sm = DRY_RUN_BLOCKS_PER_SM if options.dry_run else TUNE_BLOCKS_PER_SM
     prior = expected_us(setup.kv_bytes_per_set, EXPECTED_TBPS)
     plan = plan_for(setup)
     entries = []
-    names = list(kernel_grid)
-    candidates = [dict(zip(names, values, strict=True))
-                  for values in itertools.product(*kernel_grid.values())]
     planner_candidates = [{"blocks_per_sm": n} for n in blocks_per_sm]
     for candidate in candidates + planner_candidates:
         try:
             if "blocks_per_sm" in candidate:
                 max_grid = candidate["blocks_per_sm"] * tuning.num_sms()
                 this_plan = plan_for(setup, max_grid=max_grid)
-                params = tuning.kernel_parameters(setup.head_dim, 4, setup.queries.dtype)
+                params = tuning.kernel_parameters(
+                    setup.head_dim, setup.num_q_heads // setup.num_kv_heads,
+                    setup.queries.dtype, this_plan.write_final,
+                )
             else:
                 this_plan, params = plan, candidate
             loop = kernel_loop(setup, this_plan, params, include_merge=True,
@@ -313,22 +326,30 @@ def summarize_sweeps(sweeps: dict[str, list[dict[str, Any]]]) -> list[str]:
         if kernels:
             best = min(kernels, key=lambda e: e["median_us"])
             notes.append(
-                f"tune {case}: best launch pages_per_step={best['pages_per_step']} "
-                f"num_warps={best['num_warps']} num_stages={best['num_stages']}: "
-                f"{best['median_us']:.2f} us ({best['achieved_tbps']:.2f} TB/s)"
+                f"tune {case}: best launch {_launch_label(best)} (write_final="
+                f"{best['write_final']}): {best['median_us']:.2f} us "
+                f"({best['achieved_tbps']:.2f} TB/s)"
             )
         if planners:
             best = min(planners, key=lambda e: e["median_us"])
             notes.append(f"tune {case}: best planner blocks_per_sm={best['blocks_per_sm']} "
                          f"(splits={best['splits']}): {best['median_us']:.2f} us")
         for entry in kernels:
-            key = (entry["pages_per_step"], entry["num_warps"], entry["num_stages"])
+            key = (entry["write_final"], _launch_label(entry))
             kernel_times.setdefault(key, []).append(entry["median_us"])
-    complete = {k: v for k, v in kernel_times.items() if len(v) == len(sweeps)}
-    if complete:
+    for write_final in (True, False):
+        group = {k: v for k, v in kernel_times.items() if k[0] == write_final}
+        if not group:
+            continue
+        most = max(len(v) for v in group.values())
+        complete = {k: v for k, v in group.items() if len(v) == most}
         best_key = min(complete, key=lambda k: float(np.mean(np.log(complete[k]))))
         notes.append(
-            "tune: best launch parameters by geometric mean over the tuned cases: "
-            f"pages_per_step={best_key[0]} num_warps={best_key[1]} num_stages={best_key[2]}"
+            f"tune: best launch by geometric mean over the {most} tuned case(s) with "
+            f"write_final={write_final}: {best_key[1]}"
         )
     return notes
+
+
+def _launch_label(entry: dict[str, Any]) -> str:
+    return " ".join(f"{name}={entry[name]}" for name in LAUNCH_PARAMETERS if name in entry)
