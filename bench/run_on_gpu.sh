@@ -17,14 +17,14 @@ for stage in "$@"; do
       timeout 200 python3 -m pytest -q -x -p no:cacheprovider tests/test_paged_decode_kernel.py 2>&1 \
         | tee "$out/gpu_tests.log" | tail -n 15 ;;
     tune)
-      timeout 330 python3 -m bench decode --tune --out "$out" 2>&1 | tee "$out/tune.log" \
+      timeout 290 python3 -m bench decode --tune --out "$out" 2>&1 | tee "$out/tune.log" \
         | grep -v '^  tune' ;;
     memcheck)
       XLA_PYTHON_CLIENT_ALLOCATOR=platform XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 150 \
         compute-sanitizer --tool memcheck python3 -m bench.memcheck_decode 2>&1 \
         | tee "$out/memcheck.log" | tail -n 12 ;;
     decode|peers)
-      timeout 540 python3 -m bench "$stage" --out "$out" 2>&1 | tee "$out/$stage.log" \
+      timeout 300 python3 -m bench "$stage" --out "$out" 2>&1 | tee "$out/$stage.log" \
         | grep -v '^  tune' ;;
     demo)
       python3 -m serving demo 2>&1 | tee "$out/demo.log" ;;
