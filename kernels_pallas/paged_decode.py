@@ -68,7 +68,6 @@ def paged_decode_kernel(
     partial_rows: int,
     num_kv_heads: int,
     pages_per_step: int,
-    prefetch_page_indices: bool,
     logit_scale_log2: float,
     logits_soft_cap: float | None,
     sm_scale: float,
@@ -105,14 +104,8 @@ def paged_decode_kernel(
         )  # [pages_per_step]
 
     def step(i, carry):
-        acc, running_max, running_sum, pages = carry
-        if prefetch_page_indices:
-            # Issued before this step's K/V loads, so the next step's page numbers arrive while
-            # this step's pages stream in: one memory latency less on every step's critical path.
-            next_pages = load_pages(i + 1)
-        else:
-            pages = load_pages(i)
-            next_pages = pages
+        acc, running_max, running_sum = carry
+        pages = load_pages(i)
         k = k_pages_ref[pages].reshape(block_tokens, head_dim)
         v = v_pages_ref[pages].reshape(block_tokens, head_dim)
         logits = plgpu.dot(q, k, trans_b=True, precision=precision)  # [rows, block_tokens] f32
@@ -132,15 +125,14 @@ def paged_decode_kernel(
         acc = acc * correction[:, None] + plgpu.dot(
             probs.astype(v.dtype), v, precision=precision
         )
-        return acc, new_max, running_sum, next_pages
+        return acc, new_max, running_sum
 
     init = (
         jnp.zeros((rows, head_dim), jnp.float32),
         jnp.full((rows,), -jnp.inf, jnp.float32),
         jnp.zeros((rows,), jnp.float32),
-        load_pages(0) if prefetch_page_indices else jnp.zeros((pages_per_step,), jnp.int32),
     )
-    acc, running_max, running_sum, _ = lax.fori_loop(0, num_steps, step, init)
+    acc, running_max, running_sum = lax.fori_loop(0, num_steps, step, init)
 
     nonempty = running_sum > 0
     out = acc / jnp.where(nonempty, running_sum, 1.0)[:, None]
@@ -168,7 +160,6 @@ def paged_decode_kernel(
         "logits_soft_cap",
         "write_final",
         "pages_per_step",
-        "prefetch_page_indices",
         "num_warps",
         "num_stages",
         "interpret",
@@ -189,7 +180,6 @@ def paged_decode(
     logits_soft_cap: float | None,
     write_final: bool,
     pages_per_step: int = 8,
-    prefetch_page_indices: bool = True,
     num_warps: int = 4,
     num_stages: int = 1,
     interpret: bool = False,
@@ -210,8 +200,7 @@ def paged_decode(
         ``(o [B, H, D] in q.dtype, lse [B, H] float32)`` directly; otherwise write partial states
         ``(o [W, KVH, P, D] float32, lse [W, KVH, P] float32)`` with ``P = partial_rows(G)``
         (the group padded to a power of two; rows past G are padding).
-      pages_per_step, prefetch_page_indices, num_warps, num_stages: tuning
-        (``paged_decode_tuning.py``).
+      pages_per_step, num_warps, num_stages: launch parameters (``paged_decode_tuning.py``).
       interpret: run in Pallas interpret mode (CPU).
 
     Returns:
@@ -257,7 +246,6 @@ def paged_decode(
         partial_rows=partial,
         num_kv_heads=num_kv_heads,
         pages_per_step=pages_per_step,
-        prefetch_page_indices=prefetch_page_indices,
         logit_scale_log2=sm_scale * LOG2_E,
         logits_soft_cap=logits_soft_cap,
         sm_scale=sm_scale,
@@ -275,7 +263,6 @@ def paged_decode(
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name=f"paged_decode_{layout}_p{pages_per_step}_w{num_warps}_s{num_stages}"
-        + ("_prefetch" if prefetch_page_indices else "")
         + ("_final" if write_final else "_partial"),
     )(*work_arrays, page_indices, q_rows, k_pages, v_pages)
     if write_final:

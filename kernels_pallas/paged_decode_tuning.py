@@ -1,13 +1,29 @@
 """Tuned parameters of the paged decode kernel and its planner, by shape bucket.
 
-A small data table, not logic: the benchmark (``python -m bench decode --tune``) measures the
-candidates on the GPU and the chosen values are recorded here with the report that chose them.
-A later autotuner will write this file.
+A small data table, not logic. ``python -m bench decode --tune`` measures the candidates on the
+GPU; the values below were chosen from its sweep of 2026-11-30 on one H200 (jax 0.11.2), whose
+figures are in ``docs/benchmark_results/2026-11-30-decode-tuning.json``. A later autotuner will
+write this file.
 
-Kernel keys are ``(head_dim, group_rows, dtype_name, write_final)``: ``group_rows`` is the
-query-head group padded to the 16-row tensor-core tile (``max(16, next_pow2(num_q_heads /
-num_kv_heads))``), and ``write_final`` separates plans that split (short chunks, partials) from
-plans that do not (whole requests, final outputs), which favour different step sizes.
+Launch keys are ``(head_dim, group_rows, write_final, long_chunks)``:
+
+- ``group_rows``: the query-head group padded to the 16-row tensor-core tile.
+- ``write_final``: the plan does not split (each program streams a whole request and writes the
+  final output) or splits (programs stream chunks and write partial states).
+- ``long_chunks``: the plan's chunks hold more than ``LONG_CHUNK_PAGES`` pages. Short chunks
+  finish in a few steps, so a smaller step (more programs resident per SM) pays off there.
+
+What the sweep showed (median us, HND bfloat16, 32/8 heads, head_dim 128):
+
+- one pipeline stage beat two or three in every case (Triton's software pipelining of the
+  gathered page loads costs shared memory and occupancy here, and gained nothing);
+- no split, long requests (B=32 x 4096): 8 pages a step, 4 warps (169.9; 4 pages: 191.2);
+- no split, short requests (B=256 x 512): 4 pages a step, 4 warps (160.8; 8 pages: 168.8);
+- split (B=1 x 32768, B=4 x 4096): 16 pages a step, 4 warps (60.4 and 36.4 for the kernel and
+  merge; 8 pages: 71.2 and 36.9);
+- loading the next step's page numbers one step ahead changed nothing measurable at 4 warps
+  (within 1%), so the kernel does not do it;
+- the planner's 2 programs per SM (FlashInfer's rule, 264 programs) beat 1 and 4 or tied.
 """
 
 from __future__ import annotations
@@ -17,12 +33,15 @@ import functools
 import jax
 
 H200_NUM_SMS = 132
+LONG_CHUNK_PAGES = 32
 
-# Kernel launch parameters: pages loaded per loop step, warps per program, pipeline depth.
-DEFAULT_KERNEL = {
-    "pages_per_step": 8, "num_warps": 4, "num_stages": 1, "prefetch_page_indices": True,
+DEFAULT_KERNEL = {"pages_per_step": 8, "num_warps": 4, "num_stages": 1}
+KERNEL_TABLE: dict[tuple[int, int, bool, bool], dict[str, int]] = {
+    (128, 16, True, True): {"pages_per_step": 8, "num_warps": 4, "num_stages": 1},
+    (128, 16, True, False): {"pages_per_step": 4, "num_warps": 4, "num_stages": 1},
+    (128, 16, False, True): {"pages_per_step": 16, "num_warps": 4, "num_stages": 1},
+    (128, 16, False, False): {"pages_per_step": 16, "num_warps": 4, "num_stages": 1},
 }
-KERNEL_TABLE: dict[tuple[int, int, str, bool], dict[str, int]] = {}
 
 # Planner: programs per SM that fill the GPU, the smallest chunk worth splitting off, and the
 # static number of splits a traced (unplanned) call uses at most.
@@ -31,15 +50,30 @@ PLANNER_TABLE: dict[tuple[int, int], dict[str, int]] = {}
 
 
 def group_rows(group_size: int) -> int:
+    """The query-head group padded to the 16-row tensor-core tile (a power of two)."""
     rows = 16
     while rows < group_size:
         rows *= 2
     return rows
 
 
-def kernel_parameters(head_dim: int, group_size: int, dtype, write_final: bool) -> dict[str, int]:
-    """Launch parameters for a shape bucket (the default where the table has no entry)."""
-    key = (head_dim, group_rows(group_size), jax.numpy.dtype(dtype).name, write_final)
+def kernel_parameters(
+    head_dim: int, group_size: int, write_final: bool, chunk_pages: int | None
+) -> dict[str, int]:
+    """Launch parameters for a shape bucket (the default where the table has no entry).
+
+    Args:
+      head_dim, group_size: the attention shape.
+      write_final: whether the plan splits no request.
+      chunk_pages: the plan's chunk size in pages; None when unknown (a traced plan), which
+        counts as long.
+
+    Example:
+      >>> kernel_parameters(128, 4, True, 256)
+      {'pages_per_step': 8, 'num_warps': 4, 'num_stages': 1}
+    """
+    long_chunks = chunk_pages is None or chunk_pages > LONG_CHUNK_PAGES
+    key = (head_dim, group_rows(group_size), write_final, long_chunks)
     return {**DEFAULT_KERNEL, **KERNEL_TABLE.get(key, {})}
 
 

@@ -125,8 +125,9 @@ def _decode_attention_pallas(q, cache, page_table, sm_scale, logits_soft_cap, pl
         else:
             plan = traced_default_plan(page_table, num_q_heads, num_kv_heads, head_dim)
     validate_plan(plan, batch)
-    params = tuning.kernel_parameters(
-        head_dim, num_q_heads // num_kv_heads, q.dtype, plan.write_final
+    # A plan built by hand without launch parameters gets the defaults.
+    params = dict(plan.launch) or tuning.kernel_parameters(
+        head_dim, num_q_heads // num_kv_heads, plan.write_final, None
     )
     interpret = interpret_mode()
     o, lse = paged_decode(

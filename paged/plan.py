@@ -44,6 +44,8 @@ class DecodePlan:
       chunk_pages: int32 scalar, the chunk size chosen (pages), for reports.
       num_work_items: int32 scalar, the real (unpadded) items, for reports.
       write_final: every request is one item and results need no merge (static).
+      launch: the kernel's launch parameters for this plan, ``((name, value), ...)``, from
+        ``kernels_pallas/paged_decode_tuning.py`` (static).
     """
 
     work_request: jax.Array
@@ -54,6 +56,7 @@ class DecodePlan:
     chunk_pages: jax.Array
     num_work_items: jax.Array
     write_final: bool
+    launch: tuple[tuple[str, int], ...] = ()
 
     @property
     def batch_size(self) -> int:
@@ -75,7 +78,7 @@ jax.tree_util.register_dataclass(
         "chunk_pages",
         "num_work_items",
     ],
-    meta_fields=["write_final"],
+    meta_fields=["write_final", "launch"],
 )
 
 
@@ -143,7 +146,7 @@ def plan_decode(
     Args:
       page_table: the batch's table (concrete arrays; it is read on the host).
       num_q_heads, num_kv_heads, head_dim: the attention shape (``head_dim`` and the group size
-        select tuned parameters).
+        select tuned planner and launch parameters).
       fixed_split_pages: cut every request into chunks of exactly this many pages (the last one
         shorter) and always merge: batch-invariant, deterministic results.
       max_grid: programs that fill the GPU (default: the tuned ``blocks_per_sm`` x SM count).
@@ -196,6 +199,8 @@ def plan_decode(
     def padded(values, fill):
         return jnp.asarray(np.array(values + [fill] * padding, np.int32))
 
+    launch = tuning.kernel_parameters(head_dim, num_q_heads // num_kv_heads, write_final, chunk)
+
     return DecodePlan(
         work_request=padded(requests, -1),
         work_page_start=padded(starts, 0),
@@ -205,6 +210,7 @@ def plan_decode(
         chunk_pages=jnp.asarray(chunk, jnp.int32),
         num_work_items=jnp.asarray(real, jnp.int32),
         write_final=write_final,
+        launch=tuple(sorted(launch.items())),
     )
 
 
@@ -237,6 +243,8 @@ def traced_default_plan(page_table: PageTable, num_q_heads: int, num_kv_heads: i
         chunk_pages=jnp.max(chunk, initial=0).astype(jnp.int32),
         num_work_items=jnp.asarray(batch * splits, jnp.int32),
         write_final=splits == 1,
+        launch=tuple(sorted(tuning.kernel_parameters(
+            head_dim, num_q_heads // num_kv_heads, splits == 1, None).items())),
     )
 
 

@@ -55,20 +55,16 @@ FIXED_SPLITS_ARM = 16
 DRY_RUN_MAX_CONTEXT = max(context for _, context in DRY_RUN_GRID)
 
 TUNE_CASES = ((1, 32768), (4, 4096), (32, 4096), (256, 512))
-# Launch candidates: pages per step x warps x prefetch at one pipeline stage (stages > 1 lost
-# everywhere in the first sweep, 2026-11-30), plus two stages with prefetch.
+# Launch candidates. The first sweep (2026-11-30) tried pages per step 4/8/16 x warps 4/8 x
+# pipeline stages 1/2/3, the second also loading the next step's page numbers ahead (no gain);
+# one stage won everywhere, so the sweep keeps one stage and a two-stage control.
 TUNE_KERNEL_CANDIDATES = [
-    {"pages_per_step": p, "num_warps": w, "num_stages": 1, "prefetch_page_indices": f}
-    for p in (4, 8, 16) for w in (4, 8) for f in (True, False)
-] + [
-    {"pages_per_step": p, "num_warps": 4, "num_stages": 2, "prefetch_page_indices": True}
-    for p in (4, 8, 16)
-]
+    {"pages_per_step": p, "num_warps": w, "num_stages": 1} for p in (4, 8, 16) for w in (4, 8)
+] + [{"pages_per_step": p, "num_warps": 4, "num_stages": 2} for p in (4, 8, 16)]
 TUNE_BLOCKS_PER_SM = (1, 2, 4)
-LAUNCH_PARAMETERS = ("pages_per_step", "num_warps", "num_stages", "prefetch_page_indices")
+LAUNCH_PARAMETERS = ("pages_per_step", "num_warps", "num_stages")
 DRY_RUN_KERNEL_CANDIDATES = [
-    {"pages_per_step": p, "num_warps": 4, "num_stages": 1, "prefetch_page_indices": f}
-    for p in (4, 8) for f in (True, False)
+    {"pages_per_step": p, "num_warps": 4, "num_stages": 1} for p in (4, 8)
 ]
 DRY_RUN_BLOCKS_PER_SM = (1, 2)
 
@@ -244,10 +240,7 @@ def decodelab_results(
         api_loop(setup, plan).output(0), peers.reference_output(setup)
     )
     api.extra["max_abs_difference_from_xla_gather"] = difference
-    api.extra["kernel_parameters"] = tuning.kernel_parameters(
-        setup.head_dim, setup.num_q_heads // setup.num_kv_heads, setup.queries.dtype,
-        plan.write_final,
-    )
+    api.extra["kernel_parameters"] = dict(plan.launch)
     if not difference <= DISAGREEMENT_TOLERANCE:
         notes.append(f"{setup.case}: decodelab differs from xla_gather by {difference:.3g}")
     params = api.extra["kernel_parameters"]
@@ -296,10 +289,7 @@ def tuning_sweep(setup: AttentionSetup, options: RunOptions) -> list[dict[str, A
             if "blocks_per_sm" in candidate:
                 max_grid = candidate["blocks_per_sm"] * tuning.num_sms()
                 this_plan = plan_for(setup, max_grid=max_grid)
-                params = tuning.kernel_parameters(
-                    setup.head_dim, setup.num_q_heads // setup.num_kv_heads,
-                    setup.queries.dtype, this_plan.write_final,
-                )
+                params = dict(this_plan.launch)
             else:
                 this_plan, params = plan, candidate
             loop = kernel_loop(setup, this_plan, params, include_merge=True,
