@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections
 import datetime
 import json
+import os
 import pathlib
 import subprocess
 from collections.abc import Iterable, Sequence
@@ -102,11 +103,13 @@ def gpu_driver_version() -> str:
 
 
 def git_commit() -> str:
-    """The short commit of this checkout, ``-dirty`` if tracked files changed; ``"unknown"``
-    outside a git checkout. Untracked files (new reports) do not count as changes."""
+    """The short commit of this checkout, ``-dirty`` if tracked files changed. Outside a git
+    checkout (a copy of the tree sent to a GPU host has no ``.git``), the value of the
+    ``DECODELAB_COMMIT`` variable set by whoever sent it, else ``"unknown"``. Untracked files
+    (new reports) do not count as changes."""
     commit = _command_output(["git", "rev-parse", "--short", "HEAD"])
     if commit is None:
-        return "unknown"
+        return os.environ.get("DECODELAB_COMMIT", "unknown")
     changes = _command_output(["git", "status", "--porcelain", "--untracked-files=no"])
     return commit.strip() + ("-dirty" if changes else "")
 

@@ -3,7 +3,9 @@
 # jax 0.11.2 and no package registry, hence PYTHONPATH=. and no virtual environment):
 #   bash bench/run_on_gpu.sh tests tune memcheck     # check, then sweep parameters
 #   bash bench/run_on_gpu.sh decode peers demo        # the committed reports
-# Logs and reports go to $OUT (the device tool's output folder) when it is set.
+# Logs and reports go to $OUT (the device tool's output folder) when it is set. The copy of the
+# tree on the GPU host has no .git: pass DECODELAB_COMMIT=$(git rev-parse --short HEAD) so that
+# reports name the commit they measured.
 set -uo pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 out="${OUT:-/tmp/decodelab-gpu}"
