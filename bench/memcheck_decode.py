@@ -42,7 +42,13 @@ def main() -> int:
         )
         q = jnp.asarray(rng.standard_normal((len(lens), num_kv_heads * group, head_dim)),
                         jnp.bfloat16)
-        expected, _ = decode_attention_reference(q, cache, table, sm_scale=head_dim**-0.5)
+        # The reference runs on the CPU: under the sanitizer only the kernels under test should
+        # run on the GPU (XLA's own GEMM autotuning there is slow enough to time out).
+        cpu = jax.devices("cpu")[0]
+        expected, _ = decode_attention_reference(
+            jax.device_put(q, cpu), jax.device_put(cache, cpu), jax.device_put(table, cpu),
+            sm_scale=head_dim**-0.5,
+        )
         for fixed in (None, 3):
             for max_grid in (None, 1):
                 if fixed and max_grid:
