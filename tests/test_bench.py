@@ -356,3 +356,47 @@ def test_jax_pallas_peer_lowers_for_an_h200_at_every_standard_shape(monkeypatch)
             assert peers.triton_kernel_names(text) == [
                 "paged_attention_block_h_16_pages_per_compute_block_8"
             ]
+
+
+# ----------------------------------------------------------------------------------------------
+# The decode suite's dry run (our kernel's arms beside the peers, and the tuning sweep)
+
+
+def _decode_dry_run(out_dir, *flags):
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        status = main(["decode", "--dry-run", *flags, "--out", str(out_dir)])
+    assert status == 0
+    [json_path] = out_dir.glob("*-decode.json")
+    document = json.loads(json_path.read_text())
+    assert document["suite"] == "decode"
+    arms_by_case = {}
+    for case in document["cases"]:
+        assert set(CASE_FIELDS) <= set(case), case
+        arms_by_case.setdefault(case["case"], set()).add(case["arm"])
+    return document, arms_by_case
+
+
+def test_decode_dry_run_times_every_decodelab_arm_beside_the_peers(tmp_path):
+    document, arms_by_case = _decode_dry_run(tmp_path)
+    for arms in arms_by_case.values():
+        # Dry-run contexts split at one page, so the no-split arm runs; the fixed-16 arm
+        # coincides with the planner there and is noted instead of timed.
+        assert {"decodelab", "decodelab_kernel", "decodelab_no_split", "decodelab (repeat)",
+                "xla_gather", "jax_pallas_paged_attention"} <= arms
+    for row in (c for c in document["cases"] if c["arm"] == "decodelab"):
+        assert row["max_abs_difference_from_xla_gather"] < 0.05
+        assert row["splits"] > 1 and not row["write_final"]
+    assert any("fixed-16 arm" in note for note in document["notes"])
+
+
+def test_decode_tuning_dry_run_sweeps_launch_and_planner_parameters(tmp_path):
+    document, arms_by_case = _decode_dry_run(tmp_path, "--tune")
+    for arms in arms_by_case.values():
+        assert "xla_gather" not in arms  # a tuning run compares our parameters only
+    for row in (c for c in document["cases"] if c["arm"] == "decodelab"):
+        sweep = row["kernel_sweep"]
+        assert any("pages_per_step" in entry for entry in sweep)
+        assert any("blocks_per_sm" in entry for entry in sweep)
+        assert all("median_us" in entry for entry in sweep), sweep
+    assert any(note.startswith("tune: best launch") for note in document["notes"])
