@@ -9,7 +9,7 @@ is far from saturated. Cutting each request's pages into chunks gives more progr
 of writing partial states and merging them (``kernels_pallas/merge_states.py``).
 
 The rule (FlashInfer's, in ``../shared/anchors.md``): with ``max_grid = blocks_per_sm * num_sms``
-programs, if ``batch * num_kv_heads >= max_grid`` do not split; otherwise take the smallest
+programs, if ``nonempty_requests * num_kv_heads >= max_grid`` do not split; otherwise take the smallest
 chunk (at least ``min_chunk_pages``) such that ``sum_b ceil(pages_b / chunk) * num_kv_heads <=
 max_grid``. A fixed chunk (``fixed_split_pages``) instead makes every request's result
 independent of the rest of the batch, bit for bit (its chunks and their merge order depend on
@@ -98,14 +98,15 @@ def choose_chunk_pages(
     longest = int(pages_per_request.max(initial=0))
     if longest == 0:
         return 1
-    batch = len(pages_per_request)
-    if batch * num_kv_heads >= max_grid or longest <= min_chunk_pages:
+    # Empty requests cost no program worth counting (theirs exit at once).
+    nonempty = int(np.count_nonzero(pages_per_request))
+    if nonempty * num_kv_heads >= max_grid or longest <= min_chunk_pages:
         return longest
 
     def num_programs(chunk: int) -> int:
         return int(np.sum(-(-pages_per_request // chunk))) * num_kv_heads
 
-    low, high = min_chunk_pages, longest  # num_programs(high) = nonempty * KVH <= max_grid
+    low, high = min_chunk_pages, longest  # num_programs(high) = nonempty * KVH < max_grid
     while low < high:
         middle = (low + high) // 2
         if num_programs(middle) <= max_grid:
