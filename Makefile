@@ -33,8 +33,10 @@ demo: $(STAMP)
 	$(PY) -m serving demo
 
 # The ci hypothesis profile is derandomized and bounded; -n 2 uses both cores of a CI machine.
+# pytest exits 5 when it collects no test: say so (make then fails, as for any failure).
 test: $(STAMP)
-	HYPOTHESIS_PROFILE=ci $(PY) -m pytest -q -n 2 --nbmake notebooks tests paged kernels_pallas sampling speculative serving bench
+	@HYPOTHESIS_PROFILE=ci $(PY) -m pytest -q -n 2 --nbmake notebooks tests paged kernels_pallas sampling speculative serving bench; \
+	status=$$?; if [ $$status -eq 5 ]; then echo "error: pytest collected no tests"; fi; exit $$status
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

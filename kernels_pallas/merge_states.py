@@ -40,8 +40,11 @@ def merge_states_kernel(
     request = pl.program_id(0)
     kv_head = pl.program_id(1)
     head_dim = partial_o_ref.shape[1]
-    first = merge_indptr_ref[request]
-    last = merge_indptr_ref[request + 1]
+    num_work = partial_lse_ref.shape[0] // (num_kv_heads * partial_rows)
+    # Clamped so that a bad merge_indptr under jit (unvalidated there) cannot read past the
+    # partials; the public API checks it when it is concrete.
+    first = jnp.clip(merge_indptr_ref[request], 0, num_work)
+    last = jnp.clip(merge_indptr_ref[request + 1], first, num_work)
 
     def fold(i, carry):
         acc, running_max, running_sum = carry
@@ -79,8 +82,9 @@ def merge_states_kernel(
 
     keep = jnp.arange(partial_rows) < group_size
     first_row = (request * num_kv_heads + kv_head) * group_size
-    plgpu.store(o_ref.at[pl.ds(first_row, partial_rows), :], out.astype(o_ref.dtype),
-                mask=keep[:, None])
+    plgpu.store(
+        o_ref.at[pl.ds(first_row, partial_rows), :], out.astype(o_ref.dtype), mask=keep[:, None]
+    )
     plgpu.store(lse_ref.at[pl.ds(first_row, partial_rows)], lse, mask=keep)
 
 

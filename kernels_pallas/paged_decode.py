@@ -51,7 +51,7 @@ MIN_ROWS = 16  # tensor-core dots need at least 16 rows
 
 def paged_decode_kernel(
     # Scalar work description, one entry per work item (the grid's first axis).
-    work_request_ref,  # [num_work] int32; -1 marks a padding item
+    work_request_ref,  # [num_work] int32; -1 (or any value outside the batch) marks padding
     work_page_start_ref,  # [num_work] int32, offset into page_indices
     work_page_end_ref,  # [num_work] int32
     work_last_page_len_ref,  # [num_work] int32, valid slots in the item's final page
@@ -76,22 +76,32 @@ def paged_decode_kernel(
 ):
     work = pl.program_id(0)
     kv_head = pl.program_id(1)
-    request = work_request_ref[work]
-    page_start = work_page_start_ref[work]
-    page_end = work_page_end_ref[work]
-    page_size, head_dim = k_pages_ref.shape[1], k_pages_ref.shape[2]
+    num_pages, page_size, head_dim = k_pages_ref.shape
+    num_indices = page_indices_ref.shape[0]
+    batch = q_ref.shape[0] // (num_kv_heads * group_size)
     block_tokens = pages_per_step * page_size
+    # The public API validates plans and tables when they are concrete; under jit it cannot.
+    # These clamps (a few scalar ops a program) keep every access inside its array whatever
+    # the work arrays and the table say: a request outside the batch is a padding item, a page
+    # range is cut to page_indices, a last-page length to [0, page_size].
+    request = work_request_ref[work]
+    is_padding = (request < 0) | (request >= batch)
+    request = jnp.where(is_padding, 0, request)
+    page_start = jnp.clip(work_page_start_ref[work], 0, num_indices)
+    page_end = jnp.clip(work_page_end_ref[work], page_start, num_indices)
+    page_end = jnp.where(is_padding, page_start, page_end)
+    last_page_len = jnp.clip(work_last_page_len_ref[work], 0, page_size)
 
     row_ids = jnp.arange(rows)
     row_is_real = row_ids < group_size
-    first_row = (jnp.maximum(request, 0) * num_kv_heads + kv_head) * group_size
+    first_row = (request * num_kv_heads + kv_head) * group_size
     q = plgpu.load(
         q_ref.at[pl.ds(first_row, rows), :], mask=row_is_real[:, None], other=0.0
     )  # [rows, head_dim]
 
     num_tokens = jnp.where(
         page_end > page_start,
-        (page_end - page_start - 1) * page_size + work_last_page_len_ref[work],
+        (page_end - page_start - 1) * page_size + last_page_len,
         0,
     )
     num_steps = pl.cdiv(page_end - page_start, pages_per_step)
@@ -99,9 +109,10 @@ def paged_decode_kernel(
     def load_pages(i):
         first = page_start + i * pages_per_step
         page_is_real = first + jnp.arange(pages_per_step) < page_end
-        return plgpu.load(
+        pages = plgpu.load(
             page_indices_ref.at[pl.ds(first, pages_per_step)], mask=page_is_real, other=0
         )  # [pages_per_step]
+        return jnp.clip(pages, 0, num_pages - 1)  # a bad index reads a wrong page, never past
 
     def step(i, carry):
         acc, running_max, running_sum = carry
@@ -120,11 +131,11 @@ def paged_decode_kernel(
         v = jnp.where(token_is_real[:, None], v, jnp.zeros_like(v))
         new_max = jnp.maximum(running_max, jnp.max(logits, axis=1))
         correction = jnp.exp2(running_max - new_max)
-        probs = jnp.exp2(logits - new_max[:, None])
+        # Masked tokens get weight exactly 0 even in a block with no real token (possible only
+        # for a last page declared empty), where logits - new_max would be 0 for them.
+        probs = jnp.where(token_is_real[None, :], jnp.exp2(logits - new_max[:, None]), 0.0)
         running_sum = running_sum * correction + jnp.sum(probs, axis=1)
-        acc = acc * correction[:, None] + plgpu.dot(
-            probs.astype(v.dtype), v, precision=precision
-        )
+        acc = acc * correction[:, None] + plgpu.dot(probs.astype(v.dtype), v, precision=precision)
         return acc, new_max, running_sum
 
     init = (
@@ -138,7 +149,7 @@ def paged_decode_kernel(
     out = acc / jnp.where(nonempty, running_sum, 1.0)[:, None]
     lse = jnp.where(nonempty, (running_max + jnp.log2(running_sum)) * LN_2, -jnp.inf)
     if write_final:
-        keep = row_is_real & (request >= 0)
+        keep = row_is_real & ~is_padding
         plgpu.store(
             o_ref.at[pl.ds(first_row, rows), :], out.astype(o_ref.dtype), mask=keep[:, None]
         )
@@ -217,7 +228,7 @@ def paged_decode(
     else:
         raise ValueError(f"layout must be 'HND' or 'NHD', got {layout!r}")
     group_size = num_q_heads // num_kv_heads
-    rows = max(MIN_ROWS, pl.next_power_of_2(group_size))
+    rows = dot_rows(group_size)
     partial = partial_rows(group_size)
     num_work = work_request.shape[0]
     q_rows = q.reshape(batch * num_q_heads, head_dim)
@@ -256,8 +267,13 @@ def paged_decode(
     o, lse = pl.pallas_call(
         kernel,
         grid=(num_work, num_kv_heads),
-        in_specs=[*(whole(a) for a in work_arrays), whole(page_indices), whole(q_rows),
-                  kv_spec, kv_spec],
+        in_specs=[
+            *(whole(a) for a in work_arrays),
+            whole(page_indices),
+            whole(q_rows),
+            kv_spec,
+            kv_spec,
+        ],
         out_specs=out_specs,
         out_shape=out_shape,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
@@ -267,8 +283,16 @@ def paged_decode(
     )(*work_arrays, page_indices, q_rows, k_pages, v_pages)
     if write_final:
         return o.reshape(batch, num_q_heads, head_dim), lse.reshape(batch, num_q_heads)
-    return (o.reshape(num_work, num_kv_heads, partial, head_dim),
-            lse.reshape(num_work, num_kv_heads, partial))
+    return (
+        o.reshape(num_work, num_kv_heads, partial, head_dim),
+        lse.reshape(num_work, num_kv_heads, partial),
+    )
+
+
+def dot_rows(group_size: int) -> int:
+    """Rows of the query tile: the group padded to a power of two, at least the 16 rows of a
+    tensor-core tile (padding lives in registers only)."""
+    return max(MIN_ROWS, pl.next_power_of_2(group_size))
 
 
 def partial_rows(group_size: int) -> int:

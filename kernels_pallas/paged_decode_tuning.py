@@ -32,6 +32,8 @@ import functools
 
 import jax
 
+from kernels_pallas.paged_decode import dot_rows
+
 H200_NUM_SMS = 132
 LONG_CHUNK_PAGES = 32
 
@@ -50,11 +52,8 @@ PLANNER_TABLE: dict[tuple[int, int], dict[str, int]] = {}
 
 
 def group_rows(group_size: int) -> int:
-    """The query-head group padded to the 16-row tensor-core tile (a power of two)."""
-    rows = 16
-    while rows < group_size:
-        rows *= 2
-    return rows
+    """The query-head group padded to the 16-row tensor-core tile, as the kernel pads it."""
+    return dot_rows(group_size)
 
 
 def kernel_parameters(

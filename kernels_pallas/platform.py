@@ -52,9 +52,7 @@ def resolve_backend(backend: str, *, pallas_available: bool = True) -> str:
         return "reference"
     forced = os.environ.get(KILL_SWITCH_VARIABLE, "").strip()
     if forced not in ("", "reference", "auto"):
-        raise ValueError(
-            f"{KILL_SWITCH_VARIABLE} must be 'reference' or unset, got {forced!r}"
-        )
+        raise ValueError(f"{KILL_SWITCH_VARIABLE} must be 'reference' or unset, got {forced!r}")
     if forced == "reference" or not pallas_available or not on_gpu():
         return "reference"
     return "pallas"

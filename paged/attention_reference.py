@@ -94,7 +94,9 @@ def decode_attention_reference(
         logits = scaled_logits(logits, sm_scale, logits_soft_cap)
         logits = jnp.where(mine, logits, -jnp.inf)
         lse = jax.nn.logsumexp(logits, axis=-1)  # -inf for an empty request
-        weights = jnp.where(mine, jnp.exp(logits - jnp.where(jnp.isfinite(lse), lse, 0)[..., None]), 0)
+        weights = jnp.where(
+            mine, jnp.exp(logits - jnp.where(jnp.isfinite(lse), lse, 0)[..., None]), 0
+        )
         # Zero the values the request does not own: a weight of 0 times a NaN left in an unused
         # slot (or in another request's token) would still be NaN.
         own_values = jnp.where(mine[:, None, None], v, 0)

@@ -16,8 +16,30 @@ from paged.kv_cache import KVCache, validate_kv_cache
 from paged.page_table import PageTable, validate_page_table
 from paged.plan import DecodePlan, plan_decode, traced_default_plan, validate_plan
 
-# Whether a Pallas kernel backs decode_attention.
-PALLAS_AVAILABLE = True
+
+def _is_power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def kernel_supports(q: jax.Array, cache: KVCache) -> str | None:
+    """Why the Pallas kernel cannot run these shapes, or None if it can.
+
+    Triton tiles must have power-of-two sides: ``head_dim`` and ``page_size`` (the group size is
+    padded in registers, so any group works).
+    """
+    if not _is_power_of_two(q.shape[-1]):
+        return f"head_dim={q.shape[-1]} is not a power of two"
+    if not _is_power_of_two(cache.page_size):
+        return f"page_size={cache.page_size} is not a power of two"
+    return None
+
+
+def _static_float(name: str, value) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, jax.core.Tracer):
+        raise ValueError(f"{name} must be a Python float, not a traced value (it is static)")
+    return float(value)
 
 
 def validate_decode_inputs(
@@ -67,8 +89,9 @@ def decode_attention(
     Backends, chosen when the function is traced (``kernels_pallas.platform``): ``"auto"`` is
     the fused Pallas kernel on a GPU and the reference elsewhere, unless
     ``DECODELAB_BACKEND=reference``; an explicit ``backend=`` wins (``"pallas"`` on a CPU runs the
-    kernel in interpret mode). The kernel reads pages in place in either layout; nothing is
-    converted on the hot path.
+    kernel in interpret mode). The kernel needs power-of-two ``head_dim`` and ``page_size``;
+    ``"auto"`` falls back to the reference for other shapes. The kernel reads pages in place in
+    either layout; nothing is converted on the hot path.
 
     Split-KV: the Pallas path follows a ``DecodePlan``. Pass the one ``paged.plan_decode`` made
     for this step (on the host, once, reused by every layer). Without one, a plan is made here
@@ -79,8 +102,8 @@ def decode_attention(
       q: ``[B, H, D]`` queries, in the cache's dtype.
       cache: the KV pool (``HND`` or ``NHD``).
       page_table: ``B`` requests' pages.
-      sm_scale: logit scale; default ``1 / sqrt(D)``.
-      logits_soft_cap: optional cap ``> 0``.
+      sm_scale: logit scale, a Python float (static); default ``1 / sqrt(D)``.
+      logits_soft_cap: optional cap ``> 0``, a Python float (static).
       return_lse: also return the log-sum-exp.
       plan: the step's ``DecodePlan`` (Pallas backend only; ignored by the reference).
       backend: ``"auto"``, ``"reference"`` or ``"pallas"``.
@@ -90,9 +113,11 @@ def decode_attention(
       (natural log). An empty request (no pages) gets ``o = 0`` and ``lse = -inf``.
 
     Raises:
-      ValueError: for mismatched shapes or dtypes, head counts that do not divide, a plan made
-        for another batch, and (concrete tables) page-table invariants: indices outside the pool,
-        ``page_indptr`` not starting at 0 or decreasing, ``last_page_len`` out of range.
+      ValueError: for mismatched shapes or dtypes, head counts that do not divide, a traced
+        ``sm_scale`` or cap, shapes the kernel cannot run with ``backend="pallas"``, a plan made
+        for another batch, and (concrete inputs) page-table invariants (indices outside the
+        pool, ``page_indptr`` not starting at 0 or decreasing, ``last_page_len`` out of range)
+        and a plan that does not match the table (a stale plan).
 
     Example:
       >>> from paged import new_kv_cache
@@ -102,10 +127,18 @@ def decode_attention(
       >>> o.shape, lse.shape
       ((2, 4, 8), (2, 4))
     """
+    logits_soft_cap = _static_float("logits_soft_cap", logits_soft_cap)
+    sm_scale = _static_float("sm_scale", sm_scale)
     validate_decode_inputs(q, cache, page_table, logits_soft_cap)
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(q.shape[-1])
-    if resolve_backend(backend, pallas_available=PALLAS_AVAILABLE) == "reference":
+    chosen = resolve_backend(backend)
+    unsupported = kernel_supports(q, cache)
+    if chosen == "pallas" and unsupported:
+        if backend == "pallas":
+            raise ValueError(f"backend='pallas' cannot run these shapes: {unsupported}")
+        chosen = "reference"  # "auto" falls back, as documented
+    if chosen == "reference":
         o, lse = decode_attention_reference(
             q, cache, page_table, sm_scale=sm_scale, logits_soft_cap=logits_soft_cap
         )
@@ -119,12 +152,14 @@ def decode_attention(
 def _decode_attention_pallas(q, cache, page_table, sm_scale, logits_soft_cap, plan):
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads = cache.num_kv_heads
+    if batch == 0:  # no program to launch
+        return jnp.zeros(q.shape, q.dtype), jnp.zeros((0, num_q_heads), jnp.float32)
     if plan is None:
         if is_concrete(page_table.page_indptr, page_table.last_page_len):
             plan = plan_decode(page_table, num_q_heads, num_kv_heads, head_dim)
         else:
             plan = traced_default_plan(page_table, num_q_heads, num_kv_heads, head_dim)
-    validate_plan(plan, batch)
+    validate_plan(plan, page_table)
     # A plan built by hand without launch parameters gets the defaults.
     params = dict(plan.launch) or tuning.kernel_parameters(
         head_dim, num_q_heads // num_kv_heads, plan.write_final, None
@@ -140,8 +175,8 @@ def _decode_attention_pallas(q, cache, page_table, sm_scale, logits_soft_cap, pl
         plan.work_page_end,
         plan.work_last_page_len,
         layout=cache.layout,
-        sm_scale=float(sm_scale),
-        logits_soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
+        sm_scale=sm_scale,
+        logits_soft_cap=logits_soft_cap,
         write_final=plan.write_final,
         interpret=interpret,
         **params,

@@ -232,8 +232,7 @@ def validate_page_table(table: PageTable, num_pool_pages: int, *, batch_size: in
         )
     if indptr[-1] > indices.shape[0]:
         raise ValueError(
-            f"page_table.page_indptr[-1]={indptr[-1]} exceeds len(page_indices)="
-            f"{indices.shape[0]}"
+            f"page_table.page_indptr[-1]={indptr[-1]} exceeds len(page_indices)={indices.shape[0]}"
         )
     used = indices[: indptr[-1]]
     bad = (used < 0) | (used >= num_pool_pages)

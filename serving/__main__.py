@@ -19,7 +19,9 @@ def main(argv: list[str] | None = None) -> int:
     demo = commands.add_parser("demo", help="paged KV cache demonstration")
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument(
-        "--backend", default="auto", choices=("auto", "reference", "pallas"),
+        "--backend",
+        default="auto",
+        choices=("auto", "reference", "pallas"),
         help="decode attention backend (auto: the Pallas kernel on a GPU, the reference elsewhere)",
     )
     args = parser.parse_args(argv)

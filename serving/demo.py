@@ -52,8 +52,10 @@ def run_demo(seed: int = 0, backend: str = "auto") -> int:
     print(f"\nrequests' lengths     {list(SEQ_LENS)}")
     print(f"page_indptr           {table.page_indptr.tolist()}")
     used = int(table.page_indptr[-1])
-    print(f"page_indices          {table.page_indices[:used].tolist()} "
-          f"(+{table.page_indices.shape[0] - used} padding)")
+    print(
+        f"page_indices          {table.page_indices[:used].tolist()} "
+        f"(+{table.page_indices.shape[0] - used} padding)"
+    )
     print(f"last_page_len         {table.last_page_len.tolist()}")
     print(f"pool pages free       {pool.num_free} of {NUM_POOL_PAGES}")
 
@@ -66,14 +68,21 @@ def run_demo(seed: int = 0, backend: str = "auto") -> int:
     k_new = rng.standard_normal((total, NUM_KV_HEADS, HEAD_DIM)).astype(np.float32)
     v_new = rng.standard_normal((total, NUM_KV_HEADS, HEAD_DIM)).astype(np.float32)
     cache = paged.append_kv(
-        cache, table, jnp.asarray(k_new, dtype), jnp.asarray(v_new, dtype),
-        jnp.asarray(batch_indices), jnp.asarray(positions),
+        cache,
+        table,
+        jnp.asarray(k_new, dtype),
+        jnp.asarray(v_new, dtype),
+        jnp.asarray(batch_indices),
+        jnp.asarray(positions),
     )
 
     q = jnp.asarray(rng.standard_normal((len(SEQ_LENS), NUM_Q_HEADS, HEAD_DIM)), dtype)
-    chosen = resolve_backend(backend, pallas_available=paged.decode.PALLAS_AVAILABLE)
-    decode = jax.jit(lambda q, cache, table: paged.decode_attention(
-        q, cache, table, return_lse=True, backend=backend))
+    chosen = resolve_backend(backend)
+    decode = jax.jit(
+        lambda q, cache, table: paged.decode_attention(
+            q, cache, table, return_lse=True, backend=backend
+        )
+    )
     out, lse = decode(q, cache, table)
     out.block_until_ready()
     start = time.perf_counter()
@@ -85,8 +94,8 @@ def run_demo(seed: int = 0, backend: str = "auto") -> int:
     k_rounded = np.asarray(jnp.asarray(k_new, dtype).astype(jnp.float32), np.float64)
     v_rounded = np.asarray(jnp.asarray(v_new, dtype).astype(jnp.float32), np.float64)
     starts = np.concatenate([[0], np.cumsum(SEQ_LENS)])
-    keys = [k_rounded[starts[b]:starts[b + 1]] for b in range(len(SEQ_LENS))]
-    values = [v_rounded[starts[b]:starts[b + 1]] for b in range(len(SEQ_LENS))]
+    keys = [k_rounded[starts[b] : starts[b + 1]] for b in range(len(SEQ_LENS))]
+    values = [v_rounded[starts[b] : starts[b + 1]] for b in range(len(SEQ_LENS))]
     q64 = np.asarray(q.astype(jnp.float32), np.float64)
     expected = dense_attention_float64(q64, keys, values, 1.0 / np.sqrt(HEAD_DIM))
     got = np.asarray(out.astype(jnp.float32), np.float64)
@@ -96,8 +105,10 @@ def run_demo(seed: int = 0, backend: str = "auto") -> int:
     print(f"\ndecode_attention backend: {chosen}  (requested {backend!r})")
     print(f"output {tuple(out.shape)} {out.dtype}, one call {elapsed_us:.0f} us (host clock)")
     print(f"relative L2 error vs dense float64 attention: {error:.2e} (bfloat16 bound 1e-2)")
-    print(f"empty request(s) {empty}: output all zero = {bool(np.all(got[empty] == 0))}, "
-          f"lse = {np.asarray(lse)[empty, 0].tolist()}")
+    print(
+        f"empty request(s) {empty}: output all zero = {bool(np.all(got[empty] == 0))}, "
+        f"lse = {np.asarray(lse)[empty, 0].tolist()}"
+    )
     ok = error < 1e-2 and bool(np.all(np.isfinite(got)))
     print("OK" if ok else "FAILED")
     return 0 if ok else 1

@@ -382,8 +382,14 @@ def test_decode_dry_run_times_every_decodelab_arm_beside_the_peers(tmp_path):
     for arms in arms_by_case.values():
         # Dry-run contexts split at one page, so the no-split arm runs; the fixed-16 arm
         # coincides with the planner there and is noted instead of timed.
-        assert {"decodelab", "decodelab_kernel", "decodelab_no_split", "decodelab (repeat)",
-                "xla_gather", "jax_pallas_paged_attention"} <= arms
+        assert {
+            "decodelab",
+            "decodelab_kernel",
+            "decodelab_no_split",
+            "decodelab (repeat)",
+            "xla_gather",
+            "jax_pallas_paged_attention",
+        } <= arms
     for row in (c for c in document["cases"] if c["arm"] == "decodelab"):
         assert row["max_abs_difference_from_xla_gather"] < 0.05
         assert row["splits"] > 1 and not row["write_final"]

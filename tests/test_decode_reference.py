@@ -208,11 +208,9 @@ def test_unwritten_slots_never_reach_the_output():
     entries name) may hold anything, NaN included, as recycled or uninitialized memory does; the
     output must depend only on each request's own tokens.
 
-    Exposes a bug in ``decode_attention_reference``: masked slots get weight 0, but the value sum
-    ``einsum("bkgt,tkd->bkgd", weights, v)`` computes ``0 * NaN = NaN``, so a NaN in any gathered
-    slot poisons every request. Fix: mask the values per request before the sum,
-    ``v_mine = jnp.where(mask[b, t], v[t], 0)`` (``[B, T, KVH, D]``) and
-    ``einsum("bkgt,btkd->bkgd", weights, v_mine)``.
+    Guards against a bug this test found: a weight of 0 times a NaN value is still NaN, so the
+    reference once let a NaN in any gathered slot poison every request; it now zeroes the values
+    a request does not own before the weighted sum.
     """
     page_size, head_dim, seq_lens = 4, 8, [3, 6, 0]
     cache = paged.new_kv_cache(8, page_size, NUM_KV_HEADS, head_dim, jnp.float32, layout="NHD")
@@ -244,7 +242,7 @@ def test_unwritten_slots_never_reach_the_output():
 
 def test_a_nan_in_one_request_stays_in_that_request():
     """A request whose own value holds NaN (a diverged sequence) may return NaN itself, but the
-    requests batched with it must not notice. Fails with the same ``0 * NaN`` bug as above."""
+    requests batched with it must not notice (the same ``0 * NaN`` trap as above)."""
     page_size, head_dim = 4, 8
     rng = np.random.default_rng(5)
     bucket = PagedBucket(batch_size=3, page_size=page_size, max_seq_len=6)
@@ -444,8 +442,9 @@ def test_jitted_append_of_a_bad_token_leaves_other_requests_pages_alone(batch_in
     may be dropped, but it must not land in a page that another request reads (``design.md``:
     no write to a page another request still reads; nothing returns garbage silently).
 
-    Exposes a bug in ``paged.kv_cache.token_slots``: out-of-range positions are clipped to a
-    valid entry of ``page_indices``, which is the next request's page, and written there.
+    Guards against a bug this test found: ``paged.kv_cache.token_slots`` once clipped an
+    out-of-range position to a valid entry of ``page_indices`` (the next request's page) and the
+    token was written there; such tokens are now sent past the pool and dropped.
     """
     arguments = _append_error_inputs()  # requests: 5 tokens on [4], empty, 17 tokens on [1, 2]
     cache = arguments["cache"]

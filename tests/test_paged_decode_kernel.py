@@ -8,6 +8,8 @@ from ``testing.md``: float32 < 1e-5, bfloat16 < 1e-2.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,8 +18,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import paged
+from kernels_pallas import paged_decode_tuning as tuning
 from kernels_pallas import platform
+from kernels_pallas.merge_states import merge_partial_states
+from paged import decode as decode_module
 from paged.attention_reference import decode_attention_reference
+from paged.plan import traced_default_plan
 from tests.conftest import ON_GPU, enable_x64
 
 PAGE_SIZE = 16
@@ -139,20 +145,31 @@ def test_random_lengths_inside_one_bucket(lens, seed, fixed):
     check_against_reference(q, cache, table, lens, plan=plan)
 
 
-def test_fixed_split_is_batch_invariant_bit_for_bit():
-    """With fixed_split_pages, a request's output does not depend on its batch neighbours."""
-    q, cache, table = make_inputs(2, (300, 7, 1000), "HND", 4, 128, jnp.bfloat16)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_fixed_split_is_batch_invariant_bit_for_bit(dtype):
+    """With fixed_split_pages, a request's output does not depend on its batch neighbours: each
+    request alone equals itself inside the batch, bit for bit (request 2 has 16 chunks, more
+    than the merge folds in one step, and sits at another offset alone than in the batch)."""
+    lens = (300, 7, 1000)
+    q, cache, table = make_inputs(2, lens, "HND", 4, 128, dtype)
     full = paged.decode_attention(
-        q, cache, table, backend="pallas",
+        q,
+        cache,
+        table,
+        backend="pallas",
         plan=paged.plan_decode(table, q.shape[1], NUM_KV_HEADS, 128, fixed_split_pages=4),
     )
     pages = table.page_lists()
-    alone_table = paged.PageTable.from_page_lists([pages[0]], [300], PAGE_SIZE)
-    alone = paged.decode_attention(
-        q[:1], cache, alone_table, backend="pallas",
-        plan=paged.plan_decode(alone_table, q.shape[1], NUM_KV_HEADS, 128, fixed_split_pages=4),
-    )
-    assert np.array_equal(np.asarray(full[0]).view(np.uint16), np.asarray(alone[0]).view(np.uint16))
+    for b in range(len(lens)):
+        alone_table = paged.PageTable.from_page_lists([pages[b]], [lens[b]], PAGE_SIZE)
+        alone = paged.decode_attention(
+            q[b : b + 1],
+            cache,
+            alone_table,
+            backend="pallas",
+            plan=paged.plan_decode(alone_table, q.shape[1], NUM_KV_HEADS, 128, fixed_split_pages=4),
+        )
+        assert np.array_equal(np.asarray(full[b]), np.asarray(alone[0])), b
 
 
 @pytest.mark.parametrize("layout", ["HND", "NHD"])
@@ -167,7 +184,10 @@ def test_unused_slots_holding_nan_never_reach_the_output(layout):
         for j, page in enumerate(pages):
             filled = min(PAGE_SIZE, lens[b] - j * PAGE_SIZE)
             if layout == "HND":
-                k[page, :, :filled], v[page, :, :filled] = real_k[page, :, :filled], real_v[page, :, :filled]
+                k[page, :, :filled], v[page, :, :filled] = (
+                    real_k[page, :, :filled],
+                    real_v[page, :, :filled],
+                )
             else:
                 k[page, :filled], v[page, :filled] = real_k[page, :filled], real_v[page, :filled]
     poisoned = paged.KVCache(jnp.asarray(k), jnp.asarray(v), layout)
@@ -191,8 +211,9 @@ def test_plans_inside_a_bucket_compile_once():
     for seed, lens in enumerate([(5, 40, 17), (100, 1, 60), (33, 34, 35)]):
         q, cache, table = make_inputs(seed, lens, "HND", 4, 64, jnp.float32, num_pool_pages=48)
         table = table.padded(32)
-        plan = paged.plan_decode(table, q.shape[1], NUM_KV_HEADS, 64, fixed_split_pages=2,
-                                 num_work_items=64)
+        plan = paged.plan_decode(
+            table, q.shape[1], NUM_KV_HEADS, 64, fixed_split_pages=2, num_work_items=64
+        )
         decode(q, cache, table, plan).block_until_ready()
     assert len(traces) == 1
 
@@ -216,11 +237,20 @@ def test_plan_decode_rejects_traced_tables_and_bad_splits():
 
 
 def test_planner_follows_the_grid_rule():
-    """No split when batch x KV heads fills the grid; otherwise the smallest chunk that fits."""
-    one_long = paged.PageTable.from_seq_lens([4096], PAGE_SIZE)
-    plan = paged.plan_decode(one_long, 32, 8, 128, max_grid=264, min_chunk_pages=8)
-    splits = int(plan.splits_per_request()[0])
-    assert splits * 8 <= 264 < (splits + 1) * 8 or int(plan.chunk_pages) == 8
+    """No split when the requests x KV heads fill the grid; otherwise the smallest chunk (not
+    below min_chunk_pages) whose programs fit the grid."""
+
+    def programs(pages, chunk):
+        return int(np.sum(-(-np.asarray(pages) // chunk))) * 8
+
+    for lens in ([4096], [4096, 100, 30000], [700] * 5):
+        table = paged.PageTable.from_seq_lens(lens, PAGE_SIZE)
+        pages = np.diff(np.asarray(table.page_indptr))
+        plan = paged.plan_decode(table, 32, 8, 128, max_grid=264, min_chunk_pages=8)
+        chunk = int(plan.chunk_pages)
+        assert programs(pages, chunk) <= 264
+        assert chunk == 8 or programs(pages, chunk - 1) > 264  # the smallest that fits
+        assert plan.splits_per_request().tolist() == (-(-pages // chunk)).tolist()
     many = paged.PageTable.from_seq_lens([1024] * 64, PAGE_SIZE)
     plan = paged.plan_decode(many, 32, 8, 128, max_grid=264)
     assert plan.write_final and plan.splits_per_request().tolist() == [1] * 64
@@ -261,3 +291,132 @@ def test_benchmark_shapes_on_gpu(layout, batch, context):
     )
     assert relative_error(o, np.asarray(ref_o, np.float64)) < 1e-2
     np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), rtol=1e-4, atol=1e-3)
+
+
+def test_a_stale_plan_is_rejected():
+    """A plan made before the table grew (last step's plan) would attend over the wrong tokens."""
+    q, cache, table = make_inputs(5, (40, 300), "HND", 4, 64, jnp.float32)
+    plan = paged.plan_decode(table, q.shape[1], NUM_KV_HEADS, 64)
+    grown = paged.PageTable.from_page_lists(table.page_lists(), [41, 301], PAGE_SIZE)
+    with pytest.raises(ValueError, match="the plan is stale"):
+        paged.decode_attention(q, cache, grown, plan=plan, backend="pallas")
+    longer = paged.PageTable.from_seq_lens([400, 900], PAGE_SIZE)
+    other_plan = paged.plan_decode(longer, q.shape[1], NUM_KV_HEADS, 64)
+    with pytest.raises(ValueError, match="plan"):
+        paged.decode_attention(q, cache, table, plan=other_plan, backend="pallas")
+
+
+def test_invalid_tables_under_jit_stay_inside_the_arrays():
+    """Under jit nothing is validated; the kernel clamps instead of reading past its arrays.
+    A request whose table is wrong gets a wrong but finite answer; the others are unaffected."""
+    q, cache, table = make_inputs(6, (20, 33, 50), "HND", 4, 64, jnp.float32, num_pool_pages=16)
+    good = np.asarray(paged.decode_attention(q, cache, table, backend="pallas"))
+    bad_indices = table.page_indices.at[0].set(1000)  # request 0's first page: outside the pool
+    bad_last = table.last_page_len.at[1].set(PAGE_SIZE + 4)  # request 1: beyond a page
+    bad = paged.PageTable(table.page_indptr, bad_indices, bad_last, PAGE_SIZE)
+    decode = jax.jit(lambda q, c, t: paged.decode_attention(q, c, t, backend="pallas"))
+    out = np.asarray(decode(q, cache, bad))
+    assert np.all(np.isfinite(out))
+    np.testing.assert_allclose(out[2], good[2], rtol=1e-5, atol=1e-6)
+    broken_plan = paged.plan_decode(table, q.shape[1], NUM_KV_HEADS, 64)
+    broken_plan = dataclasses.replace(
+        broken_plan,
+        work_request=broken_plan.work_request.at[0].set(7),  # a request outside the batch
+        work_page_end=broken_plan.work_page_end.at[1].set(10_000),  # past page_indices
+    )
+    decode_with = jax.jit(
+        lambda q, c, t, p: paged.decode_attention(q, c, t, plan=p, backend="pallas")
+    )
+    out = np.asarray(decode_with(q, cache, table, broken_plan))
+    # Request 0 lost its only work item (its rows are left unwritten); request 1's range was cut
+    # to page_indices (a wrong but finite answer); request 2 is untouched.
+    assert np.all(np.isfinite(out[1]))
+    np.testing.assert_allclose(out[2], good[2], rtol=1e-5, atol=1e-6)
+
+
+def test_empty_batch():
+    q = jnp.ones((0, 8, 64), jnp.float32)
+    cache = paged.new_kv_cache(4, PAGE_SIZE, NUM_KV_HEADS, 64, jnp.float32)
+    table = paged.PageTable.from_seq_lens([], PAGE_SIZE)
+    o, lse = paged.decode_attention(q, cache, table, return_lse=True, backend="pallas")
+    assert o.shape == (0, 8, 64) and lse.shape == (0, 8)
+
+
+def test_merge_kernel_directly():
+    """merge_partial_states against paged.merge_states: more than one fold step of items, all-empty
+    requests, large log-sum-exp spreads, a group that is not a power of two (rows padded)."""
+    rng = np.random.default_rng(8)
+    num_kv_heads, group, head_dim = 2, 3, 32
+    partial_rows = 4  # 3 padded to a power of two
+    counts = [11, 1, 3, 2]  # request 0 needs two fold steps of eight
+    num_work = 32
+    o = rng.standard_normal((num_work, num_kv_heads, partial_rows, head_dim)).astype(np.float32)
+    lse = (rng.standard_normal((num_work, num_kv_heads, partial_rows)) * 30).astype(np.float32)
+    lse[11] = -np.inf  # request 1's only item is empty: zeros and -inf expected
+    lse[12, :, :] = 80.0  # a spread of ~80 against request 2's other items
+    indptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    out, out_lse = merge_partial_states(
+        jnp.asarray(o),
+        jnp.asarray(lse),
+        jnp.asarray(indptr),
+        num_q_heads=num_kv_heads * group,
+        out_dtype=jnp.float32,
+        interpret=not ON_GPU,
+    )
+    out = np.asarray(out).reshape(len(counts), num_kv_heads, group, head_dim)
+    out_lse = np.asarray(out_lse).reshape(len(counts), num_kv_heads, group)
+    for b in range(len(counts)):
+        items = slice(indptr[b], indptr[b + 1])
+        # merge_states wants [..., S, H, D]: put the KV head first and the items next.
+        expected, expected_lse = paged.merge_states(
+            jnp.asarray(o[items, :, :group].transpose(1, 0, 2, 3)),
+            jnp.asarray(lse[items, :, :group].transpose(1, 0, 2)),
+        )
+        np.testing.assert_allclose(out[b], np.asarray(expected), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(out_lse[b], np.asarray(expected_lse), rtol=1e-6)
+    assert np.all(out[1] == 0) and np.all(np.isneginf(out_lse[1]))
+
+
+def test_traced_plan_without_splits_writes_final(monkeypatch):
+    """Under jit with batch x KV heads filling the (here tiny) grid, the traced plan does not
+    split and the kernel writes final outputs directly."""
+    monkeypatch.setattr(tuning, "num_sms", lambda: 1)
+    q, cache, table = make_inputs(9, (5, 40, 0), "HND", 4, 64, jnp.float32)
+    plan = jax.jit(lambda t: traced_default_plan(t, q.shape[1], NUM_KV_HEADS, 64))(table)
+    assert plan.write_final
+    decode = jax.jit(lambda q, c, t: paged.decode_attention(q, c, t, backend="pallas"))
+    ref_o, _ = reference64(q, cache, table)
+    assert relative_error(decode(q, cache, table), ref_o) < 1e-5
+
+
+def test_auto_runs_the_kernel_on_a_gpu(monkeypatch):
+    """backend="auto" routes to the kernel when a GPU is present (simulated, kernel interpreted),
+    and to the reference under the kill switch or for shapes the kernel cannot run."""
+    calls = []
+    real_kernel = decode_module.paged_decode
+    monkeypatch.setattr(platform, "on_gpu", lambda: True)
+    monkeypatch.setattr(decode_module, "interpret_mode", lambda: True)
+    monkeypatch.setattr(
+        decode_module, "paged_decode", lambda *a, **k: calls.append(1) or real_kernel(*a, **k)
+    )
+    q, cache, table = make_inputs(10, (5, 40), "HND", 4, 64, jnp.float32)
+    paged.decode_attention(q, cache, table)
+    assert calls == [1]
+    monkeypatch.setenv("DECODELAB_BACKEND", "reference")
+    paged.decode_attention(q, cache, table)
+    assert calls == [1]
+    monkeypatch.delenv("DECODELAB_BACKEND")
+    q48, cache48, table48 = make_inputs(10, (5, 40), "HND", 4, 48, jnp.float32)
+    paged.decode_attention(q48, cache48, table48)  # head_dim 48: auto falls back
+    assert calls == [1]
+    with pytest.raises(ValueError, match="head_dim=48 is not a power of two"):
+        paged.decode_attention(q48, cache48, table48, backend="pallas")
+
+
+def test_traced_sm_scale_is_rejected_with_its_name():
+    q, cache, table = make_inputs(11, (5, 40), "HND", 4, 64, jnp.float32)
+    decode = jax.jit(
+        lambda q, s: paged.decode_attention(q, cache, table, sm_scale=s, backend="pallas")
+    )
+    with pytest.raises(ValueError, match="sm_scale must be a Python float"):
+        decode(q, 0.1)
