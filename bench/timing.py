@@ -1,0 +1,370 @@
+"""How one JAX figure is timed: cold L2 by rotating input sets, dispatch amortized in one
+jitted loop, median of repeats (``benchmarking.md``, method points 3 to 5).
+
+- ``num_rotating_sets``: how many independent input sets keep the L2 cold (the data touched
+  between two visits of one set is at least 4x the L2).
+- ``TimedLoop`` / ``time_in_loop``: N calls of the thing under test inside ONE jitted
+  ``lax.fori_loop`` over the rotating sets, each result folded into a carried checksum
+  (``checksum_of``), the host clock around the whole program, the median of R repeats
+  (``Timing``). Dispatch of one program is amortized over N calls, so a 4 us kernel is not
+  hidden behind 35 us of Python dispatch. N is a constant of the program (so XLA runs the loop
+  without a host round trip per call), sized so that a program lasts about 0.1 s
+  (``expected_us``, ``calls_for``).
+- ``timing_method_description``: the sentence every report states about this method.
+
+The PyTorch counterpart lives in ``bench/torch_timing.py``, the copy ceiling the figures are
+divided by in ``bench/ceiling.py``; both reuse the constants and the program sizing here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+H200_L2_BYTES = 60 << 20
+COLD_L2_FACTOR = 4
+MAX_ROTATING_SETS = 4096
+DEFAULT_REPEATS = 5
+# A timed program of 50 to 200 ms keeps the host-clock and dispatch error under 0.1% while a
+# whole suite of a few hundred programs still runs in minutes.
+DEFAULT_TARGET_SECONDS = 0.1
+MAX_CALLS_PER_PROGRAM = 1 << 20
+
+
+def timing_method_description(repeats: int = DEFAULT_REPEATS) -> str:
+    """The sentence every report states about how its figures were timed."""
+    return (
+        "dispatch amortized: N calls in one jitted lax.fori_loop over rotating input sets "
+        "(cold L2; N per case in `iters`), each result folded into a carried float32 checksum, "
+        f"host clock (time.perf_counter) around the program, median of {repeats} repeats; "
+        "PyTorch arms: N calls captured in one CUDA graph, CUDA events around the replays, "
+        f"median of {repeats} repeats"
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# Cold L2
+
+
+def num_rotating_sets(
+    bytes_per_set: int,
+    l2_bytes: int = H200_L2_BYTES,
+    factor: int = COLD_L2_FACTOR,
+    max_sets: int = MAX_ROTATING_SETS,
+) -> int:
+    """How many independent input sets a timed loop rotates over so every call starts cold.
+
+    Between two visits of one set the loop touches the other ``num_sets - 1`` sets, so the rule
+    "at least ``factor`` x L2 between visits" needs ``(num_sets - 1) * bytes_per_set >=
+    factor * l2_bytes``, that is ``ceil(factor * l2_bytes / bytes_per_set) + 1`` sets, and never
+    fewer than 2. The count is capped at ``max_sets`` (default 4096) to bound memory and the
+    length of a CUDA graph; the cap binds only for sets under ~60 KB, far below any case of the
+    standard grid (a single logits row is 0.5 MB).
+
+    Args:
+      bytes_per_set: bytes one call reads from its input set (for attention, the K and V bytes).
+      l2_bytes: the L2 size (H200: 60 MB).
+      factor: the multiple of the L2 that must lie between two visits.
+      max_sets: the cap.
+
+    Returns:
+      The number of sets, in ``[2, max_sets]``.
+
+    Raises:
+      ValueError: if ``bytes_per_set`` is not positive.
+
+    Example:
+      >>> num_rotating_sets(16 << 20)  # 16 MB of KV per call: 15 others make 240 MB
+      16
+      >>> num_rotating_sets(1 << 30)  # a set larger than 4x the L2: two sets suffice
+      2
+    """
+    if bytes_per_set <= 0:
+        raise ValueError(f"bytes_per_set must be > 0, got {bytes_per_set}")
+    needed = math.ceil(factor * l2_bytes / bytes_per_set) + 1
+    return int(min(max(2, needed), max_sets))
+
+
+# ----------------------------------------------------------------------------------------------
+# Timing
+
+
+@dataclasses.dataclass(frozen=True)
+class Timing:
+    """Per-call times of one measurement, in microseconds.
+
+    Attributes:
+      median_us, min_us, max_us: over the repeats.
+      samples_us: each repeat's per-call time (program time / calls in it).
+      calls_per_sample: the N calls each repeat ran.
+      num_sets: the number of rotating input sets.
+      method: ``"jax_loop"``, ``"cuda_graph"`` or ``"eager"`` (dry runs of PyTorch arms).
+    """
+
+    median_us: float
+    min_us: float
+    max_us: float
+    samples_us: tuple[float, ...]
+    calls_per_sample: int
+    num_sets: int
+    method: str
+
+    @classmethod
+    def from_samples(
+        cls, samples_us: list[float], calls_per_sample: int, num_sets: int, method: str
+    ) -> Timing:
+        return cls(
+            median_us=statistics.median(samples_us),
+            min_us=min(samples_us),
+            max_us=max(samples_us),
+            samples_us=tuple(samples_us),
+            calls_per_sample=calls_per_sample,
+            num_sets=num_sets,
+            method=method,
+        )
+
+
+def checksum_of(result: Any) -> jax.Array:
+    """float32 sum of every element of every array in ``result``.
+
+    Why a full sum and not one element: the compiler may narrow a computation whose only use is
+    one element (slice sinking through elementwise ops and dots), which would time less than
+    the real work. A full sum forces every output element, and costs one read of the output:
+    for a decode step or a sampler that is under 1% of the bytes the call reads (attention:
+    B x H x D outputs against B x context x KVH x D x 2 inputs; sampling: B tokens against
+    B x V logits).
+    """
+    leaves = jax.tree_util.tree_leaves(result)
+    total = jnp.float32(0)
+    for leaf in leaves:
+        total = total + jnp.sum(leaf, dtype=jnp.float32)
+    return total
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def expected_us(num_bytes: int, tbps: float, floor_us: float = 10.0) -> float:
+    """A prior for one call's time: ``num_bytes`` moved at ``tbps`` TB/s, and never less than
+    ``floor_us`` (small calls are bound by kernel launches, not bytes), in microseconds.
+
+    ``TimedLoop.time`` sizes its first program with it; pass a rate near what the arm reaches
+    (a prior 4x off in either direction costs one more compilation, not accuracy).
+
+    Example:
+      >>> expected_us(16_000_000, 0.5), expected_us(1000, 0.5)
+      (32.0, 10.0)
+    """
+    return max(num_bytes / (tbps * 1e12) * 1e6, floor_us)
+
+
+def calls_for(seconds_per_call: float, target_seconds: float, num_sets: int) -> int:
+    """Calls that make a program last about ``target_seconds``: a multiple of ``num_sets`` (every
+    set visited equally often), at least ``num_sets``, at most ``MAX_CALLS_PER_PROGRAM``."""
+    wanted = max(1, round(target_seconds / max(seconds_per_call, 1e-9)))
+    return int(min(max(num_sets, _round_up(wanted, num_sets)), MAX_CALLS_PER_PROGRAM))
+
+
+def _time_fixed_length_programs(
+    runner_for: Callable[[int], Callable[[], float]],
+    *,
+    num_sets: int,
+    iters: int | None,
+    expected_us_per_call: float,
+    repeats: int,
+    warmup: int,
+    target_seconds: float,
+) -> tuple[list[float], int]:
+    """Per-call samples (us) of programs whose number of calls is fixed when they are built.
+
+    ``runner_for(n)`` builds (and caches) the program of n calls and returns a function that
+    runs it once and returns the elapsed seconds. Why fixed: XLA knows the trip count of a loop
+    with constant bounds and runs its body back to back, while a loop bounded by a runtime value
+    copies its predicate to the host and waits after every iteration, which is the "synchronized
+    after every call" timing ``benchmarking.md`` warns against.
+
+    With ``iters`` None, the first program is sized from ``expected_us_per_call``; if its warm
+    run lasts less than a quarter or more than four times ``target_seconds``, one more program
+    is built from its measured per-call time. ``warmup`` untimed runs (at least 2) precede the
+    samples.
+
+    Returns:
+      ``(samples_us, iters)``.
+    """
+    adjustable = iters is None
+    if iters is None:
+        iters = calls_for(expected_us_per_call * 1e-6, target_seconds, num_sets)
+    run = runner_for(iters)
+    # The first run compiles; the second is already slow-ish on some backends (the jit's fast
+    # dispatch path is filled on it), so at least two untimed runs precede the samples.
+    run()
+    elapsed = run()
+    for _ in range(warmup - 2):
+        elapsed = run()
+    if adjustable and not target_seconds / 4 <= elapsed <= 4 * target_seconds:
+        better = calls_for(elapsed / iters, target_seconds, num_sets)
+        if better != iters:
+            iters = better
+            run = runner_for(iters)
+            run()
+            run()
+    samples_us = [run() / iters * 1e6 for _ in range(repeats)]
+    return samples_us, iters
+
+
+class TimedLoop:
+    """Jitted programs that each run ``iters`` calls of ``step`` over rotating input sets.
+
+    A program is ``lax.fori_loop(0, iters, body, checksum)`` with a constant ``iters``, where
+    ``body`` calls ``step(i % num_sets)`` and adds ``checksum_of`` its result to the carried
+    float32 checksum, so no call can be removed as dead code. Programs are cached by ``iters``,
+    so an arm timed again (its repeat) reuses its compiled program.
+
+    Large inputs must be passed as ``operands`` (a pytree of arrays): they become arguments of
+    the program. Arrays a ``step`` closes over are embedded in the program as constants, which
+    for gigabytes of KV pages means a copy and a slow compile.
+
+    Rotate small index arrays (page tables, set indices) over one large pool rather than
+    slicing a large stacked input: ``dynamic_slice`` of a large input may copy it before every
+    call. The ``step`` must depend on ``set_index``; a call that does not may be hoisted out of
+    the loop by the compiler and not be timed at all.
+
+    Args:
+      step: ``step(set_index)`` or, with ``operands``, ``step(set_index, operands)``; one call
+        of the thing under test on input set ``set_index`` (a traced int32 scalar). Returns a
+        pytree of arrays.
+      num_sets: the number of rotating input sets.
+      operands: the arrays ``step`` reads, or None.
+    """
+
+    def __init__(self, step: Callable[..., Any], num_sets: int, operands: Any = None):
+        if num_sets < 1:
+            raise ValueError(f"num_sets must be >= 1, got {num_sets}")
+        self.step = step
+        self.num_sets = num_sets
+        self.operands = operands
+        self._programs: dict[int, Callable[[Any], jax.Array]] = {}
+
+    def _call_step(self, set_index, operands):
+        if operands is None:
+            return self.step(set_index)
+        return self.step(set_index, operands)
+
+    def program(self, iters: int) -> Callable[[Any], jax.Array]:
+        """The jitted program of ``iters`` calls, taking ``operands`` and returning the
+        checksum."""
+        if iters not in self._programs:
+            num_sets = self.num_sets
+
+            def loop_program(operands):
+                def body(call_index, checksum):
+                    set_index = lax.rem(call_index, jnp.int32(num_sets))
+                    return checksum + checksum_of(self._call_step(set_index, operands))
+
+                return lax.fori_loop(0, iters, body, jnp.float32(0))
+
+            self._programs[iters] = jax.jit(loop_program)
+        return self._programs[iters]
+
+    def run(self, iters: int) -> float:
+        """Runs the program of ``iters`` calls once, waits, returns the elapsed host seconds."""
+        program = self.program(iters)
+        start = time.perf_counter()
+        jax.block_until_ready(program(self.operands))
+        return time.perf_counter() - start
+
+    def output(self, set_index: int = 0) -> Any:
+        """The result of one call of ``step`` on ``set_index``, to check what an arm computes."""
+        return jax.jit(lambda operands: self._call_step(jnp.int32(set_index), operands))(
+            self.operands
+        )
+
+    def lowered_text(self, iters: int = 1) -> str:
+        """A program's StableHLO text, to check which kernels it calls (attribution)."""
+        return self.program(iters).lower(self.operands).as_text()
+
+    def time(
+        self,
+        *,
+        iters: int | None = None,
+        repeats: int = DEFAULT_REPEATS,
+        warmup: int = 2,
+        target_seconds: float = DEFAULT_TARGET_SECONDS,
+        expected_us_per_call: float = 100.0,
+    ) -> Timing:
+        """Compiles, warms up, and times ``repeats`` runs of the program of ``iters`` calls.
+
+        Args:
+          iters: calls per timed program; None sizes it so a program lasts about
+            ``target_seconds`` (a multiple of ``num_sets``, so every set is visited equally
+            often), starting from ``expected_us_per_call``.
+          repeats: timed runs; the figure is their median.
+          warmup: untimed runs first, at least 2 (the first compiles).
+          target_seconds: how long a program should last.
+          expected_us_per_call: a prior for one call (``expected_us``); far too low a prior
+            makes the first program far too long.
+
+        Returns:
+          The per-call ``Timing`` (program time / iters; one dispatch of ~50 us amortized).
+        """
+        samples_us, iters = _time_fixed_length_programs(
+            lambda calls: lambda: self.run(calls),
+            num_sets=self.num_sets,
+            iters=iters,
+            expected_us_per_call=expected_us_per_call,
+            repeats=repeats,
+            warmup=warmup,
+            target_seconds=target_seconds,
+        )
+        return Timing.from_samples(samples_us, iters, self.num_sets, "jax_loop")
+
+
+def time_in_loop(
+    step: Callable[..., Any],
+    num_sets: int,
+    *,
+    iters: int | None = None,
+    operands: Any = None,
+    repeats: int = DEFAULT_REPEATS,
+    warmup: int = 2,
+    target_seconds: float = DEFAULT_TARGET_SECONDS,
+    expected_us_per_call: float = 100.0,
+) -> Timing:
+    """Times one call of ``step`` the ``benchmarking.md`` way; see ``TimedLoop``.
+
+    Timing method: dispatch amortized, N calls in one jitted fori_loop, host clock around the
+    program, median of R repeats.
+
+    Args:
+      step: ``step(set_index)`` (or ``step(set_index, operands)``) -> pytree of arrays.
+      num_sets: rotating input sets (``num_rotating_sets``).
+      iters: calls per timed program, or None to size it to ``target_seconds``.
+      operands: large arrays ``step`` reads, passed as program arguments.
+      repeats, warmup, target_seconds, expected_us_per_call: see ``TimedLoop.time``.
+
+    Returns:
+      ``Timing`` with ``min_us <= median_us <= max_us``.
+
+    Example:
+      >>> data = jnp.arange(12.0).reshape(3, 4)
+      >>> timing = time_in_loop(lambda s, x: x[s] * 2, 3, iters=6, operands=data, repeats=3)
+      >>> 0 < timing.min_us <= timing.median_us <= timing.max_us
+      True
+    """
+    loop = TimedLoop(step, num_sets, operands)
+    return loop.time(
+        iters=iters,
+        repeats=repeats,
+        warmup=warmup,
+        target_seconds=target_seconds,
+        expected_us_per_call=expected_us_per_call,
+    )
