@@ -1,6 +1,15 @@
-"""Samplers with explicit randomness (arrives with the sampling issue).
+"""Samplers with explicit randomness (in progress: the sampling issue).
 
-Will hold Gumbel-max sampling from logits and sorting-free top-k / top-p / min-p sampling by
-dual-pivot rejection: the pure-JAX references (with ``*_from_uniforms`` forms for exact
-enumeration), input validation, and public functions with ``backend=``.
+Present:
+
+- ``sampling.filters``: what top-k, top-p (both orders) and min-p keep, by definition, in the
+  total order (probability descending, index ascending): the contract and the tests' oracle.
+- ``sampling.reference``: the reference samplers with explicit random numbers: Gumbel-max from
+  logits and from probabilities, and dual-pivot rejection for filtered sampling, its round
+  exposed as a state transition (``pivot_round``) for exact enumeration
+  (``tests/test_sampling_exact.py``, ``proofs/sampling.md``).
+
+To come with the rest of the issue: the public functions (``sample_from_logits``,
+``top_k_sample``, ...) with keys and ``backend=``, the renorm and mask functions, and the Pallas
+kernels (``kernels_pallas/sampling.py``) drawing from ``kernels_pallas/rng.py``.
 """

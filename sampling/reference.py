@@ -1,0 +1,295 @@
+"""Reference samplers with explicit randomness: Gumbel-max and dual-pivot rejection.
+
+Plain JAX, written to be checked line by line; every kernel sampler must pick the same token as
+these for the same random numbers. Each sampler here takes its random numbers explicitly
+(``*_from_uniforms``, ``*_from_exponentials``), so tests can enumerate them and replay draws.
+Computation follows the input dtype (float64 in the exact-enumeration tests).
+
+**Gumbel-max (exponential race).** ``argmax_i p_i / E_i`` with ``E_i ~ Exp(1)`` independent
+draws token i with probability ``p_i / sum(p)``: no softmax, no normalization, one pass. From
+logits, ``argmax_i (logit_i / T - log E_i)`` is the same race on ``exp(logit / T)``.
+
+**Dual-pivot rejection for filtered sampling** (top-k, top-p, min-p, both orders). The kept set
+``K`` is a prefix of the order (probability descending, index ascending). A round draws a token
+``j`` from ``p`` restricted to the tokens above a threshold ``low`` (inverse transform with one
+uniform); if ``j`` is in ``K`` it is returned. Otherwise every token at or below ``j`` is outside
+``K``, so ``low`` rises to ``j``, or further to a second pivot halfway up to ``high`` when that
+pivot also fails. Thresholds are positions in the total order, ``(value, index)``, not bare
+probabilities, so ties at the cut-off are kept or dropped exactly as the definition says.
+Proofs of exactness and termination: ``proofs/sampling.md``.
+
+The round is exposed as a state-transition function (``pivot_round``) so the exact enumeration
+of the tests can walk the reference's own logic. Rounds are bounded (``max_rounds``); a row still
+undecided at the bound draws once more, with its last uniform, from the kept set itself, which is
+exact too (``proofs/sampling.md``, Theorem 3).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from sampling.filters import FilterParams, kept_mask
+
+DEFAULT_MAX_ROUNDS = 32
+
+
+# ----------------------------------------------------------------------------------------------
+# Gumbel-max
+
+
+def sample_from_probs_from_exponentials(probs: jax.Array, exponentials: jax.Array) -> jax.Array:
+    """int32[...]: ``argmax_i probs_i / E_i`` over the last axis (lowest index on ties).
+
+    Args:
+      probs: ``[..., V]`` non-negative weights.
+      exponentials: ``[..., V]`` Exp(1) draws, all ``> 0``.
+    """
+    return jnp.argmax(probs / exponentials, axis=-1).astype(jnp.int32)
+
+
+def sample_from_logits_from_exponentials(
+    logits: jax.Array, exponentials: jax.Array, temperature
+) -> jax.Array:
+    """int32[...]: ``argmax_i (logits_i / T - log E_i)``; ``T = 0`` is greedy (lowest index on
+    ties). A logit of ``-inf`` is a masked token and never wins.
+
+    Args:
+      logits: ``[..., V]``.
+      exponentials: ``[..., V]`` Exp(1) draws, all ``> 0``.
+      temperature: scalar or ``[...]``, ``>= 0``.
+    """
+    temperature = jnp.asarray(temperature, logits.dtype)[..., None]
+    greedy = temperature == 0
+    scaled = logits / jnp.where(greedy, 1, temperature)
+    race = jnp.where(greedy, logits, scaled - jnp.log(exponentials))
+    return jnp.argmax(race, axis=-1).astype(jnp.int32)
+
+
+# ----------------------------------------------------------------------------------------------
+# Dual-pivot rejection: one row
+
+
+class PivotState(NamedTuple):
+    """Where one row's rejection search stands.
+
+    The candidates are the tokens *above* ``low``: ``p > low_value``, or ``p == low_value`` and
+    index ``< low_index`` (the tokens before position ``(low_value, low_index)`` in the order).
+
+    Attributes:
+      low_value, low_index: the threshold; every kept token is above it.
+      high_value: no token drawn and rejected from now on has probability above it.
+      token: the accepted token, ``-1`` while undecided.
+      rounds: rounds taken.
+    """
+
+    low_value: jax.Array
+    low_index: jax.Array
+    high_value: jax.Array
+    token: jax.Array
+    rounds: jax.Array
+
+
+def initial_state(probs: jax.Array) -> PivotState:
+    """Candidates: every token of positive probability; ``high`` the largest probability."""
+    return PivotState(
+        low_value=jnp.zeros((), probs.dtype),
+        low_index=jnp.zeros((), jnp.int32),
+        high_value=jnp.max(probs),
+        token=jnp.full((), -1, jnp.int32),
+        rounds=jnp.zeros((), jnp.int32),
+    )
+
+
+def above(probs: jax.Array, value, index) -> jax.Array:
+    """bool[V]: the tokens before position ``(value, index)`` in the order."""
+    positions = jnp.arange(probs.shape[-1])
+    return (probs > value) | ((probs == value) & (positions < index))
+
+
+def threshold_passes(
+    probs: jax.Array, value, index, params: FilterParams, nucleus_total
+) -> jax.Array:
+    """Would a token at position ``(value, index)`` be kept? Monotone: true at one position means
+    true at every earlier one, which is why a failed test clears everything at or below it.
+
+    Args:
+      probs: ``[V]``.
+      value, index: the position.
+      params: the filters.
+      nucleus_total: the mass top-p is a fraction of (all mass, or the top-k mass).
+    """
+    is_above = above(probs, value, index)
+    count_above = jnp.sum(is_above)
+    mass_above = jnp.sum(jnp.where(is_above, probs, 0))
+    passes_top_k = count_above < params.top_k
+    passes_top_p = (params.top_p >= 1) | (mass_above < params.top_p * nucleus_total)
+    passes_min_p = value >= params.min_p * jnp.max(probs)
+    return passes_top_k & passes_top_p & passes_min_p
+
+
+def inverse_transform(weights: jax.Array, uniform) -> jax.Array:
+    """int32: the token whose share of the normalized running sums holds ``uniform``.
+
+    With ``c`` the running sums and ``F = c / c[-1]`` (non-decreasing, since dividing by a
+    positive number is monotone in floating point), token j is chosen for ``uniform`` in
+    ``[F[j-1], F[j])``: with probability ``weights_j / sum(weights)``, and the breakpoints are
+    exactly the floats ``F`` (what the exact-enumeration test walks). If rounding leaves
+    ``uniform`` at or past ``F[-1]``, the last token of positive weight is taken: never a token of
+    zero weight, never an index outside the row.
+    """
+    cumulative = jnp.cumsum(weights)
+    normalized = cumulative / cumulative[-1]
+    token = jnp.sum(normalized <= uniform).astype(jnp.int32)
+    positions = jnp.arange(weights.shape[-1], dtype=jnp.int32)
+    last_positive = jnp.max(jnp.where(weights > 0, positions, -1))
+    past_the_end = (token >= weights.shape[-1]) | (jnp.take(weights, token, mode="clip") <= 0)
+    return jnp.where(past_the_end, last_positive, token).astype(jnp.int32)
+
+
+def pivot_round(
+    probs: jax.Array, params: FilterParams, nucleus_total, state: PivotState, uniform
+) -> PivotState:
+    """One round of dual-pivot rejection: the state transition (a decided state is unchanged).
+
+    Draw ``j`` from the candidates by inverse transform with ``uniform``. Accept it if a token at
+    its position passes the filters. Otherwise test ``pivot1 = ((p_j + high) / 2, 0)``: if it
+    passes, the cut-off lies between, so ``low = (p_j, j)`` and ``high = pivot1``; if it fails,
+    ``low = pivot1``. Either way ``j`` leaves the candidates.
+    """
+    candidates = above(probs, state.low_value, state.low_index)
+    token = inverse_transform(jnp.where(candidates, probs, 0), uniform)
+    value = probs[token]
+    accept = threshold_passes(probs, value, token, params, nucleus_total)
+    middle = (value + state.high_value) / 2
+    middle_passes = threshold_passes(probs, middle, 0, params, nucleus_total)
+    rejected = PivotState(
+        low_value=jnp.where(middle_passes, value, middle).astype(probs.dtype),
+        low_index=jnp.where(middle_passes, token, 0).astype(jnp.int32),
+        high_value=jnp.where(middle_passes, middle, state.high_value).astype(probs.dtype),
+        token=jnp.where(accept, token, -1).astype(jnp.int32),
+        rounds=state.rounds + 1,
+    )
+    accepted = state._replace(token=token, rounds=state.rounds + 1)
+    after = jax.tree.map(lambda a, r: jnp.where(accept, a, r), accepted, rejected)
+    decided = state.token >= 0
+    return jax.tree.map(lambda old, new: jnp.where(decided, old, new), state, after)
+
+
+def nucleus_total(probs: jax.Array, params: FilterParams, order: str) -> jax.Array:
+    """The mass top-p is a fraction of: all of it (``"joint"``), or the top-k mass
+    (``"top_k_first"``, found here from the definition; a kernel finds it by a pivot search)."""
+    if order == "joint":
+        return jnp.sum(probs)
+    top_k_only = FilterParams(top_k=params.top_k, top_p=1.0, min_p=0.0)
+    return jnp.sum(jnp.where(kept_mask(probs, top_k_only), probs, 0))
+
+
+def filtered_sample_row_from_uniforms(
+    probs: jax.Array, uniforms: jax.Array, params: FilterParams, order: str = "joint"
+) -> tuple[jax.Array, jax.Array]:
+    """Samples one row through the filters with explicit uniforms.
+
+    Args:
+      probs: ``[V]`` non-negative weights, some positive.
+      uniforms: ``[R + 1]`` uniforms in ``(0, 1)``: one for each of at most ``R`` rounds, and the
+        last for the fallback at the bound.
+      params: the filters.
+      order: ``"joint"`` or ``"top_k_first"``.
+
+    Returns:
+      ``(token int32, rounds int32)``; ``rounds = R + 1`` when the fallback decided.
+    """
+    max_rounds = uniforms.shape[-1] - 1
+    total = nucleus_total(probs, params, order)
+    state = jax.lax.fori_loop(
+        0,
+        max_rounds,
+        lambda r, s: pivot_round(probs, params, total, s, uniforms[r]),
+        initial_state(probs),
+    )
+    kept = jnp.where(kept_mask(probs, params, order), probs, 0)
+    fallback = inverse_transform(kept, uniforms[max_rounds])
+    undecided = state.token < 0
+    token = jnp.where(undecided, fallback, state.token)
+    rounds = jnp.where(undecided, max_rounds + 1, state.rounds)
+    return token.astype(jnp.int32), rounds.astype(jnp.int32)
+
+
+# ----------------------------------------------------------------------------------------------
+# Batched forms
+
+
+def _row_params(batch: int, top_k, top_p, min_p) -> FilterParams:
+    def per_row(value, dtype):
+        return jnp.broadcast_to(jnp.asarray(value, dtype), (batch,))
+
+    return FilterParams(
+        top_k=per_row(top_k, jnp.int32),
+        top_p=per_row(
+            top_p, jnp.float32 if jnp.asarray(top_p).dtype != jnp.float64 else jnp.float64
+        ),
+        min_p=per_row(
+            min_p, jnp.float32 if jnp.asarray(min_p).dtype != jnp.float64 else jnp.float64
+        ),
+    )
+
+
+def filtered_sample_from_uniforms(
+    probs: jax.Array,
+    uniforms: jax.Array,
+    *,
+    top_k=None,
+    top_p=None,
+    min_p=None,
+    order: str = "joint",
+) -> tuple[jax.Array, jax.Array]:
+    """Batched filtered sampling with explicit uniforms (every filter optional).
+
+    Args:
+      probs: ``[B, V]``.
+      uniforms: ``[B, R + 1]`` in ``(0, 1)``.
+      top_k, top_p, min_p: scalars or ``[B]``; None disables a filter.
+      order: ``"joint"`` or ``"top_k_first"``.
+
+    Returns:
+      ``(tokens int32[B], rounds int32[B])``.
+
+    Example:
+      >>> p = jnp.array([[0.4, 0.3, 0.3]])
+      >>> u = jnp.array([[0.9, 0.9, 0.5]])  # round 1 draws token 2 (tied, last): rejected
+      >>> filtered_sample_from_uniforms(p, u, top_k=2)[0].tolist()
+      [1]
+    """
+    batch, vocab = probs.shape
+    params = _row_params(
+        batch,
+        vocab if top_k is None else top_k,
+        1.0 if top_p is None else top_p,
+        0.0 if min_p is None else min_p,
+    )
+    return jax.vmap(
+        lambda row, u, params: filtered_sample_row_from_uniforms(row, u, params, order)
+    )(probs, uniforms, params)
+
+
+def top_k_sample_from_uniforms(probs, uniforms, top_k):
+    """``filtered_sample_from_uniforms`` with top-k only."""
+    return filtered_sample_from_uniforms(probs, uniforms, top_k=top_k)
+
+
+def top_p_sample_from_uniforms(probs, uniforms, top_p):
+    """``filtered_sample_from_uniforms`` with top-p only."""
+    return filtered_sample_from_uniforms(probs, uniforms, top_p=top_p)
+
+
+def min_p_sample_from_uniforms(probs, uniforms, min_p):
+    """``filtered_sample_from_uniforms`` with min-p only."""
+    return filtered_sample_from_uniforms(probs, uniforms, min_p=min_p)
+
+
+def top_k_top_p_sample_from_uniforms(probs, uniforms, top_k, top_p, *, order="joint"):
+    """``filtered_sample_from_uniforms`` with top-k and top-p, in either order."""
+    return filtered_sample_from_uniforms(probs, uniforms, top_k=top_k, top_p=top_p, order=order)
