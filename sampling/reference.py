@@ -138,13 +138,14 @@ def inverse_transform(weights: jax.Array, uniform) -> jax.Array:
     ``[F[j-1], F[j])``: with probability ``weights_j / sum(weights)``, and the breakpoints are
     exactly the floats ``F`` (what the exact-enumeration test walks). If rounding leaves
     ``uniform`` at or past ``F[-1]``, the last token of positive weight is taken: never a token of
-    zero weight, never an index outside the row.
+    zero weight, never an index outside the row. A row with no positive weight (invalid input
+    that only ``jit`` lets through) gives token 0.
     """
     cumulative = jnp.cumsum(weights)
     normalized = cumulative / cumulative[-1]
     token = jnp.sum(normalized <= uniform).astype(jnp.int32)
     positions = jnp.arange(weights.shape[-1], dtype=jnp.int32)
-    last_positive = jnp.max(jnp.where(weights > 0, positions, -1))
+    last_positive = jnp.max(jnp.where(weights > 0, positions, 0))
     past_the_end = (token >= weights.shape[-1]) | (jnp.take(weights, token, mode="clip") <= 0)
     return jnp.where(past_the_end, last_positive, token).astype(jnp.int32)
 
