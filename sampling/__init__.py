@@ -9,7 +9,35 @@ Present:
   exposed as a state transition (``pivot_round``) for exact enumeration
   (``tests/test_sampling_exact.py``, ``proofs/sampling.md``).
 
-To come with the rest of the issue: the public functions (``sample_from_logits``,
-``top_k_sample``, ...) with keys and ``backend=``, the renorm and mask functions, and the Pallas
-kernels (``kernels_pallas/sampling.py``) drawing from ``kernels_pallas/rng.py``.
+- ``sampling.api`` (re-exported here): the public samplers with keys and ``backend=``
+  (reference backend only so far), the renorm and mask functions.
+
+To come with the rest of the issue: the Pallas kernels (``kernels_pallas/sampling.py``), the
+benchmark suite and the notebook.
 """
+
+from sampling.api import (
+    filtered_sample,
+    min_p_sample,
+    sample_from_logits,
+    sample_from_probs,
+    top_k_mask_logits,
+    top_k_renorm_probs,
+    top_k_sample,
+    top_k_top_p_sample,
+    top_p_renorm_probs,
+    top_p_sample,
+)
+
+__all__ = [
+    "filtered_sample",
+    "min_p_sample",
+    "sample_from_logits",
+    "sample_from_probs",
+    "top_k_mask_logits",
+    "top_k_renorm_probs",
+    "top_k_sample",
+    "top_k_top_p_sample",
+    "top_p_renorm_probs",
+    "top_p_sample",
+]

@@ -1,0 +1,269 @@
+"""Public samplers: keys in, tokens out, with ``backend=`` like every decodelab operation.
+
+Randomness comes from ``kernels_pallas/rng.py``, so the reference here and the Pallas kernels
+(to come) draw the very same numbers for the same key. ``key`` is one JAX key (row ``b`` draws
+its own stream, derived from the key and ``b``) or ``B`` keys (row ``b`` uses key ``b``, so a
+request's tokens do not depend on its batch slot; an engine passes
+``jax.random.fold_in(request_key, step)`` per row). Within a row:
+
+- Gumbel-max noise: stream ``EXPONENTIAL_STREAM``, column = token index;
+- rejection rounds: stream ``ROUND_STREAM``, column = round index (``max_rounds + 1`` uniforms,
+  the last for the exact fallback at the bound).
+
+Changing these streams changes every sampled token: the change log records it.
+
+Semantics (``sampling/filters.py``): tokens ordered by (probability descending, index
+ascending); probabilities are non-negative weights normalized by their sum; temperature applies
+to logits first, temperature 0 is greedy (lowest index on ties); a logit of ``-inf`` is masked.
+
+Backends: only the reference exists so far; ``backend="auto"`` picks it everywhere and
+``backend="pallas"`` raises until the sampling kernels land.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from kernels_pallas import rng
+from kernels_pallas.platform import resolve_backend
+from sampling import reference, validation
+from sampling.filters import ORDERS, FilterParams, filtered_distribution, rank_order
+
+EXPONENTIAL_STREAM = 0
+ROUND_STREAM = 1
+PALLAS_AVAILABLE = False
+
+
+def _exponentials(key, batch: int, vocab: int) -> jax.Array:
+    """float32 ``[B, V]`` Exp(1) noise, one per (row, token)."""
+    words = rng.row_keys(key, batch)[:, None, :]
+    bits = rng.random_bits(words, jnp.arange(vocab)[None, :], stream=EXPONENTIAL_STREAM)
+    return rng.exponential(bits)
+
+
+def _round_uniforms(key, batch: int, max_rounds: int) -> jax.Array:
+    """float32 ``[B, max_rounds + 1]`` uniforms in ``(0, 1)``, one per rejection round."""
+    words = rng.row_keys(key, batch)[:, None, :]
+    bits = rng.random_bits(words, jnp.arange(max_rounds + 1)[None, :], stream=ROUND_STREAM)
+    return rng.uniform_open(bits)
+
+
+def _use_reference(backend: str) -> None:
+    resolve_backend(backend, pallas_available=PALLAS_AVAILABLE)
+
+
+def sample_from_logits(
+    key, logits: jax.Array, *, temperature=1.0, return_logprob: bool = False, backend="auto"
+):
+    """Samples one token per row from ``softmax(logits / temperature)`` by Gumbel-max.
+
+    ``argmax(logits / T - log E)`` with ``E ~ Exp(1)`` per token: no softmax, one pass
+    (``proofs/sampling.md``, Theorem 1). bfloat16 logits are upcast to float32 first.
+
+    Args:
+      key: one JAX key or ``B`` keys.
+      logits: ``[B, V]``; ``-inf`` masks a token.
+      temperature: scalar or ``[B]``, ``>= 0``; 0 is greedy.
+      return_logprob: also return ``log q(token)`` under the distribution drawn from (0 for
+        greedy rows).
+      backend: ``"auto"`` or ``"reference"``.
+
+    Returns:
+      ``int32[B]`` tokens (and ``float32[B]`` log-probabilities).
+
+    Raises:
+      ValueError: bad shapes; concrete NaN or ``+inf`` logits, a row of only ``-inf``, a negative
+        or non-finite temperature.
+
+    Example:
+      >>> tokens = sample_from_logits(jax.random.key(0), jnp.array([[0.0, -jnp.inf, 5.0]]))
+      >>> tokens.shape, int(tokens[0]) != 1
+      ((1,), True)
+    """
+    _use_reference(backend)
+    batch, vocab = validation.check_rows("logits", logits)
+    validation.check_logits_values(logits)
+    temperature = validation.per_row("temperature", temperature, batch, jnp.float32)
+    validation.check_range("temperature", temperature, 0.0, float("inf"))
+    logits = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
+    temperature = jnp.maximum(temperature, 0).astype(logits.dtype)  # clamped under jit
+    tokens = reference.sample_from_logits_from_exponentials(
+        logits, _exponentials(key, batch, vocab), temperature
+    )
+    if not return_logprob:
+        return tokens
+    scaled = logits / jnp.where(temperature == 0, 1, temperature)[:, None]
+    logprob = jnp.take_along_axis(jax.nn.log_softmax(scaled, axis=-1), tokens[:, None], 1)[:, 0]
+    return tokens, jnp.where(temperature == 0, 0.0, logprob).astype(jnp.float32)
+
+
+def sample_from_probs(key, probs: jax.Array, *, return_logprob: bool = False, backend="auto"):
+    """Samples one token per row in proportion to ``probs`` by the exponential race
+    ``argmax(probs / E)``.
+
+    Args:
+      key: one JAX key or ``B`` keys.
+      probs: ``[B, V]`` non-negative weights (normalized by their sum).
+      return_logprob: also return ``log(probs[token] / sum(probs))``.
+      backend: ``"auto"`` or ``"reference"``.
+
+    Returns:
+      ``int32[B]`` tokens (and ``float32[B]`` log-probabilities).
+
+    Raises:
+      ValueError: bad shapes; concrete NaN, infinite or negative probabilities, a row summing
+        to 0.
+    """
+    _use_reference(backend)
+    batch, vocab = validation.check_rows("probs", probs)
+    validation.check_probs_values(probs)
+    tokens = reference.sample_from_probs_from_exponentials(
+        probs, _exponentials(key, batch, vocab).astype(probs.dtype)
+    )
+    if not return_logprob:
+        return tokens
+    chosen = jnp.take_along_axis(probs, tokens[:, None], 1)[:, 0]
+    return tokens, jnp.log(chosen / jnp.sum(probs, axis=-1)).astype(jnp.float32)
+
+
+def _filter_params(batch: int, vocab: int, top_k, top_p, min_p) -> FilterParams:
+    """Per-row parameters, checked when concrete and clamped into range (for jit)."""
+    k = validation.per_row("top_k", vocab if top_k is None else top_k, batch, jnp.int32)
+    p = validation.per_row("top_p", 1.0 if top_p is None else top_p, batch, jnp.float32)
+    m = validation.per_row("min_p", 0.0 if min_p is None else min_p, batch, jnp.float32)
+    validation.check_range("top_k", k, 1, vocab)
+    validation.check_range("top_p", p, 0.0, 1.0, low_open=True)
+    validation.check_range("min_p", m, 0.0, 1.0)
+    tiny = jnp.finfo(jnp.float32).tiny
+    return FilterParams(
+        top_k=jnp.clip(k, 1, vocab),
+        top_p=jnp.clip(jnp.nan_to_num(p, nan=1.0), tiny, 1.0),
+        min_p=jnp.clip(jnp.nan_to_num(m, nan=0.0), 0.0, 1.0),
+    )
+
+
+def filtered_sample(
+    key,
+    probs: jax.Array,
+    *,
+    top_k=None,
+    top_p=None,
+    min_p=None,
+    order: str = "joint",
+    max_rounds: int = reference.DEFAULT_MAX_ROUNDS,
+    return_logprob: bool = False,
+    return_rounds: bool = False,
+    backend="auto",
+):
+    """Samples one token per row from ``probs`` restricted to the filters' kept set, by
+    dual-pivot rejection (no sort; ``proofs/sampling.md``, Theorems 2 and 3).
+
+    Args:
+      key: one JAX key or ``B`` keys.
+      probs: ``[B, V]`` non-negative weights.
+      top_k: int, scalar or ``[B]``, in ``[1, V]``; None disables.
+      top_p: scalar or ``[B]`` in ``(0, 1]``; None disables.
+      min_p: scalar or ``[B]`` in ``[0, 1]``; None disables.
+      order: ``"joint"`` (intersection) or ``"top_k_first"`` (top-p of the renormalized top-k).
+      max_rounds: rejection rounds before the exact fallback (static).
+      return_logprob: also return ``log q(token)`` under the filtered distribution.
+      return_rounds: also return the rounds each row took (``max_rounds + 1`` at the fallback).
+      backend: ``"auto"`` or ``"reference"``.
+
+    Returns:
+      ``int32[B]`` tokens, then the requested extras in the order above.
+
+    Raises:
+      ValueError: bad shapes or order; concrete bad probabilities or parameters out of range.
+    """
+    _use_reference(backend)
+    batch, vocab = validation.check_rows("probs", probs)
+    validation.check_probs_values(probs)
+    if max_rounds < 0:
+        raise ValueError(f"max_rounds must be >= 0, got {max_rounds}")
+    if order not in ORDERS:
+        raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
+    params = _filter_params(batch, vocab, top_k, top_p, min_p)
+    uniforms = _round_uniforms(key, batch, max_rounds)
+    tokens, rounds = jax.vmap(
+        lambda row, u, params: reference.filtered_sample_row_from_uniforms(row, u, params, order)
+    )(probs, uniforms.astype(probs.dtype), params)
+    extras = []
+    if return_logprob:
+        kept = jax.vmap(lambda row, params: filtered_distribution(row, params, order))(
+            probs, params
+        )
+        extras.append(jnp.log(jnp.take_along_axis(kept, tokens[:, None], 1)[:, 0]))
+    if return_rounds:
+        extras.append(rounds)
+    return (tokens, *extras) if extras else tokens
+
+
+def top_k_sample(key, probs, top_k, **options):
+    """``filtered_sample`` with top-k only: the first ``top_k`` tokens of the order."""
+    return filtered_sample(key, probs, top_k=top_k, **options)
+
+
+def top_p_sample(key, probs, top_p, **options):
+    """``filtered_sample`` with top-p only: the tokens ranked before the mass ``top_p`` is
+    reached, and the one that crosses it."""
+    return filtered_sample(key, probs, top_p=top_p, **options)
+
+
+def min_p_sample(key, probs, min_p, **options):
+    """``filtered_sample`` with min-p only: tokens with ``p >= min_p * max(p)``."""
+    return filtered_sample(key, probs, min_p=min_p, **options)
+
+
+def top_k_top_p_sample(key, probs, top_k, top_p, *, order="joint", **options):
+    """``filtered_sample`` with top-k and top-p, ``order="joint"`` or ``"top_k_first"``."""
+    return filtered_sample(key, probs, top_k=top_k, top_p=top_p, order=order, **options)
+
+
+def top_k_renorm_probs(probs: jax.Array, top_k, *, backend="auto") -> jax.Array:
+    """``[B, V]``: ``probs`` restricted to each row's top-k and renormalized to sum to 1."""
+    _use_reference(backend)
+    batch, vocab = validation.check_rows("probs", probs)
+    validation.check_probs_values(probs)
+    params = _filter_params(batch, vocab, top_k, None, None)
+    return jax.vmap(filtered_distribution)(probs, params)
+
+
+def top_p_renorm_probs(probs: jax.Array, top_p, *, backend="auto") -> jax.Array:
+    """``[B, V]``: ``probs`` restricted to each row's top-p set and renormalized."""
+    _use_reference(backend)
+    batch, vocab = validation.check_rows("probs", probs)
+    validation.check_probs_values(probs)
+    params = _filter_params(batch, vocab, None, top_p, None)
+    return jax.vmap(filtered_distribution)(probs, params)
+
+
+def top_k_mask_logits(logits: jax.Array, top_k, *, backend="auto") -> jax.Array:
+    """``[B, V]``: each row's top-k logits kept, the rest ``-inf`` (ties by index)."""
+    _use_reference(backend)
+    batch, vocab = validation.check_rows("logits", logits)
+    validation.check_logits_values(logits)
+    k = validation.per_row("top_k", top_k, batch, jnp.int32)
+    validation.check_range("top_k", k, 1, vocab)
+    k = jnp.clip(k, 1, vocab)
+
+    def mask_row(row, k):
+        rank = jnp.zeros(vocab, jnp.int32).at[rank_order(row)].set(jnp.arange(vocab))
+        return jnp.where(rank < k, row, -jnp.inf)
+
+    return jax.vmap(mask_row)(logits, k)
+
+
+__all__ = [
+    "filtered_sample",
+    "min_p_sample",
+    "sample_from_logits",
+    "sample_from_probs",
+    "top_k_mask_logits",
+    "top_k_renorm_probs",
+    "top_k_sample",
+    "top_k_top_p_sample",
+    "top_p_renorm_probs",
+    "top_p_sample",
+]

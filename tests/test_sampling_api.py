@@ -1,0 +1,230 @@
+"""The public samplers: calibrated statistics, key semantics, log-probabilities, bad input.
+
+Statistics use the Bretagnolle-Huber-Carol bound (``testing.md``): for ``k`` categories and
+``n`` independent draws, ``P(||p_hat - p||_1 >= t) <= 2^k exp(-n t^2 / 2)``. With ``n = 100000``
+and ``k <= 20`` (rare tokens lumped into one category), ``t`` is set so that a correct sampler
+fails with probability at most ``ALPHA = 1e-6`` per test: ``t = sqrt(2 (k ln 2 + ln(1/ALPHA)) /
+n) <= 0.024``, so a sampler off by total variation 0.02 (L1 distance 0.04) fails with
+probability near one. Any draw outside the kept set fails outright. Seeds are fixed.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import sampling
+from sampling.filters import FilterParams, filtered_distribution
+
+ALPHA = 1e-6
+NUM_DRAWS = 100_000
+VOCAB = 64
+MAX_CATEGORIES = 20
+
+
+def _distribution(seed: int) -> np.ndarray:
+    """A 64-token distribution with a long tail and exact ties (float32)."""
+    rng = np.random.default_rng(seed)
+    weights = rng.dirichlet(np.full(VOCAB, 0.3))
+    weights[5:9] = weights[5]  # a block of exact ties
+    weights[10] = 0.0
+    return (weights / weights.sum()).astype(np.float32)
+
+
+def bhc_threshold(num_categories: int, num_draws: int, alpha: float = ALPHA) -> float:
+    """The L1 distance a correct sampler exceeds with probability at most ``alpha``."""
+    return math.sqrt(2 * (num_categories * math.log(2) + math.log(1 / alpha)) / num_draws)
+
+
+def assert_distributed_as(tokens: np.ndarray, target: np.ndarray) -> None:
+    """Calibrated check that ``tokens`` are draws from ``target`` (rare categories lumped)."""
+    assert tokens.min() >= 0 and tokens.max() < target.shape[0]
+    outside = target[tokens] == 0
+    assert not outside.any(), f"drew tokens of probability 0: {np.unique(tokens[outside])}"
+    counts = np.bincount(tokens, minlength=target.shape[0]) / tokens.shape[0]
+    order = np.argsort(-target)
+    common = order[: MAX_CATEGORIES - 1]
+    rest = order[MAX_CATEGORIES - 1 :]
+    observed = np.concatenate([counts[common], [counts[rest].sum()]])
+    expected = np.concatenate([target[common], [target[rest].sum()]])
+    distance = np.abs(observed - expected).sum()
+    threshold = bhc_threshold(len(expected), tokens.shape[0])
+    assert distance < threshold, f"L1 distance {distance:.4f} >= {threshold:.4f}"
+
+
+def _draw(sampler, probs, **kwargs):
+    batch = jnp.broadcast_to(jnp.asarray(probs), (NUM_DRAWS, probs.shape[0]))
+    return np.asarray(jax.jit(lambda p: sampler(jax.random.key(7), p, **kwargs))(batch))
+
+
+FILTER_CASES = {
+    "top_k": dict(top_k=7),
+    "top_p": dict(top_p=0.8),
+    "min_p": dict(min_p=0.05),
+    "joint": dict(top_k=12, top_p=0.7),
+    "top_k_first": dict(top_k=12, top_p=0.7, order="top_k_first"),
+    "all": dict(top_k=20, top_p=0.9, min_p=0.02),
+}
+
+
+@pytest.mark.parametrize("name", sorted(FILTER_CASES))
+def test_filtered_samplers_draw_the_filtered_distribution(name):
+    probs = _distribution(1)
+    options = dict(FILTER_CASES[name])
+    order = options.pop("order", "joint")
+    tokens = _draw(sampling.filtered_sample, probs, order=order, **options)
+    params = FilterParams(
+        options.get("top_k", VOCAB), options.get("top_p", 1.0), options.get("min_p", 0.0)
+    )
+    target = np.asarray(filtered_distribution(jnp.asarray(probs), params, order), np.float64)
+    assert_distributed_as(tokens, target / target.sum())
+
+
+def test_sample_from_probs_draws_probs():
+    probs = _distribution(2)
+    assert_distributed_as(_draw(sampling.sample_from_probs, probs), probs / probs.sum())
+
+
+def test_sample_from_logits_draws_the_tempered_softmax():
+    probs = _distribution(3)
+    logits = np.log(np.maximum(probs, 1e-30)).astype(np.float32)
+    logits[10] = -np.inf  # masked
+    temperature = 0.7
+    tokens = _draw(sampling.sample_from_logits, logits, temperature=temperature)
+    tempered = np.exp(np.where(np.isfinite(logits), logits / temperature, -np.inf))
+    assert_distributed_as(tokens, tempered / tempered.sum())
+
+
+def test_rounds_are_few_and_reported():
+    probs = jnp.broadcast_to(jnp.asarray(_distribution(4)), (4096, VOCAB))
+    _, rounds = sampling.top_p_sample(jax.random.key(1), probs, 0.9, return_rounds=True)
+    rounds = np.asarray(rounds)
+    assert rounds.min() >= 1 and rounds.mean() < 4, rounds.mean()
+
+
+def test_per_row_keys_make_a_row_independent_of_its_slot():
+    probs = jnp.asarray(np.stack([_distribution(5), _distribution(6), _distribution(7)]))
+    keys = jax.random.split(jax.random.key(3), 3)
+    for sampler, extra in [
+        (sampling.sample_from_probs, {}),
+        (sampling.top_p_sample, {"top_p": 0.9}),
+        (sampling.sample_from_logits, {}),
+    ]:
+        inputs = jnp.log(probs + 1e-30) if sampler is sampling.sample_from_logits else probs
+        tokens = np.asarray(sampler(keys, inputs, **extra))
+        swapped = np.asarray(sampler(keys[::-1], inputs[::-1], **extra))
+        assert np.array_equal(tokens, swapped[::-1])
+
+
+def test_one_key_is_reproducible_and_rows_draw_their_own_streams():
+    probs = jnp.ones((256, VOCAB)) / VOCAB
+    first = np.asarray(sampling.sample_from_probs(jax.random.key(9), probs))
+    again = np.asarray(sampling.sample_from_probs(jax.random.key(9), probs))
+    assert np.array_equal(first, again)
+    assert len(np.unique(first)) > 20  # identical rows, different streams
+
+
+def test_greedy_is_the_lowest_index_maximum():
+    logits = jnp.array([[1.0, 3.0, 3.0, -jnp.inf], [0.0, 0.0, 0.0, 0.0]])
+    tokens, logprob = sampling.sample_from_logits(
+        jax.random.key(0), logits, temperature=0.0, return_logprob=True
+    )
+    assert tokens.tolist() == [1, 0] and logprob.tolist() == [0.0, 0.0]
+
+
+def test_logprob_is_of_the_distribution_drawn_from():
+    probs = jnp.asarray(_distribution(8))[None].repeat(8, axis=0)
+    tokens, logprob = sampling.top_k_sample(jax.random.key(2), probs, 5, return_logprob=True)
+    kept = np.asarray(filtered_distribution(probs[0], FilterParams(5, 1.0, 0.0)))
+    np.testing.assert_allclose(np.asarray(logprob), np.log(kept[np.asarray(tokens)]), rtol=1e-5)
+    tokens, logprob = sampling.sample_from_probs(jax.random.key(2), probs, return_logprob=True)
+    np.testing.assert_allclose(
+        np.asarray(logprob), np.log(np.asarray(probs[0])[np.asarray(tokens)]), rtol=1e-5
+    )
+
+
+def test_renorm_and_mask_follow_the_definition():
+    probs = jnp.array([[0.4, 0.3, 0.3, 0.0]])
+    np.testing.assert_allclose(
+        np.asarray(sampling.top_k_renorm_probs(probs, 2)), [[4 / 7, 3 / 7, 0, 0]], rtol=1e-6
+    )
+    np.testing.assert_allclose(
+        np.asarray(sampling.top_p_renorm_probs(probs, 0.5)), [[4 / 7, 3 / 7, 0, 0]], rtol=1e-6
+    )
+    logits = jnp.array([[2.0, 1.0, 1.0, -1.0]])
+    masked = np.asarray(sampling.top_k_mask_logits(logits, 2))
+    assert masked.tolist() == [[2.0, 1.0, -np.inf, -np.inf]]
+
+
+GOOD_PROBS = jnp.array([[0.5, 0.5], [0.1, 0.9]])
+BAD_INPUTS = [
+    (
+        sampling.sample_from_probs,
+        dict(probs=jnp.array([[0.5, jnp.nan]])),
+        "probs row 0 contains NaN",
+    ),
+    (sampling.sample_from_probs, dict(probs=jnp.array([[0.5, -0.1]])), "negative probability"),
+    (sampling.sample_from_probs, dict(probs=jnp.array([[0.0, 0.0]])), "sums to 0"),
+    (sampling.sample_from_probs, dict(probs=jnp.array([[0.5, jnp.inf]])), "infinity"),
+    (
+        sampling.sample_from_probs,
+        dict(probs=jnp.ones(3)),
+        r"probs must have shape \[batch, vocab\]",
+    ),
+    (
+        sampling.sample_from_logits,
+        dict(logits=jnp.array([[0.0, jnp.nan]])),
+        "logits row 0 contains NaN",
+    ),
+    (sampling.sample_from_logits, dict(logits=jnp.array([[0.0, jnp.inf]])), r"contains \+inf"),
+    (sampling.sample_from_logits, dict(logits=jnp.full((1, 3), -jnp.inf)), "entirely -inf"),
+    (
+        sampling.sample_from_logits,
+        dict(logits=jnp.zeros((1, 3)), temperature=-1.0),
+        r"temperature\[0\]=-1.0",
+    ),
+    (sampling.top_k_sample, dict(probs=GOOD_PROBS, top_k=0), r"top_k\[0\]=0 is outside \[1, 2\]"),
+    (sampling.top_k_sample, dict(probs=GOOD_PROBS, top_k=3), r"top_k\[0\]=3 is outside \[1, 2\]"),
+    (
+        sampling.top_p_sample,
+        dict(probs=GOOD_PROBS, top_p=0.0),
+        r"top_p\[0\]=0.0 is outside \(0.0, 1.0\]",
+    ),
+    (sampling.top_p_sample, dict(probs=GOOD_PROBS, top_p=1.5), r"top_p\[0\]=1.5"),
+    (sampling.min_p_sample, dict(probs=GOOD_PROBS, min_p=-0.1), r"min_p\[0\]"),
+    (
+        sampling.top_k_sample,
+        dict(probs=GOOD_PROBS, top_k=jnp.array([1, 2, 3])),
+        "top_k must be a scalar or have shape",
+    ),
+    (
+        sampling.top_k_top_p_sample,
+        dict(probs=GOOD_PROBS, top_k=1, top_p=0.5, order="sideways"),
+        "order must be one of",
+    ),
+]
+
+
+@pytest.mark.parametrize("sampler,arguments,message", BAD_INPUTS)
+def test_bad_input_raises_naming_it(sampler, arguments, message):
+    with pytest.raises(ValueError, match=message):
+        sampler(jax.random.key(0), **arguments)
+
+
+def test_pallas_backend_is_not_available_yet():
+    with pytest.raises(ValueError, match="not available"):
+        sampling.sample_from_probs(jax.random.key(0), GOOD_PROBS, backend="pallas")
+
+
+def test_under_jit_bad_values_never_give_an_out_of_range_token():
+    """Inside jit nothing can be checked: parameters are clamped, and rows without positive
+    finite mass still return a token id inside the row (documented in sampling/validation.py)."""
+    probs = jnp.array([[0.0, 0.0, 0.0], [jnp.nan, 0.5, 0.5], [0.2, 0.3, 0.5]])
+    sample = jax.jit(lambda p, k, tp: sampling.top_k_top_p_sample(jax.random.key(0), p, k, tp))
+    tokens = np.asarray(sample(probs, jnp.array([0, 9, 2]), jnp.array([0.0, 2.0, 0.5])))
+    assert ((tokens >= 0) & (tokens < 3)).all()
+    assert tokens[2] == 2  # top_k 2 and top_p 0.5 keep token 2 only
