@@ -16,8 +16,11 @@ Semantics (``sampling/filters.py``): tokens ordered by (probability descending, 
 ascending); probabilities are non-negative weights normalized by their sum; temperature applies
 to logits first, temperature 0 is greedy (lowest index on ties); a logit of ``-inf`` is masked.
 
-Backends: only the reference exists so far; ``backend="auto"`` picks it everywhere and
-``backend="pallas"`` raises until the sampling kernels land.
+Backends: the Gumbel-max samplers have a Pallas kernel (``kernels_pallas/sampling.py``),
+checked against the reference in interpret mode but not yet compiled or timed on a GPU; until
+it has been, ``backend="auto"`` keeps the reference everywhere and the kernel runs only when
+asked for (``backend="pallas"``; interpreted on a CPU). The filtered samplers have no kernel
+yet: ``backend="pallas"`` raises for them.
 """
 
 from __future__ import annotations
@@ -26,13 +29,15 @@ import jax
 import jax.numpy as jnp
 
 from kernels_pallas import rng
-from kernels_pallas.platform import resolve_backend
+from kernels_pallas import sampling as sampling_kernels
+from kernels_pallas.platform import interpret_mode, resolve_backend
 from sampling import reference, validation
 from sampling.filters import ORDERS, FilterParams, filtered_distribution, rank_order
 
 EXPONENTIAL_STREAM = 0
 ROUND_STREAM = 1
-PALLAS_AVAILABLE = False
+# Flip once the Gumbel kernel has been compiled, checked and timed on a GPU: then "auto" uses it.
+GUMBEL_KERNEL_CHECKED_ON_GPU = False
 
 
 def _exponentials(key, batch: int, vocab: int) -> jax.Array:
@@ -50,7 +55,15 @@ def _round_uniforms(key, batch: int, max_rounds: int) -> jax.Array:
 
 
 def _use_reference(backend: str) -> None:
-    resolve_backend(backend, pallas_available=PALLAS_AVAILABLE)
+    """For operations with no kernel yet: ``"pallas"`` raises, everything else is the reference."""
+    resolve_backend(backend, pallas_available=False)
+
+
+def _gumbel_backend(backend: str) -> str:
+    if backend == "auto" and not GUMBEL_KERNEL_CHECKED_ON_GPU:
+        resolve_backend(backend)  # still validates the kill switch's value
+        return "reference"
+    return resolve_backend(backend)
 
 
 def sample_from_logits(
@@ -67,7 +80,7 @@ def sample_from_logits(
       temperature: scalar or ``[B]``, ``>= 0``; 0 is greedy.
       return_logprob: also return ``log q(token)`` under the distribution drawn from (0 for
         greedy rows).
-      backend: ``"auto"`` or ``"reference"``.
+      backend: ``"auto"``, ``"reference"`` or ``"pallas"`` (module docstring).
 
     Returns:
       ``int32[B]`` tokens (and ``float32[B]`` log-probabilities).
@@ -81,16 +94,26 @@ def sample_from_logits(
       >>> tokens.shape, int(tokens[0]) != 1
       ((1,), True)
     """
-    _use_reference(backend)
+    chosen = _gumbel_backend(backend)
     batch, vocab = validation.check_rows("logits", logits)
     validation.check_logits_values(logits)
     temperature = validation.per_row("temperature", temperature, batch, jnp.float32)
     validation.check_range("temperature", temperature, 0.0, float("inf"))
     logits = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
     temperature = jnp.maximum(temperature, 0).astype(logits.dtype)  # clamped under jit
-    tokens = reference.sample_from_logits_from_exponentials(
-        logits, _exponentials(key, batch, vocab), temperature
-    )
+    if chosen == "pallas":
+        tokens = sampling_kernels.gumbel_sample(
+            logits,
+            rng.row_keys(key, batch),
+            temperature,
+            from_logits=True,
+            stream=EXPONENTIAL_STREAM,
+            interpret=interpret_mode(),
+        )
+    else:
+        tokens = reference.sample_from_logits_from_exponentials(
+            logits, _exponentials(key, batch, vocab), temperature
+        )
     if not return_logprob:
         return tokens
     scaled = logits / jnp.where(temperature == 0, 1, temperature)[:, None]
@@ -106,7 +129,7 @@ def sample_from_probs(key, probs: jax.Array, *, return_logprob: bool = False, ba
       key: one JAX key or ``B`` keys.
       probs: ``[B, V]`` non-negative weights (normalized by their sum).
       return_logprob: also return ``log(probs[token] / sum(probs))``.
-      backend: ``"auto"`` or ``"reference"``.
+      backend: ``"auto"``, ``"reference"`` or ``"pallas"`` (module docstring).
 
     Returns:
       ``int32[B]`` tokens (and ``float32[B]`` log-probabilities).
@@ -115,12 +138,23 @@ def sample_from_probs(key, probs: jax.Array, *, return_logprob: bool = False, ba
       ValueError: bad shapes; concrete NaN, infinite or negative probabilities, a row summing
         to 0.
     """
-    _use_reference(backend)
+    chosen = _gumbel_backend(backend)
     batch, vocab = validation.check_rows("probs", probs)
     validation.check_probs_values(probs)
-    tokens = reference.sample_from_probs_from_exponentials(
-        probs, _exponentials(key, batch, vocab).astype(probs.dtype)
-    )
+    probs = probs.astype(jnp.promote_types(probs.dtype, jnp.float32))
+    if chosen == "pallas":
+        tokens = sampling_kernels.gumbel_sample(
+            probs,
+            rng.row_keys(key, batch),
+            jnp.ones((batch,), jnp.float32),
+            from_logits=False,
+            stream=EXPONENTIAL_STREAM,
+            interpret=interpret_mode(),
+        )
+    else:
+        tokens = reference.sample_from_probs_from_exponentials(
+            probs, _exponentials(key, batch, vocab).astype(probs.dtype)
+        )
     if not return_logprob:
         return tokens
     chosen = jnp.take_along_axis(probs, tokens[:, None], 1)[:, 0]

@@ -1,0 +1,156 @@
+"""Gumbel-max sampling kernels (Pallas, Triton lowering): one pass, no softmax, no noise array.
+
+What it computes: for each row, ``argmax_i (logits_i / T - log E_i)`` (from logits; greedy
+``argmax_i logits_i`` at ``T = 0``) or ``argmax_i p_i / E_i`` (from probabilities), with
+``E_i = rng.exponential(rng.random_bits(row_key, i, stream))``: the same numbers the reference
+draws (``sampling/api.py``), so both pick the same token.
+
+What it optimizes: sampling is a read of ``B x V`` values once. The noise is computed in
+registers from the counter-based generator, never read from memory. A row is cut into chunks
+of ``blocks_per_program`` blocks of ``block`` columns so that even one row fills many SMs; each
+program writes its chunk's best score and the lowest index reaching it, and a tiny XLA reduction
+over chunks picks the row's winner (the first chunk with the maximum, so ties go to the lowest
+index everywhere).
+
+Status: checked against the reference in interpret mode; not yet compiled or timed on a GPU, so
+``backend="auto"`` does not select it yet (``sampling/api.py``).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from kernels_pallas import rng
+
+INDEX_SENTINEL = 2**31 - 1  # larger than any column; min() over it means "no column"
+
+
+def gumbel_race_kernel(
+    key0_ref,  # [B] uint32, the rows' key words (whole arrays)
+    key1_ref,  # [B] uint32
+    temperature_ref,  # [B] float32 (from logits) | unused (from probabilities)
+    values_ref,  # [B, V] logits or probabilities, the whole array
+    best_score_ref,  # [B, num_chunks] float32, the whole array
+    best_index_ref,  # [B, num_chunks] int32, the whole array
+    *,
+    from_logits: bool,
+    block: int,
+    blocks_per_program: int,
+    stream: int,
+):
+    row = pl.program_id(0)
+    chunk = pl.program_id(1)
+    vocab = values_ref.shape[1]
+    words = (key0_ref[row], key1_ref[row])
+    temperature = temperature_ref[row]
+    greedy = temperature == 0
+    divisor = jnp.where(greedy, 1.0, temperature)
+
+    def step(i, carry):
+        best_score, best_index = carry
+        start = (chunk * blocks_per_program + i) * block
+        columns = start + jnp.arange(block)
+        in_row = columns < vocab
+        empty = -jnp.inf if from_logits else 0.0
+        values = plgpu.load(
+            values_ref.at[row, pl.ds(start, block)], mask=in_row, other=empty
+        ).astype(jnp.float32)  # [block]
+        noise = rng.exponential(rng.random_bits(words, columns.astype(jnp.uint32), stream))
+        if from_logits:
+            score = jnp.where(greedy, values, values / divisor - jnp.log(noise))
+        else:
+            score = values / noise
+        score = jnp.where(in_row, score, -jnp.inf)
+        block_best = jnp.max(score)
+        block_index = jnp.min(jnp.where(score == block_best, columns, INDEX_SENTINEL))
+        better = block_best > best_score  # strict: an earlier block keeps a tie
+        return (
+            jnp.where(better, block_best, best_score),
+            jnp.where(better, block_index, best_index),
+        )
+
+    init = (jnp.float32(-jnp.inf), jnp.int32(chunk * blocks_per_program * block))
+    best_score, best_index = lax.fori_loop(0, blocks_per_program, step, init)
+    best_score_ref[row, chunk] = best_score
+    best_index_ref[row, chunk] = jnp.minimum(best_index, vocab - 1).astype(jnp.int32)
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "from_logits",
+        "stream",
+        "block",
+        "blocks_per_program",
+        "num_warps",
+        "interpret",
+    ),
+)
+def gumbel_sample(
+    values: jax.Array,
+    row_key_words: jax.Array,
+    temperature: jax.Array,
+    *,
+    from_logits: bool,
+    stream: int,
+    block: int = 1024,
+    blocks_per_program: int = 8,
+    num_warps: int = 4,
+    interpret: bool = False,
+) -> jax.Array:
+    """Samples one token per row by the exponential race.
+
+    Args:
+      values: ``[B, V]`` logits (``from_logits``) or non-negative probabilities.
+      row_key_words: uint32 ``[B, 2]`` from ``rng.row_keys``.
+      temperature: float32 ``[B]`` (ignored for probabilities); 0 is greedy.
+      from_logits: which race (module docstring).
+      stream: the generator stream of the noise (``sampling.api.EXPONENTIAL_STREAM``).
+      block, blocks_per_program, num_warps: launch parameters (a power-of-two ``block``).
+      interpret: Pallas interpret mode (CPU).
+
+    Returns:
+      int32 ``[B]`` tokens, always inside ``[0, V)``.
+    """
+    batch, vocab = values.shape
+    chunk_columns = block * blocks_per_program
+    num_chunks = pl.cdiv(vocab, chunk_columns)
+
+    def whole(shape):
+        return pl.BlockSpec(shape, lambda b, c: (0,) * len(shape))
+
+    key0 = row_key_words[:, 0]
+    key1 = row_key_words[:, 1]
+    out_shape = (
+        jax.ShapeDtypeStruct((batch, num_chunks), jnp.float32),
+        jax.ShapeDtypeStruct((batch, num_chunks), jnp.int32),
+    )
+    scores, indices = pl.pallas_call(
+        functools.partial(
+            gumbel_race_kernel,
+            from_logits=from_logits,
+            block=block,
+            blocks_per_program=blocks_per_program,
+            stream=stream,
+        ),
+        grid=(batch, num_chunks),
+        in_specs=[
+            whole(key0.shape),
+            whole(key1.shape),
+            whole(temperature.shape),
+            whole(values.shape),
+        ],
+        out_specs=(whole(out_shape[0].shape), whole(out_shape[1].shape)),
+        out_shape=out_shape,
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
+        interpret=interpret,
+        name=f"gumbel_{'logits' if from_logits else 'probs'}_b{block}x{blocks_per_program}",
+    )(key0, key1, temperature.astype(jnp.float32), values)
+    winner = jnp.argmax(scores, axis=1)  # the first chunk with the maximum: lowest index on ties
+    return jnp.take_along_axis(indices, winner[:, None], axis=1)[:, 0]
