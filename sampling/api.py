@@ -228,7 +228,8 @@ def filtered_sample(
         kept = jax.vmap(lambda row, params: filtered_distribution(row, params, order))(
             probs, params
         )
-        extras.append(jnp.log(jnp.take_along_axis(kept, tokens[:, None], 1)[:, 0]))
+        chosen = jnp.take_along_axis(kept, tokens[:, None], 1)[:, 0]
+        extras.append(jnp.log(chosen).astype(jnp.float32))
     if return_rounds:
         extras.append(rounds)
     return (tokens, *extras) if extras else tokens
