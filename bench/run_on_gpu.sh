@@ -3,6 +3,7 @@
 # jax 0.11.2 and no package registry, hence PYTHONPATH=. and no virtual environment):
 #   bash bench/run_on_gpu.sh tests tune memcheck     # check, then sweep parameters
 #   bash bench/run_on_gpu.sh decode peers demo        # the committed reports
+#   bash bench/run_on_gpu.sh sampling-tests sampling  # the sampling kernels, compiled and timed
 # Logs and reports go to $OUT (the device tool's output folder) when it is set. The copy of the
 # tree on the GPU host has no .git: pass DECODELAB_COMMIT=$(git rev-parse --short HEAD) so that
 # reports name the commit they measured.
@@ -28,7 +29,10 @@ for stage in "$@"; do
       XLA_PYTHON_CLIENT_ALLOCATOR=platform XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 150 \
         compute-sanitizer --tool memcheck python3 -m bench.memcheck_decode 2>&1 \
         | tee "$out/memcheck.log" | tail -n 12 ;;
-    decode|peers)
+    sampling-tests)
+      timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_sampling_kernels.py \
+        tests/test_rng.py 2>&1 | tee "$out/gpu_sampling_tests.log" | tail -n 5 ;;
+    decode|peers|sampling)
       timeout 330 python3 -m bench "$stage" --out "$out" 2>&1 | tee "$out/$stage.log" \
         | grep -v '^  tune' ;;
     demo)
