@@ -219,6 +219,9 @@ def filtered_sample(
     if order not in ORDERS:
         raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
     params = _filter_params(batch, vocab, top_k, top_p, min_p)
+    # At least float32: bfloat16 running sums and uniforms (8 significant bits) would bias the
+    # inverse transform (a 0.003 token drawn at twice its rate).
+    probs = probs.astype(jnp.promote_types(probs.dtype, jnp.float32))
     uniforms = _round_uniforms(key, batch, max_rounds)
     tokens, rounds = jax.vmap(
         lambda row, u, params: reference.filtered_sample_row_from_uniforms(row, u, params, order)
@@ -262,7 +265,8 @@ def top_k_renorm_probs(probs: jax.Array, top_k, *, backend="auto") -> jax.Array:
     batch, vocab = validation.check_rows("probs", probs)
     validation.check_probs_values(probs)
     params = _filter_params(batch, vocab, top_k, None, None)
-    return jax.vmap(filtered_distribution)(probs, params)
+    compute = probs.astype(jnp.promote_types(probs.dtype, jnp.float32))
+    return jax.vmap(filtered_distribution)(compute, params).astype(probs.dtype)
 
 
 def top_p_renorm_probs(probs: jax.Array, top_p, *, backend="auto") -> jax.Array:
@@ -271,7 +275,8 @@ def top_p_renorm_probs(probs: jax.Array, top_p, *, backend="auto") -> jax.Array:
     batch, vocab = validation.check_rows("probs", probs)
     validation.check_probs_values(probs)
     params = _filter_params(batch, vocab, None, top_p, None)
-    return jax.vmap(filtered_distribution)(probs, params)
+    compute = probs.astype(jnp.promote_types(probs.dtype, jnp.float32))
+    return jax.vmap(filtered_distribution)(compute, params).astype(probs.dtype)
 
 
 def top_k_mask_logits(logits: jax.Array, top_k, *, backend="auto") -> jax.Array:

@@ -12,7 +12,8 @@ their sum. For one row ``p[V]``:
   top-p to the top-k distribution renormalized (mass before ``r`` ``< top_p * mass(top k)``).
 
 Every kept set is a prefix of the order (the property the rejection samplers rely on,
-``proofs/sampling.md``). A disabled filter is ``top_k >= V``, ``top_p >= 1`` or ``min_p <= 0``.
+``proofs/sampling.md``). A disabled filter is ``top_k >= V``, ``top_p >= 1`` or ``min_p <= 0``
+here; the public samplers take ``None`` to disable a filter and reject ``top_k > V`` as bad input.
 
 This module computes kept sets the plain way, with a stable sort: it is the definition, written
 to be read, and the oracle of the tests. The samplers (``sampling/reference.py``) find the same
