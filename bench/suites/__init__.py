@@ -42,6 +42,7 @@ if TYPE_CHECKING:  # the command line reads SUITES before it may import jax
 SUITES = {
     "peers": "bench.suites.peers",
     "decode": "bench.suites.decode",
+    "sampling": "bench.suites.sampling",
 }
 
 
