@@ -1,0 +1,523 @@
+"""The ``sampling`` suite: decodelab's samplers beside the sampling peers, in the same run.
+
+Vocab 128256, float32, batch 1, 32 and 256 (``--quick``: batch 32; dry run: vocab 1000, batch 1
+and 4), cold L2, dispatch amortized (``bench/harness.py``). Inputs rotate the way
+``peers.sampling_results`` rotates them: ``[R, B, V]`` stacked sets indexed by the loop's set
+index, R from ``options.num_sets_for(B x V x 4)``, with the very logits the peers draw (same seed,
+same scale). Bytes per call = ``B x V x 4``: one read of the float32 rows. Each rotating set has
+its own key (split from a fixed seed), so no two sets draw the same noise.
+
+Cases and arms:
+
+- ``gumbel B=<n>``: ``sampling.api.sample_from_logits`` at temperature 1 from the logits, as
+  ``decodelab_reference`` (``backend="reference"``, plain XLA) and ``decodelab``
+  (``backend="pallas"``: the Gumbel-max kernel through the public API, key to per-row key words
+  included); ``decodelab_kernel``: ``kernels_pallas.sampling.gumbel_sample`` alone on per-row key
+  words computed outside the loop, what the API costs on top of the kernel.
+- ``top_p B=<n>``, ``top_k B=<n>``, ``min_p B=<n>``, ``joint B=<n>``: ``top_p_sample`` (0.9),
+  ``top_k_sample`` (50), ``min_p_sample`` (0.1), ``top_k_top_p_sample`` (50 and 0.9,
+  ``order="joint"``) on the probabilities ``softmax(logits)`` computed once outside the loop (the
+  API samples from probabilities; the ``jax_sort`` peer starts from logits, so its figure
+  includes one softmax, a few microseconds against its sort). These samplers have no kernel
+  yet: their only arm is ``decodelab_reference``, the pure-JAX dual-pivot rejection of
+  ``sampling/reference.py``, a baseline and not a kernel's speed. Each row records
+  ``rounds_mean`` and ``rounds_max``: the rejection rounds per row over every rotating set,
+  from one untimed call with ``return_rounds=True`` (``fallback_rows``: rows decided by the
+  exact fallback at the bound), and ``vs_jax_sort_top_p``: the ``jax_sort`` peer's time at
+  this batch over this arm's. The reference runs all its rounds whatever the rows need (a
+  decided row is carried unchanged), so its time does not follow the rounds; a kernel's will.
+- the peers (``peers.sampling_results`` for the same batch): ``jax_sort`` and ``torch_sort`` in
+  ``top_p B=<n>``, ``jax_categorical`` and ``torch_exponential`` in ``gumbel B=<n>``, and
+  ``slice_only`` in both.
+- ``decodelab (repeat)`` and ``decodelab_reference (repeat)`` in each filtered case: the arm
+  timed again at the end of the batch, its noise level.
+
+Attributions: a Pallas arm names the Triton kernel found in its lowered program (``interpret``
+where none is compiled); a reference arm says ``xla`` once its program is checked to call no
+Triton kernel. A disagreement between the kernel's and the reference's tokens for the same key
+becomes a note (they draw the very same noise, so only float rounding may flip a near-tie).
+
+The targets of issue 4, which the notes check at the end of each batch: Gumbel-max from logits
+(``decodelab``) at 70% or more of the copy ceiling at batch 256 and faster than
+``jax.random.categorical`` at every batch; top-p, top-k, min-p and joint at least 10x faster
+than the sort-based JAX top-p (``jax_sort``) at batch 32 and 256, which the reference arms are
+not expected to meet: the filtered kernels do not exist yet.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import gc
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from bench import report
+from bench.harness import (
+    CaseResult,
+    CopyCeiling,
+    RunOptions,
+    TimedLoop,
+    expected_us,
+    repeat_arm,
+)
+from bench.suites import SuiteOutput, peers
+from kernels_pallas import rng
+from kernels_pallas.sampling import gumbel_sample
+from sampling import api
+from sampling.reference import DEFAULT_MAX_ROUNDS
+
+TEMPERATURE = 1.0
+TOP_K = 50
+TOP_P = peers.TOP_P
+MIN_P = 0.1
+KEY_SEED = 2  # the peers draw their noise from key 1; ours is another stream
+GUMBEL_KERNEL_PREFIX = "gumbel"  # the pallas_call names of kernels_pallas/sampling.py
+TRITON_CALL_MARKER = "__gpu$xla.gpu.triton"  # how a Triton kernel appears in a lowered program
+
+# Priors for sizing the first timed program (harness.expected_us): guesses until the kernel
+# has run on a GPU; the filtered reference runs all DEFAULT_MAX_ROUNDS rounds of several passes
+# over the row each. A prior 4x off costs one more compilation, not accuracy.
+EXPECTED_KERNEL_TBPS, EXPECTED_KERNEL_FLOOR_US = 1.5, 10.0
+EXPECTED_GUMBEL_REFERENCE_TBPS, EXPECTED_GUMBEL_REFERENCE_FLOOR_US = 0.5, 20.0
+EXPECTED_FILTER_REFERENCE_TBPS, EXPECTED_FILTER_REFERENCE_FLOOR_US = 0.02, 300.0
+
+# Issue 4's speed targets.
+TARGET_GUMBEL_FRACTION_OF_CEILING = 0.70
+TARGET_GUMBEL_FRACTION_BATCH = 256
+TARGET_FILTER_SPEEDUP_OVER_SORT = 10.0
+TARGET_FILTER_BATCHES = (32, 256)
+PEERS_FOR_RATIO = ("jax_sort", "torch_sort", "jax_categorical", "torch_exponential", "slice_only")
+
+
+@dataclasses.dataclass(frozen=True)
+class FilteredMethod:
+    """One filtered sampler of the public API and the parameters the grid times it with.
+
+    Attributes:
+      name: the case's leading method (``"top_p"``, ``"joint"``, ...).
+      sampler: the public function, called ``sampler(key, probs, **parameters, ...)``.
+      parameters: its filter parameters (keywords of ``sampler``).
+    """
+
+    name: str
+    sampler: Callable[..., object]
+    parameters: dict[str, object]
+
+    def sample(self, key, probs: jax.Array, **options):
+        """The public sampler on the reference backend, the only one these samplers have."""
+        return self.sampler(key, probs, **self.parameters, backend="reference", **options)
+
+    def label(self) -> str:
+        """``top_k_top_p_sample(top_k=50,top_p=0.9,order=joint,backend=reference)``: the call,
+        for attributions."""
+        arguments = [f"{name}={value}" for name, value in self.parameters.items()]
+        return f"{self.sampler.__name__}({','.join([*arguments, 'backend=reference'])})"
+
+
+FILTERED_METHODS = (
+    FilteredMethod("top_p", api.top_p_sample, {"top_p": TOP_P}),
+    FilteredMethod("top_k", api.top_k_sample, {"top_k": TOP_K}),
+    FilteredMethod("min_p", api.min_p_sample, {"min_p": MIN_P}),
+    FilteredMethod(
+        "joint", api.top_k_top_p_sample, {"top_k": TOP_K, "top_p": TOP_P, "order": "joint"}
+    ),
+)
+
+
+def run(options: RunOptions, ceiling: CopyCeiling) -> SuiteOutput:
+    """Times decodelab's samplers and the peers at each batch of the grid (module docstring)."""
+    notes: list[str] = [
+        "filtered samplers (top_p, top_k, min_p, joint) have no kernel yet: their "
+        "`decodelab_reference` arm is the pure-JAX reference (sampling/reference.py) on "
+        "probabilities computed outside the timed call; `jax_sort` starts from logits"
+    ]
+    results: list[CaseResult] = []
+    vocab = peers.DRY_RUN_VOCAB if options.dry_run else peers.VOCAB
+    if options.dry_run:
+        batches = peers.DRY_RUN_SAMPLING_BATCHES
+    else:
+        batches = peers.QUICK_SAMPLING_BATCHES if options.quick else peers.SAMPLING_BATCHES
+    for batch in batches:
+        inputs = make_sampling_inputs(batch, vocab, options.num_sets_for(batch * vocab * 4))
+        try:
+            results += batch_results(inputs, options, ceiling.tbps, notes)
+        finally:
+            gc.collect()
+            inputs.delete()
+    if options.torch_device is None:
+        needed = "torch" if options.dry_run else "torch with CUDA"
+        notes.append(f"PyTorch peers skipped: {needed} is not importable here")
+    return SuiteOutput(results=results, notes=notes, peers_for_ratio=PEERS_FOR_RATIO)
+
+
+# ----------------------------------------------------------------------------------------------
+# Inputs
+
+
+@dataclasses.dataclass
+class SamplingInputs:
+    """The rotating sets of one batch.
+
+    Attributes:
+      batch, vocab: each set is ``[batch, vocab]``.
+      num_sets: R, the number of rotating sets.
+      logits_sets: float32 ``[R, B, V]``, the values the peers draw for this batch.
+      probs_sets: float32 ``[R, B, V]``, ``softmax(logits_sets)`` (the filtered samplers' input).
+      keys: ``[R]`` typed keys, one for each set.
+      row_key_words: uint32 ``[R, B, 2]``, ``rng.row_keys(keys[r], B)`` (the raw kernel's input).
+    """
+
+    batch: int
+    vocab: int
+    num_sets: int
+    logits_sets: jax.Array
+    probs_sets: jax.Array
+    keys: jax.Array
+    row_key_words: jax.Array
+
+    @property
+    def bytes_per_call(self) -> int:
+        """One read of a float32 ``[B, V]`` set."""
+        return self.batch * self.vocab * 4
+
+    def delete(self) -> None:
+        """Frees the device arrays before the next batch allocates its own."""
+        for array in (self.logits_sets, self.probs_sets, self.keys, self.row_key_words):
+            array.delete()
+
+
+@functools.partial(jax.jit, static_argnames="shape")
+def _peer_logits(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """The logits ``peers.sampling_results`` draws from ``key``: same scale, same generator."""
+    return peers.LOGITS_SCALE * jax.random.normal(key, shape, jnp.float32)
+
+
+def make_sampling_inputs(batch: int, vocab: int, num_sets: int) -> SamplingInputs:
+    """Rotating sets with the peers' logits for ``batch`` (their seed is the batch)."""
+    logits_sets = _peer_logits(jax.random.key(batch), (num_sets, batch, vocab))
+    probs_sets = jax.jit(functools.partial(jax.nn.softmax, axis=-1))(logits_sets)
+    keys = jax.random.split(jax.random.key(KEY_SEED), num_sets)
+    row_key_words = jax.jit(jax.vmap(lambda key: rng.row_keys(key, batch)))(keys)
+    return SamplingInputs(batch, vocab, num_sets, logits_sets, probs_sets, keys, row_key_words)
+
+
+# ----------------------------------------------------------------------------------------------
+# Loops: one call of each arm on rotating set `set_index`
+
+
+def api_gumbel_loop(inputs: SamplingInputs, backend: str) -> TimedLoop:
+    """One call = ``sample_from_logits(key, logits, temperature=1, backend=backend)``."""
+
+    def step(set_index, operands):
+        logits_sets, keys = operands
+        return api.sample_from_logits(
+            keys[set_index], logits_sets[set_index], temperature=TEMPERATURE, backend=backend
+        )
+
+    return TimedLoop(step, inputs.num_sets, (inputs.logits_sets, inputs.keys))
+
+
+def kernel_gumbel_loop(inputs: SamplingInputs, interpret: bool) -> TimedLoop:
+    """One call = the raw Gumbel-max kernel from logits on precomputed per-row key words."""
+
+    def step(set_index, operands):
+        logits_sets, row_key_words, temperature = operands
+        return gumbel_sample(
+            logits_sets[set_index],
+            row_key_words[set_index],
+            temperature,
+            from_logits=True,
+            stream=api.EXPONENTIAL_STREAM,
+            interpret=interpret,
+        )
+
+    temperature = jnp.full((inputs.batch,), TEMPERATURE, jnp.float32)
+    return TimedLoop(step, inputs.num_sets, (inputs.logits_sets, inputs.row_key_words, temperature))
+
+
+def filtered_loop(inputs: SamplingInputs, method: FilteredMethod) -> TimedLoop:
+    """One call = the public filtered sampler ``method`` on the probabilities of a set."""
+
+    def step(set_index, operands):
+        probs_sets, keys = operands
+        return method.sample(keys[set_index], probs_sets[set_index])
+
+    return TimedLoop(step, inputs.num_sets, (inputs.probs_sets, inputs.keys))
+
+
+def rounds_over_sets(inputs: SamplingInputs, method: FilteredMethod) -> np.ndarray:
+    """int32 ``[R, B]``: the rejection rounds every row of every set takes (untimed), from the
+    same keys and probabilities as the timed calls."""
+
+    @jax.jit
+    def all_rounds(probs_sets, keys):
+        def rounds_of_set(set_inputs):
+            probs, key = set_inputs
+            _, rounds = method.sample(key, probs, return_rounds=True)
+            return rounds
+
+        return lax.map(rounds_of_set, (probs_sets, keys))
+
+    return np.asarray(all_rounds(inputs.probs_sets, inputs.keys))
+
+
+# ----------------------------------------------------------------------------------------------
+# Attribution
+
+
+def pallas_kernel_names(loop: TimedLoop, options: RunOptions) -> str:
+    """The Gumbel Triton kernels a loop's program calls (``gumbel_logits_b1024x8``),
+    ``interpret`` where no kernel is compiled, ``no-triton-kernel-found`` otherwise."""
+    if options.interpret:
+        return "interpret"
+    names = peers.triton_kernel_names(loop.lowered_text(), GUMBEL_KERNEL_PREFIX)
+    return "+".join(names) if names else "no-triton-kernel-found"
+
+
+def xla_only_label(loop: TimedLoop) -> str:
+    """``xla`` when the loop's program calls no Triton kernel (the reference backend must not),
+    else the kernels it calls, so that a reference arm that is not one shows it."""
+    text = loop.lowered_text()
+    if TRITON_CALL_MARKER not in text:
+        return "xla"
+    return "triton:" + "+".join(peers.triton_kernel_names(text, ""))
+
+
+def _error_summary(error: Exception) -> str:
+    first_line = (str(error).strip().splitlines() or [""])[0]
+    return f"{type(error).__name__}: {first_line[:300]}"
+
+
+# ----------------------------------------------------------------------------------------------
+# Arms
+
+
+def _timed_row(
+    inputs: SamplingInputs,
+    options: RunOptions,
+    ceiling_tbps: float,
+    case: str,
+    arm: str,
+    attribution: str,
+    loop: TimedLoop,
+    prior_us: float,
+    *,
+    iters: int | None = None,
+    **extra,
+) -> CaseResult:
+    timing = options.time(loop, expected_us_per_call=prior_us, iters=iters)
+    return CaseResult.from_timing(
+        case,
+        arm,
+        attribution,
+        timing,
+        inputs.bytes_per_call,
+        ceiling_tbps,
+        vocab=inputs.vocab,
+        **extra,
+    )
+
+
+# The parameters a repeat row states again; loop bookkeeping is its own, checks are not redone.
+_CARRIED_TO_REPEAT = ("temperature", "top_k", "top_p", "min_p")
+
+
+@dataclasses.dataclass
+class _Arm:
+    """A timed row and the loop it was timed with, which its repeat runs again."""
+
+    row: CaseResult
+    loop: TimedLoop
+
+
+def _same_tokens(first, second) -> float:
+    """The fraction of rows on which two arms picked the same token."""
+    return float(np.mean(np.asarray(first) == np.asarray(second)))
+
+
+def gumbel_arms(
+    inputs: SamplingInputs, options: RunOptions, ceiling_tbps: float, notes: list[str]
+) -> list[_Arm]:
+    """``decodelab_reference``, ``decodelab`` and ``decodelab_kernel`` in ``gumbel B=<n>``; a
+    Pallas arm that fails is noted, not raised, so the other arms keep their figures."""
+    case = f"gumbel B={inputs.batch}"
+    num_bytes = inputs.bytes_per_call
+    reference_loop = api_gumbel_loop(inputs, "reference")
+    reference_prior = expected_us(
+        num_bytes, EXPECTED_GUMBEL_REFERENCE_TBPS, EXPECTED_GUMBEL_REFERENCE_FLOOR_US
+    )
+    reference_label = xla_only_label(reference_loop)
+    if reference_label != "xla":
+        notes.append(f"{case}: the reference backend's program calls Triton ({reference_label})")
+    reference_row = _timed_row(
+        inputs,
+        options,
+        ceiling_tbps,
+        case,
+        "decodelab_reference",
+        f"sample_from_logits(backend=reference):{reference_label}",
+        reference_loop,
+        reference_prior,
+        temperature=TEMPERATURE,
+    )
+    arms = [_Arm(reference_row, reference_loop)]
+    reference_tokens = reference_loop.output(0)
+    kernel_prior = expected_us(num_bytes, EXPECTED_KERNEL_TBPS, EXPECTED_KERNEL_FLOOR_US)
+    pallas_arms = (
+        (
+            "decodelab",
+            "sample_from_logits(backend=pallas)",
+            lambda: api_gumbel_loop(inputs, "pallas"),
+        ),
+        (
+            "decodelab_kernel",
+            "gumbel_sample(kernel only)",
+            lambda: kernel_gumbel_loop(inputs, options.interpret),
+        ),
+    )
+    for arm, call, make_loop in pallas_arms:
+        try:
+            loop = make_loop()
+            kernels = pallas_kernel_names(loop, options)
+            same = _same_tokens(loop.output(0), reference_tokens)
+            row = _timed_row(
+                inputs,
+                options,
+                ceiling_tbps,
+                case,
+                arm,
+                f"{call}:{kernels}",
+                loop,
+                kernel_prior,
+                temperature=TEMPERATURE,
+                same_tokens_as_reference=same,
+            )
+        except Exception as error:  # a kernel that fails to compile must not lose the others
+            notes.append(f"{case}: `{arm}` failed: {_error_summary(error)}")
+            continue
+        if kernels == "no-triton-kernel-found":
+            notes.append(f"{case}: no Triton `{GUMBEL_KERNEL_PREFIX}` kernel in `{arm}`'s program")
+        if same != 1.0:
+            notes.append(
+                f"{case}: `{arm}` picked the reference's token on {same:.1%} of the rows of "
+                "set 0 (same key, same noise: only float rounding should flip a near-tie)"
+            )
+        arms.append(_Arm(row, loop))
+    return arms
+
+
+def filtered_arm(
+    inputs: SamplingInputs, method: FilteredMethod, options: RunOptions, ceiling_tbps: float
+) -> _Arm:
+    """``decodelab_reference`` in ``<method> B=<n>``, with its rejection rounds."""
+    case = f"{method.name} B={inputs.batch}"
+    loop = filtered_loop(inputs, method)
+    rounds = rounds_over_sets(inputs, method)
+    prior = expected_us(
+        inputs.bytes_per_call, EXPECTED_FILTER_REFERENCE_TBPS, EXPECTED_FILTER_REFERENCE_FLOOR_US
+    )
+    row = _timed_row(
+        inputs,
+        options,
+        ceiling_tbps,
+        case,
+        "decodelab_reference",
+        f"{method.label()}:{xla_only_label(loop)}:dual_pivot(max_rounds={DEFAULT_MAX_ROUNDS})",
+        loop,
+        prior,
+        rounds_mean=float(rounds.mean()),
+        rounds_max=int(rounds.max()),
+        rounds_rows=int(rounds.size),
+        fallback_rows=int(np.sum(rounds > DEFAULT_MAX_ROUNDS)),
+        **{name: value for name, value in method.parameters.items() if name != "order"},
+    )
+    return _Arm(row, loop)
+
+
+def _repeat_row(
+    inputs: SamplingInputs, options: RunOptions, ceiling_tbps: float, arm: _Arm
+) -> CaseResult:
+    """``arm`` timed again with the same program (same calls per sample): its noise level."""
+    first = arm.row
+    extra = {key: value for key, value in first.extra.items() if key in _CARRIED_TO_REPEAT}
+    return _timed_row(
+        inputs,
+        options,
+        ceiling_tbps,
+        first.case,
+        repeat_arm(first.arm),
+        first.attribution,
+        arm.loop,
+        first.median_us,
+        iters=first.extra["iters"],
+        **extra,
+    )
+
+
+def batch_results(
+    inputs: SamplingInputs, options: RunOptions, ceiling_tbps: float, notes: list[str]
+) -> list[CaseResult]:
+    """Every row of one batch: our arms, the peers', then our repeats, and the target notes."""
+    gumbel = gumbel_arms(inputs, options, ceiling_tbps, notes)
+    filtered = [filtered_arm(inputs, method, options, ceiling_tbps) for method in FILTERED_METHODS]
+    peer_rows = peers.sampling_results(
+        inputs.batch, inputs.vocab, options, ceiling_tbps, notes=notes
+    )
+    # The API arm is the noise level of its case; where it failed, the reference arm is.
+    api_arm = next((arm for arm in gumbel if arm.row.arm == "decodelab"), gumbel[0])
+    repeats = [_repeat_row(inputs, options, ceiling_tbps, arm) for arm in [api_arm, *filtered]]
+    ours = [arm.row for arm in gumbel + filtered]
+    sort_row = _find(peer_rows, f"top_p B={inputs.batch}", "jax_sort")
+    if sort_row is not None:
+        for arm in filtered:
+            arm.row.extra["vs_jax_sort_top_p"] = sort_row.median_us / arm.row.median_us
+    report.print_results(ours + repeats)
+    notes += target_notes(inputs.batch, ours + peer_rows)
+    return ours + peer_rows + repeats
+
+
+def _find(rows: list[CaseResult], case: str, arm: str) -> CaseResult | None:
+    return next((row for row in rows if row.case == case and row.arm == arm), None)
+
+
+def target_notes(batch: int, rows: list[CaseResult]) -> list[str]:
+    """Sentences comparing one batch's figures with issue 4's targets (module docstring)."""
+    notes = []
+    gumbel_case = f"gumbel B={batch}"
+    ours = _find(rows, gumbel_case, "decodelab")
+    categorical = _find(rows, gumbel_case, "jax_categorical")
+    if ours is None:
+        notes.append(f"target {gumbel_case}: `decodelab` not measured")
+    else:
+        sentence = (
+            f"target {gumbel_case}: `decodelab` at {ours.fraction_of_ceiling:.1%} of the ceiling"
+        )
+        if batch == TARGET_GUMBEL_FRACTION_BATCH:
+            met = ours.fraction_of_ceiling >= TARGET_GUMBEL_FRACTION_OF_CEILING
+            sentence += f" (target >= {TARGET_GUMBEL_FRACTION_OF_CEILING:.0%}: {_verdict(met)})"
+        if categorical is not None:
+            speedup = categorical.median_us / ours.median_us
+            sentence += f", {speedup:.2f}x `jax_categorical` (target > 1: {_verdict(speedup > 1)})"
+        notes.append(sentence)
+    sort_row = _find(rows, f"top_p B={batch}", "jax_sort")
+    if batch in TARGET_FILTER_BATCHES and sort_row is not None:
+        for method in FILTERED_METHODS:
+            filtered = _find(rows, f"{method.name} B={batch}", "decodelab_reference")
+            if filtered is None:
+                continue
+            speedup = sort_row.median_us / filtered.median_us
+            notes.append(
+                f"target {method.name} B={batch}: reference (no kernel yet) {speedup:.2f}x "
+                f"`jax_sort` top-p (target >= {TARGET_FILTER_SPEEDUP_OVER_SORT:.0f}x: "
+                f"{_verdict(speedup >= TARGET_FILTER_SPEEDUP_OVER_SORT)})"
+            )
+    return notes
+
+
+def _verdict(met: bool) -> str:
+    return "met" if met else "not met"
