@@ -259,24 +259,24 @@ def top_k_top_p_sample(key, probs, top_k, top_p, *, order="joint", **options):
     return filtered_sample(key, probs, top_k=top_k, top_p=top_p, order=order, **options)
 
 
-def top_k_renorm_probs(probs: jax.Array, top_k, *, backend="auto") -> jax.Array:
-    """``[B, V]``: ``probs`` restricted to each row's top-k and renormalized to sum to 1."""
+def _renorm(probs: jax.Array, top_k, top_p, backend: str) -> jax.Array:
+    """``probs`` restricted to each row's kept set and renormalized (float32 inside)."""
     _use_reference(backend)
     batch, vocab = validation.check_rows("probs", probs)
     validation.check_probs_values(probs)
-    params = _filter_params(batch, vocab, top_k, None, None)
+    params = _filter_params(batch, vocab, top_k, top_p, None)
     compute = probs.astype(jnp.promote_types(probs.dtype, jnp.float32))
     return jax.vmap(filtered_distribution)(compute, params).astype(probs.dtype)
+
+
+def top_k_renorm_probs(probs: jax.Array, top_k, *, backend="auto") -> jax.Array:
+    """``[B, V]``: ``probs`` restricted to each row's top-k and renormalized to sum to 1."""
+    return _renorm(probs, top_k, None, backend)
 
 
 def top_p_renorm_probs(probs: jax.Array, top_p, *, backend="auto") -> jax.Array:
     """``[B, V]``: ``probs`` restricted to each row's top-p set and renormalized."""
-    _use_reference(backend)
-    batch, vocab = validation.check_rows("probs", probs)
-    validation.check_probs_values(probs)
-    params = _filter_params(batch, vocab, None, top_p, None)
-    compute = probs.astype(jnp.promote_types(probs.dtype, jnp.float32))
-    return jax.vmap(filtered_distribution)(compute, params).astype(probs.dtype)
+    return _renorm(probs, None, top_p, backend)
 
 
 def top_k_mask_logits(logits: jax.Array, top_k, *, backend="auto") -> jax.Array:
@@ -294,16 +294,3 @@ def top_k_mask_logits(logits: jax.Array, top_k, *, backend="auto") -> jax.Array:
 
     return jax.vmap(mask_row)(logits, k)
 
-
-__all__ = [
-    "filtered_sample",
-    "min_p_sample",
-    "sample_from_logits",
-    "sample_from_probs",
-    "top_k_mask_logits",
-    "top_k_renorm_probs",
-    "top_k_sample",
-    "top_k_top_p_sample",
-    "top_p_renorm_probs",
-    "top_p_sample",
-]
