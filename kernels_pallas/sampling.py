@@ -1,7 +1,8 @@
 """Gumbel-max sampling kernels (Pallas, Triton lowering): one pass, no softmax, no noise array.
 
 What it computes: for each row, ``argmax_i (logits_i / T - log E_i)`` (from logits; greedy
-``argmax_i logits_i`` at ``T = 0``) or ``argmax_i p_i / E_i`` (from probabilities), with
+``argmax_i logits_i`` at ``T = 0``) or ``argmax_i p_i / E_i`` (from probabilities, raced as
+``log p_i - log E_i`` so huge weights cannot overflow), with
 ``E_i = rng.exponential(rng.random_bits(row_key, i, stream))``: the same numbers the reference
 draws (``sampling/api.py``), so both pick the same token.
 
@@ -28,6 +29,9 @@ from jax.experimental.pallas import triton as plgpu
 
 from kernels_pallas import rng
 
+# The same floor as sampling.reference.MIN_TEMPERATURE (kernels_pallas imports nothing above it).
+MIN_TEMPERATURE = 1e-30
+
 INDEX_SENTINEL = 2**31 - 1  # larger than any column; min() over it means "no column"
 
 
@@ -49,7 +53,7 @@ def gumbel_race_kernel(
     vocab = values_ref.shape[1]
     words = (key0_ref[row], key1_ref[row])
     temperature = temperature_ref[row]
-    greedy = temperature == 0
+    greedy = temperature < MIN_TEMPERATURE
     divisor = jnp.where(greedy, 1.0, temperature)
 
     def step(i, carry):
@@ -63,10 +67,13 @@ def gumbel_race_kernel(
         ).astype(jnp.float32)  # [block]
         noise = rng.exponential(rng.random_bits(words, columns.astype(jnp.uint32), stream))
         if from_logits:
-            score = jnp.where(greedy, values, values / divisor - jnp.log(noise))
+            scaled = jnp.where(values == -jnp.inf, -jnp.inf, values / divisor)
+            score = jnp.where(greedy, values, scaled - jnp.log(noise))
         else:
-            score = values / noise
-        score = jnp.where(in_row, score, -jnp.inf)
+            # log space: p / E would overflow for huge weights (E >= 2**-33)
+            score = jnp.log(values) - jnp.log(noise)
+        # Out of the row, and NaN (invalid input only jit lets through), never win.
+        score = jnp.where(in_row & ~jnp.isnan(score), score, -jnp.inf)
         block_best = jnp.max(score)
         block_index = jnp.min(jnp.where(score == block_best, columns, INDEX_SENTINEL))
         better = block_best > best_score  # strict: an earlier block keeps a tie
@@ -109,7 +116,8 @@ def gumbel_sample(
     Args:
       values: ``[B, V]`` logits (``from_logits``) or non-negative probabilities.
       row_key_words: uint32 ``[B, 2]`` from ``rng.row_keys``.
-      temperature: float32 ``[B]`` (ignored for probabilities); 0 is greedy.
+      temperature: float32 ``[B]`` (ignored for probabilities); below ``MIN_TEMPERATURE`` is
+        greedy.
       from_logits: which race (module docstring).
       stream: the generator stream of the noise (``sampling.api.EXPONENTIAL_STREAM``).
       block, blocks_per_program, num_warps: launch parameters (a power-of-two ``block``).

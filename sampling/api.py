@@ -77,7 +77,8 @@ def sample_from_logits(
     Args:
       key: one JAX key or ``B`` keys.
       logits: ``[B, V]``; ``-inf`` masks a token.
-      temperature: scalar or ``[B]``, ``>= 0``; 0 is greedy.
+      temperature: scalar or ``[B]``, ``>= 0`` and finite; 0 (below
+        ``reference.MIN_TEMPERATURE``) is greedy.
       return_logprob: also return ``log q(token)`` under the distribution drawn from (0 for
         greedy rows).
       backend: ``"auto"``, ``"reference"`` or ``"pallas"`` (module docstring).
@@ -98,9 +99,11 @@ def sample_from_logits(
     batch, vocab = validation.check_rows("logits", logits)
     validation.check_logits_values(logits)
     temperature = validation.per_row("temperature", temperature, batch, jnp.float32)
-    validation.check_range("temperature", temperature, 0.0, float("inf"))
+    validation.check_range("temperature", temperature, 0.0, float(jnp.finfo(jnp.float32).max))
     logits = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
-    temperature = jnp.maximum(temperature, 0).astype(logits.dtype)  # clamped under jit
+    # Under jit, clamped: NaN or negative -> 0 (greedy), +inf -> the largest float.
+    temperature = jnp.clip(jnp.nan_to_num(temperature, nan=0.0), 0, jnp.finfo(jnp.float32).max)
+    temperature = temperature.astype(logits.dtype)
     if chosen == "pallas":
         tokens = sampling_kernels.gumbel_sample(
             logits,
@@ -116,9 +119,10 @@ def sample_from_logits(
         )
     if not return_logprob:
         return tokens
-    scaled = logits / jnp.where(temperature == 0, 1, temperature)[:, None]
+    greedy = temperature < reference.MIN_TEMPERATURE
+    scaled = logits / jnp.where(greedy, 1, temperature)[:, None]
     logprob = jnp.take_along_axis(jax.nn.log_softmax(scaled, axis=-1), tokens[:, None], 1)[:, 0]
-    return tokens, jnp.where(temperature == 0, 0.0, logprob).astype(jnp.float32)
+    return tokens, jnp.where(greedy, 0.0, logprob).astype(jnp.float32)
 
 
 def sample_from_probs(key, probs: jax.Array, *, return_logprob: bool = False, backend="auto"):
@@ -293,4 +297,3 @@ def top_k_mask_logits(logits: jax.Array, top_k, *, backend="auto") -> jax.Array:
         return jnp.where(rank < k, row, -jnp.inf)
 
     return jax.vmap(mask_row)(logits, k)
-

@@ -77,17 +77,38 @@ def kept_mask(probs: jax.Array, params: FilterParams, order: str = "joint") -> j
     ranked = rank_order(probs)
     sorted_probs = probs[ranked]
     rank = jnp.arange(vocab)
-    mass_before = jnp.cumsum(sorted_probs) - sorted_probs  # exclusive prefix sums, rank order
-    total = jnp.sum(probs)
+    masses = prefix_mass(probs)
+    mass_before = masses[:-1]  # the mass ranked before each rank
     in_top_k = rank < params.top_k
-    if order == "top_k_first":
-        nucleus_total = jnp.sum(jnp.where(in_top_k, sorted_probs, 0))
-    else:
-        nucleus_total = total
-    in_top_p = (params.top_p >= 1) | (mass_before < params.top_p * nucleus_total)
+    # The first token is always kept, even where top_p * total underflows to 0.
+    in_top_p = (
+        (rank == 0)
+        | (params.top_p >= 1)
+        | (mass_before < params.top_p * nucleus_mass(masses, params, order))
+    )
     in_min_p = sorted_probs >= params.min_p * sorted_probs[0]
     keep_sorted = in_top_k & in_top_p & in_min_p & (sorted_probs > 0)
     return jnp.zeros(vocab, bool).at[ranked].set(keep_sorted)
+
+
+def prefix_mass(probs: jax.Array) -> jax.Array:
+    """``[V + 1]``: entry ``n`` is the mass of the ``n`` first tokens of the order.
+
+    The tokens above any position are exactly the first ``n`` of the order for some ``n`` (their
+    count), so this one table gives the mass above any position. The samplers' tests and this
+    definition both read it, so they agree bit for bit on every top-p decision; a sum of the
+    same tokens in another order can round to the other side of ``top_p * total``.
+    """
+    sorted_probs = probs[rank_order(probs)]
+    return jnp.concatenate([jnp.zeros(1, probs.dtype), jnp.cumsum(sorted_probs)])
+
+
+def nucleus_mass(masses: jax.Array, params: FilterParams, order: str) -> jax.Array:
+    """The mass top-p is a fraction of: all of it (``"joint"``), or the top-k mass
+    (``"top_k_first"``); ``masses`` from ``prefix_mass``."""
+    if order == "joint":
+        return masses[-1]
+    return masses[jnp.clip(params.top_k, 0, masses.shape[0] - 1)]
 
 
 def filtered_distribution(

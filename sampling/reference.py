@@ -31,7 +31,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from sampling.filters import FilterParams, kept_mask
+from sampling.filters import FilterParams, kept_mask, nucleus_mass, prefix_mass
 
 DEFAULT_MAX_ROUNDS = 32
 
@@ -40,32 +40,44 @@ DEFAULT_MAX_ROUNDS = 32
 # Gumbel-max
 
 
+# Below this temperature dividing float32 logits by it can overflow; such rows are greedy (the
+# race's limit as the temperature goes to 0).
+MIN_TEMPERATURE = 1e-30
+
+
 def sample_from_probs_from_exponentials(probs: jax.Array, exponentials: jax.Array) -> jax.Array:
     """int32[...]: ``argmax_i probs_i / E_i`` over the last axis (lowest index on ties).
+
+    Raced in log space, ``log p_i - log E_i`` (the same arg max), so huge weights cannot
+    overflow ``p / E`` (``E`` can be as small as ``2**-33``) and no rescaling by a reciprocal
+    can flush to zero; a weight of 0 is ``-inf`` and never wins; a NaN score (invalid input
+    that only ``jit`` lets through) counts as ``-inf``.
 
     Args:
       probs: ``[..., V]`` non-negative weights.
       exponentials: ``[..., V]`` Exp(1) draws, all ``> 0``.
     """
-    return jnp.argmax(probs / exponentials, axis=-1).astype(jnp.int32)
+    race = jnp.log(probs) - jnp.log(exponentials)
+    return jnp.argmax(jnp.where(jnp.isnan(race), -jnp.inf, race), axis=-1).astype(jnp.int32)
 
 
 def sample_from_logits_from_exponentials(
     logits: jax.Array, exponentials: jax.Array, temperature
 ) -> jax.Array:
-    """int32[...]: ``argmax_i (logits_i / T - log E_i)``; ``T = 0`` is greedy (lowest index on
-    ties). A logit of ``-inf`` is a masked token and never wins.
+    """int32[...]: ``argmax_i (logits_i / T - log E_i)``; ``T < MIN_TEMPERATURE`` is greedy
+    (lowest index on ties). A logit of ``-inf`` is a masked token and never wins; a NaN score
+    (invalid input under ``jit``) counts as ``-inf``.
 
     Args:
       logits: ``[..., V]``.
       exponentials: ``[..., V]`` Exp(1) draws, all ``> 0``.
-      temperature: scalar or ``[...]``, ``>= 0``.
+      temperature: scalar or ``[...]``, ``>= 0`` and finite.
     """
     temperature = jnp.asarray(temperature, logits.dtype)[..., None]
-    greedy = temperature == 0
-    scaled = logits / jnp.where(greedy, 1, temperature)
+    greedy = temperature < MIN_TEMPERATURE
+    scaled = jnp.where(logits == -jnp.inf, -jnp.inf, logits / jnp.where(greedy, 1, temperature))
     race = jnp.where(greedy, logits, scaled - jnp.log(exponentials))
-    return jnp.argmax(race, axis=-1).astype(jnp.int32)
+    return jnp.argmax(jnp.where(jnp.isnan(race), -jnp.inf, race), axis=-1).astype(jnp.int32)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -109,39 +121,71 @@ def above(probs: jax.Array, value, index) -> jax.Array:
     return (probs > value) | ((probs == value) & (positions < index))
 
 
-def threshold_passes(
-    probs: jax.Array, value, index, params: FilterParams, nucleus_total
-) -> jax.Array:
+class RowStats(NamedTuple):
+    """What a row's tests read, computed once per row (``row_stats``).
+
+    Attributes:
+      prefix_mass: ``[V + 1]``, the mass of the first ``n`` tokens of the order
+        (``sampling.filters.prefix_mass``, the same table the definition reads).
+      nucleus_total: the mass top-p is a fraction of.
+      max_prob: the largest probability (min-p's reference).
+    """
+
+    prefix_mass: jax.Array
+    nucleus_total: jax.Array
+    max_prob: jax.Array
+
+
+def row_stats(probs: jax.Array, params: FilterParams, order: str) -> RowStats:
+    """The per-row table the filter tests read (one sort: this reference is written for
+    agreement with the definition, not speed; a kernel finds the same masses without sorting,
+    up to rounding)."""
+    masses = prefix_mass(probs)
+    return RowStats(masses, nucleus_mass(masses, params, order), jnp.max(probs))
+
+
+def threshold_passes(probs: jax.Array, value, index, params: FilterParams, stats: RowStats):
     """Would a token at position ``(value, index)`` be kept? Monotone: true at one position means
     true at every earlier one, which is why a failed test clears everything at or below it.
+
+    The tokens above the position are the first ``count`` of the order, so their mass is
+    ``stats.prefix_mass[count]``: the very number the definition compares for the token at rank
+    ``count``.
 
     Args:
       probs: ``[V]``.
       value, index: the position.
       params: the filters.
-      nucleus_total: the mass top-p is a fraction of (all mass, or the top-k mass).
+      stats: the row's ``RowStats``.
     """
-    is_above = above(probs, value, index)
-    count_above = jnp.sum(is_above)
-    mass_above = jnp.sum(jnp.where(is_above, probs, 0))
+    count_above = jnp.sum(above(probs, value, index))
+    mass_above = stats.prefix_mass[count_above]
     passes_top_k = count_above < params.top_k
-    passes_top_p = (params.top_p >= 1) | (mass_above < params.top_p * nucleus_total)
-    passes_min_p = value >= params.min_p * jnp.max(probs)
+    passes_top_p = (
+        (count_above == 0)  # the first token is always kept
+        | (params.top_p >= 1)
+        | (mass_above < params.top_p * stats.nucleus_total)
+    )
+    passes_min_p = value >= params.min_p * stats.max_prob
     return passes_top_k & passes_top_p & passes_min_p
 
 
 def inverse_transform(weights: jax.Array, uniform) -> jax.Array:
     """int32: the token whose share of the normalized running sums holds ``uniform``.
 
-    With ``c`` the running sums and ``F = c / c[-1]`` (non-decreasing, since dividing by a
-    positive number is monotone in floating point), token j is chosen for ``uniform`` in
-    ``[F[j-1], F[j])``: with probability ``weights_j / sum(weights)``, and the breakpoints are
-    exactly the floats ``F`` (what the exact-enumeration test walks). If rounding leaves
+    With ``c`` the running maximum of the running sums and ``F = c / c[-1]`` (non-decreasing:
+    a running maximum is, and dividing by a positive number is monotone in floating point),
+    token j is chosen for ``uniform`` in ``[F[j-1], F[j])``: with probability
+    ``weights_j / sum(weights)`` up to rounding, and the breakpoints are exactly the floats
+    ``F`` (what the exact-enumeration test walks). If rounding leaves
     ``uniform`` at or past ``F[-1]``, the last token of positive weight is taken: never a token of
     zero weight, never an index outside the row. A row with no positive weight (invalid input
     that only ``jit`` lets through) gives token 0.
     """
-    cumulative = jnp.cumsum(weights)
+    # Float running sums are not monotone (XLA's scan reassociates): a dip would hand a zero-weight
+    # token an interval that the fallback then gives to the last positive token. The running
+    # maximum is monotone, and equals the running sums wherever they do not dip.
+    cumulative = jax.lax.cummax(jnp.cumsum(weights))
     normalized = cumulative / cumulative[-1]
     token = jnp.sum(normalized <= uniform).astype(jnp.int32)
     positions = jnp.arange(weights.shape[-1], dtype=jnp.int32)
@@ -151,7 +195,7 @@ def inverse_transform(weights: jax.Array, uniform) -> jax.Array:
 
 
 def pivot_round(
-    probs: jax.Array, params: FilterParams, nucleus_total, state: PivotState, uniform
+    probs: jax.Array, params: FilterParams, stats: RowStats, state: PivotState, uniform
 ) -> PivotState:
     """One round of dual-pivot rejection: the state transition (a decided state is unchanged).
 
@@ -163,9 +207,9 @@ def pivot_round(
     candidates = above(probs, state.low_value, state.low_index)
     token = inverse_transform(jnp.where(candidates, probs, 0), uniform)
     value = probs[token]
-    accept = threshold_passes(probs, value, token, params, nucleus_total)
+    accept = threshold_passes(probs, value, token, params, stats)
     middle = (value + state.high_value) / 2
-    middle_passes = threshold_passes(probs, middle, 0, params, nucleus_total)
+    middle_passes = threshold_passes(probs, middle, 0, params, stats)
     rejected = PivotState(
         low_value=jnp.where(middle_passes, value, middle).astype(probs.dtype),
         low_index=jnp.where(middle_passes, token, 0).astype(jnp.int32),
@@ -177,15 +221,6 @@ def pivot_round(
     after = jax.tree.map(lambda a, r: jnp.where(accept, a, r), accepted, rejected)
     decided = state.token >= 0
     return jax.tree.map(lambda old, new: jnp.where(decided, old, new), state, after)
-
-
-def nucleus_total(probs: jax.Array, params: FilterParams, order: str) -> jax.Array:
-    """The mass top-p is a fraction of: all of it (``"joint"``), or the top-k mass
-    (``"top_k_first"``, found here from the definition; a kernel finds it by a pivot search)."""
-    if order == "joint":
-        return jnp.sum(probs)
-    top_k_only = FilterParams(top_k=params.top_k, top_p=1.0, min_p=0.0)
-    return jnp.sum(jnp.where(kept_mask(probs, top_k_only), probs, 0))
 
 
 def filtered_sample_row_from_uniforms(
@@ -204,11 +239,11 @@ def filtered_sample_row_from_uniforms(
       ``(token int32, rounds int32)``; ``rounds = R + 1`` when the fallback decided.
     """
     max_rounds = uniforms.shape[-1] - 1
-    total = nucleus_total(probs, params, order)
+    stats = row_stats(probs, params, order)
     state = jax.lax.fori_loop(
         0,
         max_rounds,
-        lambda r, s: pivot_round(probs, params, total, s, uniforms[r]),
+        lambda r, s: pivot_round(probs, params, stats, s, uniforms[r]),
         initial_state(probs),
     )
     kept = jnp.where(kept_mask(probs, params, order), probs, 0)

@@ -42,6 +42,10 @@ def check_probs_values(probs: jax.Array) -> None:
         (np.isinf(values).any(axis=1), "contains an infinity"),
         ((values < 0).any(axis=1), "contains a negative probability"),
         (~(values > 0).any(axis=1), "has no positive probability (it sums to 0)"),
+        (
+            (values.max(axis=1, initial=0) < np.finfo(np.float32).tiny),
+            "has only subnormal probabilities (float32 arithmetic flushes them to 0)",
+        ),
     ]
     for bad_rows, what in checks:
         if bad_rows.any():

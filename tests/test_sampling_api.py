@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 import sampling
+from sampling import reference
 from sampling.filters import FilterParams, filtered_distribution
 
 ALPHA = 1e-6
@@ -248,3 +249,86 @@ def test_bfloat16_probabilities_are_sampled_without_bias():
     t = (2 * log_term / 3 + math.sqrt((2 * log_term / 3) ** 2 + 8 * log_term * variance)) / 2
     count = int(np.sum(tokens == 1))
     assert abs(count - NUM_DRAWS * rare) < t, (count, NUM_DRAWS * rare, t)
+
+
+# ----------------------------------------------------------------------------------------------
+# Edge cases found in review: each would have been a silent distribution error.
+
+
+def test_sampler_and_definition_agree_on_top_p_boundaries_in_float32():
+    """Uniform and tied rows put top_p exactly on a partial sum; the sampler's test and the
+    definition read one prefix-mass table, so every drawn token has the log-probability of the
+    kept set the definition (and top_p_renorm_probs) describes, never -inf."""
+    for vocab, top_p in [(50, 0.5), (83, 0.8), (40, 0.9)]:
+        levels = np.where(np.arange(vocab) % 2 == 0, 0.1, 0.05).astype(np.float32)
+        for row in (np.full(vocab, 1.0 / vocab, np.float32), levels / levels.sum()):
+            probs = jnp.broadcast_to(jnp.asarray(row), (2000, vocab))
+            tokens, logprob = sampling.top_p_sample(
+                jax.random.key(vocab), probs, top_p, return_logprob=True
+            )
+            renormed = np.asarray(sampling.top_p_renorm_probs(probs[:1], top_p))[0]
+            tokens = np.asarray(tokens)
+            assert np.all(renormed[tokens] > 0)
+            np.testing.assert_allclose(np.asarray(logprob), np.log(renormed[tokens]), rtol=1e-5)
+
+
+def test_inverse_transform_gives_zero_weight_tokens_no_interval():
+    """Float running sums dip; without the running maximum the dips' intervals fell to the last
+    positive token, drawn at hundreds of times its rate on rows with many zero weights."""
+    rng_np = np.random.default_rng(3)
+    weights = rng_np.random(4096).astype(np.float32)
+    weights[rng_np.random(4096) < 0.7] = 0
+    weights = jnp.asarray(weights)
+    last = int(np.flatnonzero(np.asarray(weights))[-1])
+    uniforms = (jnp.arange(1 << 16, dtype=jnp.float32) + 0.5) / (1 << 16)
+    tokens = np.asarray(jax.vmap(lambda u: reference.inverse_transform(weights, u))(uniforms))
+    assert np.all(np.asarray(weights)[tokens] > 0)
+    share = float(weights[last] / jnp.sum(weights))
+    observed = float(np.mean(tokens == last))
+    assert abs(observed - share) < 2 / (1 << 16) + 1e-4, (observed, share)
+
+
+def test_the_fallback_alone_draws_the_filtered_distribution():
+    """max_rounds=0 sends every row to the fallback: it must draw the kept set exactly too."""
+    probs = _distribution(11)
+    tokens = _draw(sampling.top_k_sample, probs, top_k=7, max_rounds=0)
+    target = np.asarray(filtered_distribution(jnp.asarray(probs), FilterParams(7, 1.0, 0.0)))
+    assert_distributed_as(tokens, target.astype(np.float64))
+
+
+def test_enough_rounds_never_reach_the_fallback():
+    """A round that does not accept removes its token (Lemma 3), so V + 1 rounds always decide:
+    an over-strict accept test would hide behind the exact fallback; this catches it."""
+    rng_np = np.random.default_rng(12)
+    probs = jnp.asarray(rng_np.dirichlet(np.full(12, 0.5), size=512), jnp.float32)
+    for options in ({"top_k": 3}, {"top_p": 0.7}, {"min_p": 0.2}, {"top_k": 5, "top_p": 0.5}):
+        _, rounds = sampling.filtered_sample(
+            jax.random.key(4), probs, max_rounds=13, return_rounds=True, **options
+        )
+        assert int(np.max(np.asarray(rounds))) <= 13, options
+
+
+def test_temperature_must_be_finite_and_tiny_temperatures_are_greedy():
+    logits = jnp.array([[10.0, 20.0, -jnp.inf]])
+    with pytest.raises(ValueError, match="temperature"):
+        sampling.sample_from_logits(jax.random.key(0), logits, temperature=float("inf"))
+    tokens = sampling.sample_from_logits(jax.random.key(0), logits, temperature=2e-38)
+    assert tokens.tolist() == [1]
+
+
+def test_huge_weights_do_not_overflow_the_race():
+    probs = jnp.asarray([1e38, 2e38], jnp.float32)
+    tokens = _draw(sampling.sample_from_probs, probs)
+    assert_distributed_as(tokens, np.array([1 / 3, 2 / 3]))
+    with pytest.raises(ValueError, match="subnormal"):
+        sampling.sample_from_probs(jax.random.key(0), jnp.asarray([[0.0, 1e-40, 1e-41]]))
+
+
+def test_nan_under_jit_never_wins_in_reference_or_kernel():
+    logits = jnp.zeros((4, 300)).at[:, 200].set(50.0).at[:, 5].set(jnp.nan)
+    sample = jax.jit(
+        lambda x, backend: sampling.sample_from_logits(jax.random.key(1), x, backend=backend),
+        static_argnums=1,
+    )
+    assert np.asarray(sample(logits, "reference")).tolist() == [200] * 4
+    assert np.asarray(sample(logits, "pallas")).tolist() == [200] * 4

@@ -69,7 +69,7 @@ def enumerate_distribution(probs: np.ndarray, params: FilterParams, order: str, 
         top_p=jnp.asarray(params.top_p, jnp.float64),
         min_p=jnp.asarray(params.min_p, jnp.float64),
     )
-    total = reference.nucleus_total(probs, params, order)
+    stats = reference.row_stats(probs, params, order)
     kept = jnp.where(reference.kept_mask(probs, params, order), probs, 0)
     fallback = np.zeros(vocab)
     for token, start, end in _intervals(kept):
@@ -90,7 +90,7 @@ def enumerate_distribution(probs: np.ndarray, params: FilterParams, order: str, 
         candidates = reference.above(probs, state.low_value, state.low_index)
         result = np.zeros(vocab)
         for token, start, end in _intervals(jnp.where(candidates, probs, 0)):
-            after = step(probs, params, total, state, start)
+            after = step(probs, params, stats, state, start)
             if int(after.token) >= 0:
                 assert int(after.token) == token
                 result[token] += end - start
