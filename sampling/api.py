@@ -167,6 +167,8 @@ def sample_from_probs(key, probs: jax.Array, *, return_logprob: bool = False, ba
 
 def _filter_params(batch: int, vocab: int, top_k, top_p, min_p) -> FilterParams:
     """Per-row parameters, checked when concrete and clamped into range (for jit)."""
+    if top_k is not None and not jnp.issubdtype(jnp.asarray(top_k).dtype, jnp.integer):
+        raise ValueError(f"top_k must be an integer (or integers), got {top_k!r}")
     k = validation.per_row("top_k", vocab if top_k is None else top_k, batch, jnp.int32)
     p = validation.per_row("top_p", 1.0 if top_p is None else top_p, batch, jnp.float32)
     m = validation.per_row("min_p", 0.0 if min_p is None else min_p, batch, jnp.float32)
@@ -218,8 +220,8 @@ def filtered_sample(
     _use_reference(backend)
     batch, vocab = validation.check_rows("probs", probs)
     validation.check_probs_values(probs)
-    if max_rounds < 0:
-        raise ValueError(f"max_rounds must be >= 0, got {max_rounds}")
+    if not isinstance(max_rounds, int) or max_rounds < 0:
+        raise ValueError(f"max_rounds must be an integer >= 0, got {max_rounds!r}")
     if order not in ORDERS:
         raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
     params = _filter_params(batch, vocab, top_k, top_p, min_p)

@@ -202,6 +202,7 @@ BAD_INPUTS = [
         dict(probs=GOOD_PROBS, top_k=jnp.array([1, 2, 3])),
         "top_k must be a scalar or have shape",
     ),
+    (sampling.top_k_sample, dict(probs=GOOD_PROBS, top_k=1.5), "top_k must be an integer"),
     (
         sampling.top_k_top_p_sample,
         dict(probs=GOOD_PROBS, top_k=1, top_p=0.5, order="sideways"),

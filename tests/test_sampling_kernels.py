@@ -3,7 +3,8 @@
 In interpret mode (CPU) the kernel evaluates the very same float operations as the reference,
 so the tokens must be identical. Compiled on a GPU, ``log`` and ``log1p`` may differ from XLA's
 in the last bit, which can flip a race only when two scores are within an ulp: the GPU run
-allows at most 1 row in 1000 to differ and records the rate. The distribution itself is tested
+allows a mismatch rate of 1e-3 (at these small batches, any mismatch fails; measuring the rate
+at 128K-token rows belongs to the kernel's first GPU run). The distribution itself is tested
 on the reference (``tests/test_sampling_api.py``); equal tokens carry it over to the kernel.
 """
 
