@@ -21,10 +21,11 @@ cores busy. The kernel's whole job is to stream K and V at the copy bandwidth:
   float32 workspace and ``merge_states.py`` combines them. When no request is split, this kernel
   normalizes and writes the final output itself (``write_final=True``), with no merge launch.
 
-The kernel never reads outside its arrays whatever the page table says about unused entries:
-the page-index loads past a work item's end are masked (they fetch page 0, a valid page, whose
+The kernel never reads or writes outside its arrays, whatever the page table and work items
+say: page-index loads past a work item's end are masked (they fetch page 0, a valid page, whose
 logits and values are then masked out, so stale or NaN data in unused slots never reaches the
-output), and query/output rows past ``G`` are masked.
+output); page numbers, page ranges, last-page lengths and request ids are clamped (the public
+API validates them only when they are concrete); query/output rows past ``G`` are masked.
 
 Distance from the bandwidth floor: see ``docs/benchmark_results/*-decode.md`` (the floor is the
 KV bytes of the batch over the measured copy bandwidth).
@@ -201,8 +202,10 @@ def paged_decode(
       q: ``[B, H, D]``.
       k_pages, v_pages: ``[num_pages, KVH, page_size, D]`` (``layout="HND"``) or
         ``[num_pages, page_size, KVH, D]`` (``"NHD"``).
-      page_indices: int32 ``[num_indices]``; every ``[start, end)`` range of a work item must lie
-        inside it. Entries in use must be valid pages (the caller validates).
+      page_indices: int32 ``[num_indices]``; every ``[start, end)`` range of a work item should
+        lie inside it and name valid pages (the public API validates concrete inputs; the
+        kernel clamps ranges and page numbers, so invalid ones give wrong values, never an
+        access outside an array).
       work_request, work_page_start, work_page_end, work_last_page_len: int32 ``[W]``, one work
         item each: a request (``-1`` for padding), its page range in ``page_indices``, and the
         number of valid slots in the range's final page.

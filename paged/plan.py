@@ -9,9 +9,9 @@ is far from saturated. Cutting each request's pages into chunks gives more progr
 of writing partial states and merging them (``kernels_pallas/merge_states.py``).
 
 The rule (FlashInfer's, in ``../shared/anchors.md``): with ``max_grid = blocks_per_sm * num_sms``
-programs, if ``nonempty_requests * num_kv_heads >= max_grid`` do not split; otherwise take the smallest
-chunk (at least ``min_chunk_pages``) such that ``sum_b ceil(pages_b / chunk) * num_kv_heads <=
-max_grid``. A fixed chunk (``fixed_split_pages``) instead makes every request's result
+programs, if ``nonempty_requests * num_kv_heads >= max_grid`` do not split; otherwise take the
+smallest chunk (at least ``min_chunk_pages``) such that ``sum_b ceil(pages_b / chunk) *
+num_kv_heads <= max_grid``. A fixed chunk (``fixed_split_pages``) instead makes every request's result
 independent of the rest of the batch, bit for bit (its chunks and their merge order depend on
 its own length only).
 
@@ -38,7 +38,7 @@ from paged.page_table import PageTable, bucket_size
 
 @dataclasses.dataclass(frozen=True)
 class DecodePlan:
-    """Work items for one decode step (a pytree; ``write_final`` is static).
+    """Work items for one decode step (a pytree; ``write_final`` and ``launch`` are static).
 
     Attributes:
       work_request: int32[W], each item's request; -1 for padding.
@@ -61,10 +61,6 @@ class DecodePlan:
     num_work_items: jax.Array
     write_final: bool
     launch: tuple[tuple[str, int], ...] = ()
-
-    @property
-    def batch_size(self) -> int:
-        return self.merge_indptr.shape[0] - 1
 
     def splits_per_request(self) -> np.ndarray:
         """Host-side: the number of work items of each request."""

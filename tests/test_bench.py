@@ -461,10 +461,10 @@ def test_sampling_dry_run_times_every_decodelab_arm_beside_the_peers(tmp_path):
 
 def test_sampling_inputs_are_the_peers_logits_with_a_key_per_set():
     inputs = sampling_suite.make_sampling_inputs(2, 64, 3)
-    # The peers' own generator (private to them): our rows must sample the same logits.
+    # The peers' generator with the peers' key for this batch: both arms sample the same logits.
     np.testing.assert_array_equal(
         np.asarray(inputs.logits_sets),
-        np.asarray(peers._random_logits(jax.random.key(2), (3, 2, 64))),
+        np.asarray(peers.random_logits(jax.random.key(2), (3, 2, 64))),
     )
     np.testing.assert_allclose(np.asarray(inputs.probs_sets).sum(-1), 1.0, rtol=1e-5)
     row_key_words = np.asarray(inputs.row_key_words).reshape(-1, 2)  # [sets x rows, 2]

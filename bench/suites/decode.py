@@ -111,11 +111,10 @@ def run(options: RunOptions, ceiling: CopyCeiling) -> SuiteOutput:
 # Arms
 
 
-def _table(setup: AttentionSetup, set_index) -> paged.PageTable:
-    return _table_from(
-        (None, None, None, setup.page_indptr, setup.page_indices, setup.last_page_len, None),
-        set_index,
-        setup.page_size,
+def _table_of_set(page_indptr, page_indices, last_page_len, set_index, page_size):
+    """Rotating set ``set_index``'s page table, from the stacked ``[num_sets, ...]`` arrays."""
+    return paged.PageTable(
+        page_indptr[set_index], page_indices[set_index], last_page_len[set_index], page_size
     )
 
 
@@ -127,7 +126,13 @@ def plan_for(setup: AttentionSetup, **overrides) -> paged.DecodePlan:
     if setup.context <= DRY_RUN_MAX_CONTEXT:
         overrides.setdefault("min_chunk_pages", 1)
     return paged.plan_decode(
-        _table(setup, 0), setup.num_q_heads, setup.num_kv_heads, setup.head_dim, **overrides
+        _table_of_set(
+            setup.page_indptr, setup.page_indices, setup.last_page_len, 0, setup.page_size
+        ),
+        setup.num_q_heads,
+        setup.num_kv_heads,
+        setup.head_dim,
+        **overrides,
     )
 
 
@@ -148,24 +153,17 @@ def api_loop(setup: AttentionSetup, plan: paged.DecodePlan) -> TimedLoop:
     """One call = the public ``paged.decode_attention`` on rotating set ``set_index``."""
 
     def step(set_index, operands):
-        queries, k_pages, v_pages, _, _, _, plan = operands
+        queries, k_pages, v_pages, page_indptr, page_indices, last_page_len, plan = operands
         cache = paged.KVCache(k_pages, v_pages, "HND")
         return paged.decode_attention(
             queries[set_index],
             cache,
-            _table_from(operands, set_index, setup.page_size),
+            _table_of_set(page_indptr, page_indices, last_page_len, set_index, setup.page_size),
             plan=plan,
             backend="pallas",
         )
 
     return TimedLoop(step, setup.num_sets, _operands(setup, plan))
-
-
-def _table_from(operands, set_index, page_size) -> paged.PageTable:
-    _, _, _, page_indptr, page_indices, last_page_len, _ = operands
-    return paged.PageTable(
-        page_indptr[set_index], page_indices[set_index], last_page_len[set_index], page_size
-    )
 
 
 def kernel_loop(

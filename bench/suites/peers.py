@@ -132,7 +132,7 @@ def run(options: RunOptions, ceiling: CopyCeiling) -> SuiteOutput:
     return SuiteOutput(results=results, notes=notes)
 
 
-def _error_summary(error: Exception) -> str:
+def error_summary(error: Exception) -> str:
     first_line = (str(error).strip().splitlines() or [""])[0]
     return f"{type(error).__name__}: {first_line[:300]}"
 
@@ -262,7 +262,7 @@ def peer_attention_results(
             results.append(_torch_attention_result(setup, options, ceiling_tbps, reference, notes))
         except Exception as error:  # a missing PyTorch feature must not lose the other arms
             if notes is not None:
-                notes.append(f"{setup.case}: `torch_gather_sdpa` failed: {_error_summary(error)}")
+                notes.append(f"{setup.case}: `torch_gather_sdpa` failed: {error_summary(error)}")
         release_torch_memory(options.torch_device)
     if repeat_reference_arm and "xla_gather" in arms:
         # The same compiled program as the first timing: only the moment differs.
@@ -423,7 +423,7 @@ def _jax_pallas_result(
                 loop, compute_block = _jax_pallas_loop(setup, scaled_queries, k_splits, options)
                 timing = options.time(loop, sweep=True, expected_us_per_call=prior_us)
             except Exception as error:  # a k_splits that fails to compile is recorded
-                sweep.append({"k_splits": k_splits, "error": _error_summary(error)})
+                sweep.append({"k_splits": k_splits, "error": error_summary(error)})
                 continue
             sweep.append(
                 {
@@ -560,7 +560,9 @@ def jax_top_p_sample(logits: jax.Array, key: jax.Array, top_p: float) -> jax.Arr
 
 
 @functools.partial(jax.jit, static_argnames="shape")
-def _random_logits(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+def random_logits(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """Random logits of scale ``LOGITS_SCALE`` (also the sampling suite's, so both sample the
+    same rows)."""
     return LOGITS_SCALE * jax.random.normal(key, shape, jnp.float32)
 
 
@@ -585,7 +587,7 @@ def sampling_results(
     """
     num_bytes = batch * vocab * 4
     num_sets = options.num_sets_for(num_bytes)
-    logits_sets = _random_logits(jax.random.key(batch), (num_sets, batch, vocab))  # [R, B, V]
+    logits_sets = random_logits(jax.random.key(batch), (num_sets, batch, vocab))  # [R, B, V]
     operands = (logits_sets, jax.random.key(1))
     top_p_case, gumbel_case = f"top_p B={batch}", f"gumbel B={batch}"
     results: list[CaseResult] = []
@@ -637,7 +639,7 @@ def sampling_results(
             _torch_sampling_rows(logits_sets, num_sets, options, row, top_p_case, gumbel_case)
         except Exception as error:  # a missing PyTorch feature must not lose the other arms
             if notes is not None:
-                notes.append(f"sampling B={batch}: PyTorch arms failed: {_error_summary(error)}")
+                notes.append(f"sampling B={batch}: PyTorch arms failed: {error_summary(error)}")
         release_torch_memory(options.torch_device)
 
     timing = options.time(

@@ -191,15 +191,9 @@ class SamplingInputs:
             array.delete()
 
 
-@functools.partial(jax.jit, static_argnames="shape")
-def _peer_logits(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
-    """The logits ``peers.sampling_results`` draws from ``key``: same scale, same generator."""
-    return peers.LOGITS_SCALE * jax.random.normal(key, shape, jnp.float32)
-
-
 def make_sampling_inputs(batch: int, vocab: int, num_sets: int) -> SamplingInputs:
     """Rotating sets with the peers' logits for ``batch`` (their seed is the batch)."""
-    logits_sets = _peer_logits(jax.random.key(batch), (num_sets, batch, vocab))
+    logits_sets = peers.random_logits(jax.random.key(batch), (num_sets, batch, vocab))
     probs_sets = jax.jit(functools.partial(jax.nn.softmax, axis=-1))(logits_sets)
     keys = jax.random.split(jax.random.key(KEY_SEED), num_sets)
     row_key_words = jax.jit(jax.vmap(lambda key: rng.row_keys(key, batch)))(keys)
@@ -286,11 +280,6 @@ def xla_only_label(loop: TimedLoop) -> str:
     if TRITON_CALL_MARKER not in text:
         return "xla"
     return "triton:" + "+".join(peers.triton_kernel_names(text, ""))
-
-
-def _error_summary(error: Exception) -> str:
-    first_line = (str(error).strip().splitlines() or [""])[0]
-    return f"{type(error).__name__}: {first_line[:300]}"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -398,7 +387,7 @@ def gumbel_arms(
                 same_tokens_as_reference=same,
             )
         except Exception as error:  # a kernel that fails to compile must not lose the others
-            notes.append(f"{case}: `{arm}` failed: {_error_summary(error)}")
+            notes.append(f"{case}: `{arm}` failed: {peers.error_summary(error)}")
             continue
         if kernels == "no-triton-kernel-found":
             notes.append(f"{case}: no Triton `{GUMBEL_KERNEL_PREFIX}` kernel in `{arm}`'s program")
