@@ -1,8 +1,19 @@
-"""Gumbel-max sampling kernels (Pallas, Triton lowering): one pass, no softmax, no noise array.
+"""Sampling kernels (Pallas, Triton lowering): the Gumbel-max race here, and the public names of
+the other two families, each in its own module:
 
-What it computes: for each row, ``argmax_i (logits_i / T - log E_i)`` (from logits; greedy
-``argmax_i logits_i`` at ``T = 0``) or ``argmax_i p_i / E_i`` (from probabilities, raced as
-``log p_i - log E_i`` so huge weights cannot overflow), with
+- ``gumbel_sample`` (this module): one pass, no softmax, no noise array;
+- ``dual_pivot_sample`` (``kernels_pallas/dual_pivot.py``): top-k, top-p, min-p and joint
+  filtered sampling by dual-pivot rejection, one pass a round;
+- ``filter_rows`` (``kernels_pallas/filter_masks.py``): top-k / top-p renormalization and
+  top-k masking of logits by radix selection.
+
+All three were written against the references of ``sampling/`` and checked in interpret mode;
+``sampling.api.KERNELS_CHECKED_ON_GPU`` records whether they were also compiled and timed on a
+GPU.
+
+**The Gumbel-max race.** What it computes: for each row, ``argmax_i (logits_i / T - log E_i)``
+(from logits; greedy ``argmax_i logits_i`` at ``T = 0``) or ``argmax_i p_i / E_i`` (from
+probabilities, raced as ``log p_i - log E_i`` so huge weights cannot overflow), with
 ``E_i = rng.exponential(rng.random_bits(row_key, i, stream))``: the same numbers the reference
 draws (``sampling/api.py``), so both pick the same token.
 
@@ -12,9 +23,6 @@ of ``blocks_per_program`` blocks of ``block`` columns so that even one row fills
 program writes its chunk's best score and the lowest index reaching it, and a tiny XLA reduction
 over chunks picks the row's winner (the first chunk with the maximum, so ties go to the lowest
 index everywhere).
-
-Status: checked against the reference in interpret mode; not yet compiled or timed on a GPU, so
-``backend="auto"`` does not select it yet (``sampling/api.py``).
 """
 
 from __future__ import annotations
@@ -28,6 +36,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from kernels_pallas import rng
+from kernels_pallas.dual_pivot import dual_pivot_sample
+from kernels_pallas.filter_masks import filter_rows
+
+__all__ = ["dual_pivot_sample", "filter_rows", "gumbel_sample"]
 
 # The same floor as sampling.reference.MIN_TEMPERATURE (kernels_pallas imports nothing above it).
 MIN_TEMPERATURE = 1e-30

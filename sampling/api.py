@@ -16,11 +16,11 @@ Semantics (``sampling/filters.py``): tokens ordered by (probability descending, 
 ascending); probabilities are non-negative weights normalized by their sum; temperature applies
 to logits first, temperature 0 is greedy (lowest index on ties); a logit of ``-inf`` is masked.
 
-Backends: the Gumbel-max samplers have a Pallas kernel (``kernels_pallas/sampling.py``),
-checked against the reference in interpret mode but not yet compiled or timed on a GPU; until
-it has been, ``backend="auto"`` keeps the reference everywhere and the kernel runs only when
-asked for (``backend="pallas"``; interpreted on a CPU). The filtered samplers have no kernel
-yet: ``backend="pallas"`` raises for them.
+Backends: every function here has a Pallas kernel (``kernels_pallas/sampling.py``): the
+Gumbel-max race, dual-pivot rejection for the filtered samplers, and radix selection for the
+renorm and mask functions. ``backend="pallas"`` runs it (interpreted on a CPU);
+``backend="auto"`` runs it on a GPU once ``KERNELS_CHECKED_ON_GPU`` says the kernels were
+compiled, checked and timed there, and the reference otherwise.
 """
 
 from __future__ import annotations
@@ -36,8 +36,9 @@ from sampling.filters import ORDERS, FilterParams, filtered_distribution, rank_o
 
 EXPONENTIAL_STREAM = 0
 ROUND_STREAM = 1
-# Flip once the Gumbel kernel has been compiled, checked and timed on a GPU: then "auto" uses it.
-GUMBEL_KERNEL_CHECKED_ON_GPU = False
+# Flip once the sampling kernels have been compiled, checked and timed on a GPU: then "auto"
+# uses them there.
+KERNELS_CHECKED_ON_GPU = False
 
 
 def _exponentials(key, batch: int, vocab: int) -> jax.Array:
@@ -54,13 +55,9 @@ def _round_uniforms(key, batch: int, max_rounds: int) -> jax.Array:
     return rng.uniform_open(bits)
 
 
-def _use_reference(backend: str) -> None:
-    """For operations with no kernel yet: ``"pallas"`` raises, everything else is the reference."""
-    resolve_backend(backend, pallas_available=False)
-
-
-def _gumbel_backend(backend: str) -> str:
-    if backend == "auto" and not GUMBEL_KERNEL_CHECKED_ON_GPU:
+def _kernel_backend(backend: str) -> str:
+    """``"pallas"`` or ``"reference"`` (module docstring)."""
+    if backend == "auto" and not KERNELS_CHECKED_ON_GPU:
         resolve_backend(backend)  # still validates the kill switch's value
         return "reference"
     return resolve_backend(backend)
@@ -95,7 +92,7 @@ def sample_from_logits(
       >>> tokens.shape, int(tokens[0]) != 1
       ((1,), True)
     """
-    chosen = _gumbel_backend(backend)
+    chosen = _kernel_backend(backend)
     batch, vocab = validation.check_rows("logits", logits)
     validation.check_logits_values(logits)
     temperature = validation.per_row("temperature", temperature, batch, jnp.float32)
@@ -142,7 +139,7 @@ def sample_from_probs(key, probs: jax.Array, *, return_logprob: bool = False, ba
       ValueError: bad shapes; concrete NaN, infinite or negative probabilities, a row summing
         to 0.
     """
-    chosen = _gumbel_backend(backend)
+    chosen = _kernel_backend(backend)
     batch, vocab = validation.check_rows("probs", probs)
     validation.check_probs_values(probs)
     probs = probs.astype(jnp.promote_types(probs.dtype, jnp.float32))
@@ -207,9 +204,12 @@ def filtered_sample(
       min_p: scalar or ``[B]`` in ``[0, 1]``; None disables.
       order: ``"joint"`` (intersection) or ``"top_k_first"`` (top-p of the renormalized top-k).
       max_rounds: rejection rounds before the exact fallback (static).
-      return_logprob: also return ``log q(token)`` under the filtered distribution.
+      return_logprob: also return ``log q(token)`` under the filtered distribution (computed
+        from the definition, ``sampling/filters.py``, with a sort, whatever the backend).
       return_rounds: also return the rounds each row took (``max_rounds + 1`` at the fallback).
-      backend: ``"auto"`` or ``"reference"``.
+      backend: ``"auto"``, ``"reference"`` or ``"pallas"`` (module docstring; the kernel picks
+        the reference's token for the same key up to float32 summation order,
+        ``kernels_pallas/dual_pivot.py``).
 
     Returns:
       ``int32[B]`` tokens, then the requested extras in the order above.
@@ -217,7 +217,7 @@ def filtered_sample(
     Raises:
       ValueError: bad shapes or order; concrete bad probabilities or parameters out of range.
     """
-    _use_reference(backend)
+    chosen = _kernel_backend(backend)
     batch, vocab = validation.check_rows("probs", probs)
     validation.check_probs_values(probs)
     if not isinstance(max_rounds, int) or max_rounds < 0:
@@ -228,10 +228,25 @@ def filtered_sample(
     # At least float32: bfloat16 running sums and uniforms (8 significant bits) would bias the
     # inverse transform (a 0.003 token drawn at twice its rate).
     probs = probs.astype(jnp.promote_types(probs.dtype, jnp.float32))
-    uniforms = _round_uniforms(key, batch, max_rounds)
-    tokens, rounds = jax.vmap(
-        lambda row, u, params: reference.filtered_sample_row_from_uniforms(row, u, params, order)
-    )(probs, uniforms.astype(probs.dtype), params)
+    if chosen == "pallas":
+        tokens, rounds = sampling_kernels.dual_pivot_sample(
+            probs,
+            rng.row_keys(key, batch),
+            params.top_k,
+            params.top_p,
+            params.min_p,
+            order=order,
+            max_rounds=max_rounds,
+            stream=ROUND_STREAM,
+            interpret=interpret_mode(),
+        )
+    else:
+        uniforms = _round_uniforms(key, batch, max_rounds)
+        tokens, rounds = jax.vmap(
+            lambda row, u, params: reference.filtered_sample_row_from_uniforms(
+                row, u, params, order
+            )
+        )(probs, uniforms.astype(probs.dtype), params)
     extras = []
     if return_logprob:
         kept = jax.vmap(lambda row, params: filtered_distribution(row, params, order))(
@@ -267,10 +282,19 @@ def top_k_top_p_sample(key, probs, top_k, top_p, *, order="joint", **options):
 
 def _renorm(probs: jax.Array, top_k, top_p, backend: str) -> jax.Array:
     """``probs`` restricted to each row's kept set and renormalized (float32 inside)."""
-    _use_reference(backend)
+    chosen = _kernel_backend(backend)
     batch, vocab = validation.check_rows("probs", probs)
     validation.check_probs_values(probs)
     params = _filter_params(batch, vocab, top_k, top_p, None)
+    if chosen == "pallas":
+        if top_k is not None:
+            parameter, mode = params.top_k, "top_k_renorm"
+        else:
+            parameter, mode = params.top_p, "top_p_renorm"
+        out = sampling_kernels.filter_rows(
+            probs.astype(jnp.float32), parameter, mode=mode, interpret=interpret_mode()
+        )
+        return out.astype(probs.dtype)
     compute = probs.astype(jnp.promote_types(probs.dtype, jnp.float32))
     return jax.vmap(filtered_distribution)(compute, params).astype(probs.dtype)
 
@@ -287,12 +311,17 @@ def top_p_renorm_probs(probs: jax.Array, top_p, *, backend="auto") -> jax.Array:
 
 def top_k_mask_logits(logits: jax.Array, top_k, *, backend="auto") -> jax.Array:
     """``[B, V]``: each row's top-k logits kept, the rest ``-inf`` (ties by index)."""
-    _use_reference(backend)
+    chosen = _kernel_backend(backend)
     batch, vocab = validation.check_rows("logits", logits)
     validation.check_logits_values(logits)
     k = validation.per_row("top_k", top_k, batch, jnp.int32)
     validation.check_range("top_k", k, 1, vocab)
     k = jnp.clip(k, 1, vocab)
+    if chosen == "pallas":
+        out = sampling_kernels.filter_rows(
+            logits.astype(jnp.float32), k, mode="top_k_mask", interpret=interpret_mode()
+        )
+        return out.astype(logits.dtype)
 
     def mask_row(row, k):
         rank = jnp.zeros(vocab, jnp.int32).at[rank_order(row)].set(jnp.arange(vocab))

@@ -1,0 +1,226 @@
+"""Checks and tunes the sampling kernels on a GPU: ``python -m bench.tune_sampling [--quick]``.
+
+For vocab 128256 and batch 1, 32 and 256 (``--quick``: 32), float32, and each kernel of
+``kernels_pallas/sampling.py``:
+
+1. agreement with the reference for the same keys: the fraction of rows whose token differs
+   (float32 summation order may flip a near-tie; ``kernels_pallas/dual_pivot.py``), and for the
+   renorm and mask kernels the largest difference from the reference's output;
+2. the time of each launch variant (``block`` x ``num_warps``), cold L2 and dispatch amortized
+   as in ``bench/timing.py``.
+
+It prints one line a variant and a table of the best variants last, and writes everything to
+``$OUT/sampling-tuning.json`` (or ``--out``). The committed defaults of the kernels come from
+this table; the committed speed figures come from ``python -m bench sampling``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import pathlib
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from bench.suites import peers
+from bench.timing import TimedLoop, expected_us, num_rotating_sets
+from kernels_pallas import rng
+from kernels_pallas.sampling import dual_pivot_sample, filter_rows, gumbel_sample
+from sampling import api
+from sampling.reference import DEFAULT_MAX_ROUNDS
+
+VOCAB = 128256
+BLOCKS = (1024, 2048, 4096)
+WARPS = (4, 8)
+GUMBEL_VARIANTS = ((1024, 8, 4), (2048, 4, 4), (2048, 8, 8), (4096, 4, 8), (1024, 16, 4))
+FILTERS = {
+    "top_p": dict(top_p=0.9),
+    "top_k": dict(top_k=50),
+    "min_p": dict(min_p=0.1),
+    "joint": dict(top_k=50, top_p=0.9),
+    "top_k_first": dict(top_k=50, top_p=0.9, order="top_k_first"),
+}
+CHECK_BATCH = 64  # rows compared with the reference per case
+
+
+def _params(batch: int, vocab: int, top_k=None, top_p=None, min_p=None, order="joint"):
+    return (
+        jnp.full((batch,), vocab if top_k is None else top_k, jnp.int32),
+        jnp.full((batch,), 1.0 if top_p is None else top_p, jnp.float32),
+        jnp.full((batch,), 0.0 if min_p is None else min_p, jnp.float32),
+        order,
+    )
+
+
+def check_agreement(probs, logits, keys) -> dict:
+    """Mismatch rates against the reference on ``CHECK_BATCH`` rows (per-row keys)."""
+    found = {}
+    for name, parameters in FILTERS.items():
+        sampler = functools.partial(api.filtered_sample, keys, probs, **parameters)
+        ours, rounds = sampler(backend="pallas", return_rounds=True)
+        theirs, their_rounds = sampler(backend="reference", return_rounds=True)
+        found[name] = dict(
+            mismatch=float(np.mean(np.asarray(ours) != np.asarray(theirs))),
+            rounds_mismatch=float(np.mean(np.asarray(rounds) != np.asarray(their_rounds))),
+            rounds_mean=float(np.mean(np.asarray(rounds))),
+            rounds_max=int(np.max(np.asarray(rounds))),
+        )
+    for name, function, values, parameter in (
+        ("top_k_renorm", api.top_k_renorm_probs, probs, 50),
+        ("top_p_renorm", api.top_p_renorm_probs, probs, 0.9),
+        ("top_k_mask", api.top_k_mask_logits, logits, 50),
+    ):
+        ours = np.asarray(function(values, parameter, backend="pallas"))
+        theirs = np.asarray(function(values, parameter, backend="reference"))
+        kept_differs = np.mean(
+            np.isfinite(ours) & (ours != 0) != (np.isfinite(theirs) & (theirs != 0))
+        )
+        finite = np.isfinite(ours) & np.isfinite(theirs)
+        found[name] = dict(
+            kept_set_mismatch=float(kept_differs),
+            max_abs_difference=float(np.max(np.abs(ours[finite] - theirs[finite]), initial=0.0)),
+        )
+    for name, function, values in (
+        ("gumbel_logits", api.sample_from_logits, logits),
+        ("gumbel_probs", api.sample_from_probs, probs),
+    ):
+        ours = np.asarray(function(keys, values, backend="pallas"))
+        theirs = np.asarray(function(keys, values, backend="reference"))
+        found[name] = dict(mismatch=float(np.mean(ours != theirs)))
+    return found
+
+
+def time_variants(batch: int, quick: bool) -> list[dict]:
+    """Times every launch variant of every kernel at ``batch``."""
+    num_sets = num_rotating_sets(batch * VOCAB * 4)
+    logits_sets = peers.random_logits(jax.random.key(batch), (num_sets, batch, VOCAB))
+    probs_sets = jax.jit(functools.partial(jax.nn.softmax, axis=-1))(logits_sets)
+    keys = jax.random.split(jax.random.key(2), num_sets)
+    words = jax.jit(jax.vmap(lambda key: rng.row_keys(key, batch)))(keys)
+    bytes_per_call = batch * VOCAB * 4
+    rows = []
+
+    def record(kernel, variant, step, floor_us=30.0):
+        loop = TimedLoop(step, num_sets, (probs_sets, logits_sets, words))
+        try:
+            timing = loop.time(
+                expected_us_per_call=expected_us(bytes_per_call, 1.0, floor_us), repeats=3
+            )
+            row = dict(kernel=kernel, batch=batch, variant=variant, us=timing.median_us)
+        except Exception as error:  # a variant that fails to compile is a result
+            row = dict(kernel=kernel, batch=batch, variant=variant, error=repr(error)[:300])
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+
+    for block, per_program, warps in GUMBEL_VARIANTS:
+
+        def gumbel_step(s, operands, block=block, per_program=per_program, warps=warps):
+            _, logits, words = operands
+            return gumbel_sample(
+                logits[s],
+                words[s],
+                jnp.ones((batch,), jnp.float32),
+                from_logits=True,
+                stream=api.EXPONENTIAL_STREAM,
+                block=block,
+                blocks_per_program=per_program,
+                num_warps=warps,
+            )
+
+        record(
+            "gumbel_logits", f"block={block},per_program={per_program},warps={warps}", gumbel_step
+        )
+    filters = ("top_p", "joint") if quick else tuple(FILTERS)
+    for name in filters:
+        top_k, top_p, min_p, order = _params(batch, VOCAB, **FILTERS[name])
+        for block in BLOCKS:
+            for warps in WARPS:
+
+                def filtered_step(
+                    s, operands, block=block, warps=warps, filters=(top_k, top_p, min_p, order)
+                ):
+                    probs, _, words = operands
+                    top_k, top_p, min_p, order = filters
+                    return dual_pivot_sample(
+                        probs[s],
+                        words[s],
+                        top_k,
+                        top_p,
+                        min_p,
+                        order=order,
+                        max_rounds=DEFAULT_MAX_ROUNDS,
+                        stream=api.ROUND_STREAM,
+                        block=block,
+                        num_warps=warps,
+                    )
+
+                record(name, f"block={block},warps={warps}", filtered_step)
+    for mode, parameter in (("top_k_renorm", 50), ("top_p_renorm", 0.9), ("top_k_mask", 50)):
+        values_index = 1 if mode == "top_k_mask" else 0
+        dtype = jnp.float32 if mode == "top_p_renorm" else jnp.int32
+        row_parameter = jnp.full((batch,), parameter, dtype)
+        for block in BLOCKS[:2]:
+
+            def filter_step(
+                s,
+                operands,
+                block=block,
+                mode=mode,
+                values_index=values_index,
+                parameter=row_parameter,
+            ):
+                values = operands[values_index][s]
+                return filter_rows(values, parameter, mode=mode, block=block)
+
+            record(mode, f"block={block},warps=4", filter_step)
+    for array in (logits_sets, probs_sets, keys, words):
+        array.delete()
+    return rows
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.tune_sampling")
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--out", type=pathlib.Path, default=None)
+    arguments = parser.parse_args(argv)
+    if jax.default_backend() != "gpu":
+        print("tuning needs a GPU; this machine has none")
+        return 0
+    out = arguments.out or pathlib.Path(os.environ.get("OUT", "/tmp"))
+    started = time.time()
+    logits = peers.random_logits(jax.random.key(99), (CHECK_BATCH, VOCAB))
+    probs = jax.nn.softmax(logits, axis=-1)
+    keys = jax.random.split(jax.random.key(7), CHECK_BATCH)
+    agreement = check_agreement(probs, logits, keys)
+    print(json.dumps(agreement, indent=1), flush=True)
+    batches = (32,) if arguments.quick else (1, 32, 256)
+    rows = []
+    for batch in batches:
+        rows += time_variants(batch, arguments.quick)
+    (out / "sampling-tuning.json").write_text(
+        json.dumps(dict(agreement=agreement, timings=rows), indent=1)
+    )
+    print(f"\nbest variants ({time.time() - started:.0f} s):")
+    best: dict[tuple[str, int], dict] = {}
+    for row in rows:
+        if "us" in row and (
+            (row["kernel"], row["batch"]) not in best
+            or row["us"] < best[(row["kernel"], row["batch"])]["us"]
+        ):
+            best[(row["kernel"], row["batch"])] = row
+    for (kernel, batch), row in sorted(best.items()):
+        tbps = batch * VOCAB * 4 / row["us"] / 1e6
+        print(
+            f"  {kernel:14s} B={batch:<4d} {row['us']:9.1f} us  {tbps:5.2f} TB/s  {row['variant']}"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,164 @@
+"""Renormalize-to-kept-set and mask kernels (Pallas, Triton lowering): no sort.
+
+What they compute, row by row, exactly as ``sampling/api.py``'s references define them:
+
+- ``top_k_renorm``: ``probs`` restricted to the first ``top_k`` tokens of the order
+  (probability descending, index ascending) and divided by their sum;
+- ``top_p_renorm``: ``probs`` restricted to the top-p set (the tokens ranked before the mass
+  ``top_p * sum(probs)`` is reached, and the one that crosses it) and divided by their sum;
+- ``top_k_mask``: ``logits`` with every token outside the first ``top_k`` set to ``-inf``.
+
+How (one program per row): the boundary token is found by radix selection over order keys
+(``row_select.top_k_boundary`` / ``top_p_boundary``: 9 passes of compares in registers, no
+sort); tied tokens at the boundary are kept lowest index first, by a running tie rank. The
+renorm kernels then sum the kept mass (one pass) and write the output (one pass); the mask
+kernel writes directly.
+
+What can differ from the reference: top-k decisions are exact (integer counts); a top-p
+decision within a float32 rounding error of ``top_p * sum(probs)`` can differ, because the
+kernel sums in block order and the reference in sorted order. Kept probabilities are divided by
+a block-order sum: within a few float32 ulps of the reference's.
+
+Byte floor: read the row once and write it once, ``8 V`` bytes; these kernels read it about
+11 times (from L2 when the batch fits in its 60 MB), trading passes for having no sort.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from kernels_pallas.row_select import (
+    RowReader,
+    key_to_value,
+    order_keys,
+    tie_ranks,
+    top_k_boundary,
+    top_p_boundary,
+)
+
+MODES = ("top_k_renorm", "top_p_renorm", "top_k_mask")
+
+
+def filter_kernel(
+    parameter_ref,  # [B] int32 top_k | float32 top_p
+    values_ref,  # [B, V] probabilities or logits (the whole array)
+    out_ref,  # [B, V]
+    *,
+    mode: str,
+    block: int,
+    num_blocks: int,
+    table_size: int,
+):
+    row = pl.program_id(0)
+    reader = RowReader(values_ref, row, block, num_blocks, table_size)
+    vocab = reader.vocab
+    parameter = parameter_ref[row]
+    from_logits = mode == "top_k_mask"
+
+    def load(block_index):
+        """``(keys, weights, in_row)``: logits are ordered by value and weigh nothing;
+        probabilities weigh themselves (bad values 0, as everywhere)."""
+        if from_logits:
+            _, in_row, values = reader.raw(block_index, -jnp.inf)
+            return order_keys(values), jnp.zeros_like(values), in_row
+        _, in_row, values = reader.raw(block_index, 0.0)
+        weights = jnp.where(values > 0, values, 0.0)
+        return order_keys(weights), weights, in_row
+
+    if mode == "top_p_renorm":
+
+        def add_block(block_index, total):
+            return total + jnp.sum(load(block_index)[1])
+
+        total = lax.fori_loop(0, num_blocks, add_block, jnp.float32(0.0))
+        edge = top_p_boundary(num_blocks, load, parameter * total, parameter < 1)
+    else:
+        edge = top_k_boundary(num_blocks, load, parameter, parameter < vocab)
+
+    def kept(block_index, ties_before):
+        keys, weights, in_row = load(block_index)
+        is_tie, rank = tie_ranks(keys, edge.key, ties_before)
+        return edge.keeps(keys, rank) & in_row, keys, weights, in_row, is_tie
+
+    if mode != "top_k_mask":
+
+        def add_kept(block_index, carry):
+            total, ties = carry
+            keep, _, weights, _, is_tie = kept(block_index, ties)
+            return (
+                total + jnp.sum(jnp.where(keep, weights, 0.0)),
+                ties + jnp.sum(is_tie.astype(jnp.int32)),
+            )
+
+        kept_mass, _ = lax.fori_loop(0, num_blocks, add_kept, (jnp.float32(0.0), jnp.int32(0)))
+
+    def write(block_index, ties):
+        keep, keys, weights, in_row, is_tie = kept(block_index, ties)
+        if from_logits:
+            out = jnp.where(keep, key_to_value(keys), -jnp.inf)  # the logit itself, bit for bit
+        else:
+            out = jnp.where(keep, weights / kept_mass, 0.0)
+        plgpu.store(
+            out_ref.at[row, pl.ds(block_index * block, block)],
+            out.astype(out_ref.dtype),
+            mask=in_row,
+        )
+        return ties + jnp.sum(is_tie.astype(jnp.int32))
+
+    lax.fori_loop(0, num_blocks, write, jnp.int32(0))
+
+
+@functools.partial(jax.jit, static_argnames=("mode", "block", "num_warps", "interpret"))
+def filter_rows(
+    values: jax.Array,
+    parameter: jax.Array,
+    *,
+    mode: str,
+    block: int = 1024,
+    num_warps: int = 4,
+    interpret: bool = False,
+) -> jax.Array:
+    """Applies one filter to every row (module docstring).
+
+    Args:
+      values: ``[B, V]`` probabilities (``*_renorm``) or logits (``top_k_mask``), float32 or
+        narrower (computed in float32, returned in the input dtype).
+      parameter: ``[B]``: ``top_k`` int32 in ``[1, V]``, or ``top_p`` float32 in ``(0, 1]``.
+      mode: one of ``MODES``.
+      block, num_warps: launch parameters (a power-of-two ``block``).
+      interpret: Pallas interpret mode (CPU).
+
+    Returns:
+      ``[B, V]`` in ``values.dtype``.
+    """
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    batch, vocab = values.shape
+    num_blocks = pl.cdiv(vocab, block)
+    parameter = parameter.astype(jnp.float32 if mode == "top_p_renorm" else jnp.int32)
+
+    def whole(shape):
+        return pl.BlockSpec(shape, lambda b: (0,) * len(shape))
+
+    return pl.pallas_call(
+        functools.partial(
+            filter_kernel,
+            mode=mode,
+            block=block,
+            num_blocks=num_blocks,
+            table_size=pl.next_power_of_2(num_blocks),
+        ),
+        grid=(batch,),
+        in_specs=[whole(parameter.shape), whole(values.shape)],
+        out_specs=whole(values.shape),
+        out_shape=jax.ShapeDtypeStruct(values.shape, values.dtype),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
+        interpret=interpret,
+        name=f"{mode}_b{block}",
+    )(parameter, values)
