@@ -209,6 +209,15 @@ class Boundary:
         return ~self.active | (keys > self.key) | ((keys == self.key) & tie_ok)
 
 
+def _no_boundary(operand):
+    """``(key, count, mass)`` of an inactive boundary: the smallest key, nothing above.
+
+    Computed from ``operand`` rather than written as constants: the Triton lowering of
+    ``lax.cond`` cannot yield a branch output that is a bare literal."""
+    zero = (operand * 0).astype(jnp.int32)
+    return zero + jnp.int32(_SIGN_BIT), zero, zero.astype(jnp.float32)
+
+
 def top_k_boundary(num_blocks: int, load_block, top_k, active) -> Boundary:
     """The top-k boundary: the ``top_k``-th token of the order (``9`` passes when ``active``).
 
@@ -224,9 +233,7 @@ def top_k_boundary(num_blocks: int, load_block, top_k, active) -> Boundary:
         count, mass = above_key(num_blocks, lambda i: load_block(i)[:2], key)
         return key, count, mass
 
-    key, count, mass = lax.cond(
-        active, search, lambda: (jnp.int32(_SIGN_BIT), jnp.int32(0), jnp.float32(0.0))
-    )
+    key, count, mass = lax.cond(active, search, lambda: _no_boundary(top_k))
     return Boundary(
         active=active,
         key=key,
@@ -246,9 +253,7 @@ def top_p_boundary(num_blocks: int, load_block, target, active) -> Boundary:
         count, mass = above_key(num_blocks, lambda i: load_block(i)[:2], key)
         return key, count, mass
 
-    key, count, mass = lax.cond(
-        active, search, lambda: (jnp.int32(_SIGN_BIT), jnp.int32(0), jnp.float32(0.0))
-    )
+    key, count, mass = lax.cond(active, search, lambda: _no_boundary(target))
     return Boundary(
         active=active,
         key=key,
