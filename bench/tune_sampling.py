@@ -1,6 +1,6 @@
-"""Checks and tunes the sampling kernels on a GPU: ``python -m bench.tune_sampling [--quick]``.
+"""Checks and tunes the sampling kernels on a GPU: ``python -m bench.tune_sampling [options]``.
 
-For vocab 128256 and batch 1, 32 and 256 (``--quick``: 32), float32, and each kernel of
+For vocab 128256 and batch 1, 32 and 256 (``--batches``), float32, and each kernel of
 ``kernels_pallas/sampling.py``:
 
 1. agreement with the reference for the same keys: the fraction of rows whose token differs
@@ -36,9 +36,26 @@ from sampling import api
 from sampling.reference import DEFAULT_MAX_ROUNDS
 
 VOCAB = 128256
-BLOCKS = (1024, 2048, 4096)
-WARPS = (4, 8)
-GUMBEL_VARIANTS = ((1024, 8, 4), (2048, 4, 4), (2048, 8, 8), (4096, 4, 8), (1024, 16, 4))
+# (block, num_warps, num_stages) of the dual-pivot kernel.
+FILTER_VARIANTS = (
+    (4096, 8, 1),
+    (4096, 8, 3),
+    (8192, 8, 1),
+    (8192, 8, 3),
+    (8192, 16, 1),
+    (2048, 4, 3),
+)
+# (block, blocks_per_program, num_warps) of the Gumbel kernel.
+GUMBEL_VARIANTS = (
+    (1024, 8, 4),
+    (1024, 2, 4),
+    (2048, 4, 8),
+    (2048, 8, 8),
+    (4096, 4, 8),
+    (1024, 16, 4),
+)
+RENORM_BLOCKS = (2048, 4096)
+TARGET_SECONDS = 0.1  # per timed program: a tuning sweep trades precision for breadth
 FILTERS = {
     "top_p": dict(top_p=0.9),
     "top_k": dict(top_k=50),
@@ -96,7 +113,7 @@ def check_agreement(probs, logits, keys) -> dict:
     return found
 
 
-def time_variants(batch: int, quick: bool) -> list[dict]:
+def time_variants(batch: int, filters: tuple[str, ...], renorm: bool) -> list[dict]:
     """Times every launch variant of every kernel at ``batch``."""
     num_sets = num_rotating_sets(batch * VOCAB * 4)
     logits_sets = peers.random_logits(jax.random.key(batch), (num_sets, batch, VOCAB))
@@ -110,7 +127,9 @@ def time_variants(batch: int, quick: bool) -> list[dict]:
         loop = TimedLoop(step, num_sets, (probs_sets, logits_sets, words))
         try:
             timing = loop.time(
-                expected_us_per_call=expected_us(bytes_per_call, 1.0, floor_us), repeats=3
+                expected_us_per_call=expected_us(bytes_per_call, 1.0, floor_us),
+                repeats=3,
+                target_seconds=TARGET_SECONDS,
             )
             row = dict(kernel=kernel, batch=batch, variant=variant, us=timing.median_us)
         except Exception as error:  # a variant that fails to compile is a result
@@ -136,36 +155,42 @@ def time_variants(batch: int, quick: bool) -> list[dict]:
         record(
             "gumbel_logits", f"block={block},per_program={per_program},warps={warps}", gumbel_step
         )
-    filters = ("top_p", "joint") if quick else tuple(FILTERS)
     for name in filters:
         top_k, top_p, min_p, order = _params(batch, VOCAB, **FILTERS[name])
-        for block in BLOCKS:
-            for warps in WARPS:
+        for block, warps, stages in FILTER_VARIANTS:
 
-                def filtered_step(
-                    s, operands, block=block, warps=warps, filters=(top_k, top_p, min_p, order)
-                ):
-                    probs, _, words = operands
-                    top_k, top_p, min_p, order = filters
-                    return dual_pivot_sample(
-                        probs[s],
-                        words[s],
-                        top_k,
-                        top_p,
-                        min_p,
-                        order=order,
-                        max_rounds=DEFAULT_MAX_ROUNDS,
-                        stream=api.ROUND_STREAM,
-                        block=block,
-                        num_warps=warps,
-                    )
+            def filtered_step(
+                s,
+                operands,
+                block=block,
+                warps=warps,
+                stages=stages,
+                filters=(top_k, top_p, min_p, order),
+            ):
+                probs, _, words = operands
+                top_k, top_p, min_p, order = filters
+                return dual_pivot_sample(
+                    probs[s],
+                    words[s],
+                    top_k,
+                    top_p,
+                    min_p,
+                    order=order,
+                    max_rounds=DEFAULT_MAX_ROUNDS,
+                    stream=api.ROUND_STREAM,
+                    block=block,
+                    num_warps=warps,
+                    num_stages=stages,
+                )
 
-                record(name, f"block={block},warps={warps}", filtered_step)
+            record(name, f"block={block},warps={warps},stages={stages}", filtered_step)
     for mode, parameter in (("top_k_renorm", 50), ("top_p_renorm", 0.9), ("top_k_mask", 50)):
+        if not renorm:
+            break
         values_index = 1 if mode == "top_k_mask" else 0
         dtype = jnp.float32 if mode == "top_p_renorm" else jnp.int32
         row_parameter = jnp.full((batch,), parameter, dtype)
-        for block in BLOCKS[:2]:
+        for block in RENORM_BLOCKS:
 
             def filter_step(
                 s,
@@ -186,7 +211,14 @@ def time_variants(batch: int, quick: bool) -> list[dict]:
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.tune_sampling")
-    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--batches", default="1,32,256", help="comma-separated batch sizes")
+    parser.add_argument(
+        "--filters", default=",".join(FILTERS), help=f"comma-separated, of {list(FILTERS)}"
+    )
+    parser.add_argument(
+        "--renorm", action="store_true", help="also time the renorm and mask kernels"
+    )
+    parser.add_argument("--skip-check", action="store_true", help="skip the agreement check")
     parser.add_argument("--out", type=pathlib.Path, default=None)
     arguments = parser.parse_args(argv)
     if jax.default_backend() != "gpu":
@@ -197,12 +229,12 @@ def main(argv: list[str]) -> int:
     logits = peers.random_logits(jax.random.key(99), (CHECK_BATCH, VOCAB))
     probs = jax.nn.softmax(logits, axis=-1)
     keys = jax.random.split(jax.random.key(7), CHECK_BATCH)
-    agreement = check_agreement(probs, logits, keys)
+    agreement = {} if arguments.skip_check else check_agreement(probs, logits, keys)
     print(json.dumps(agreement, indent=1), flush=True)
-    batches = (32,) if arguments.quick else (1, 32, 256)
+    filters = tuple(name for name in arguments.filters.split(",") if name)
     rows = []
-    for batch in batches:
-        rows += time_variants(batch, arguments.quick)
+    for batch in (int(b) for b in arguments.batches.split(",")):
+        rows += time_variants(batch, filters, arguments.renorm)
     (out / "sampling-tuning.json").write_text(
         json.dumps(dict(agreement=agreement, timings=rows), indent=1)
     )

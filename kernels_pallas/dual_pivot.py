@@ -65,20 +65,24 @@ def _probability_blocks(reader: RowReader):
 
 
 def _first_table(reader: RowReader):
-    """One pass: ``(table of positive mass per block, largest weight)``."""
+    """One pass: ``(table of positive mass per block, largest weight)``.
+
+    The maximum is kept per lane and reduced once after the loop: one reduction a block (the
+    table's sum) instead of two keeps the loop's critical path short."""
 
     def accumulate(block_index, carry):
         table, largest = carry
         _, weights = reader.weights(block_index)
         table = reader.set_entry(table, block_index, jnp.sum(weights))
-        return table, jnp.maximum(largest, jnp.max(weights))
+        return table, jnp.maximum(largest, weights)
 
-    return lax.fori_loop(
+    table, largest = lax.fori_loop(
         0,
         reader.num_blocks,
         accumulate,
-        (jnp.zeros((reader.table_size,), jnp.float32), jnp.float32(0.0)),
+        (jnp.zeros((reader.table_size,), jnp.float32), jnp.zeros((reader.block,), jnp.float32)),
     )
+    return table, jnp.max(largest)
 
 
 def _pivot_pass(reader: RowReader, value, token, middle):
@@ -88,22 +92,30 @@ def _pivot_pass(reader: RowReader, value, token, middle):
     their mass per block, and the same for position ``(middle, 0)``.
     """
 
+    # Counts are kept per lane and reduced once after the loop; the two masses of a block are
+    # reduced together, as one [2, block] sum: one reduction a block on the critical path.
     def accumulate(block_index, carry):
-        count0, table0, count1, table1 = carry
+        counts0, table0, counts1, table1 = carry
         columns, weights = reader.weights(block_index)
         above0 = (weights > value) | ((weights == value) & (columns < token))
         above1 = weights > middle
+        masses = jnp.sum(
+            jnp.where(jnp.stack([above0, above1], axis=-1), weights[:, None], 0.0), axis=0
+        )  # [2]
+        lane = jnp.arange(2)
         return (
-            count0 + jnp.sum(above0.astype(jnp.int32)),
-            reader.set_entry(table0, block_index, jnp.sum(jnp.where(above0, weights, 0.0))),
-            count1 + jnp.sum(above1.astype(jnp.int32)),
-            reader.set_entry(table1, block_index, jnp.sum(jnp.where(above1, weights, 0.0))),
+            counts0 + above0.astype(jnp.int32),
+            reader.set_entry(table0, block_index, jnp.sum(jnp.where(lane == 0, masses, 0.0))),
+            counts1 + above1.astype(jnp.int32),
+            reader.set_entry(table1, block_index, jnp.sum(jnp.where(lane == 1, masses, 0.0))),
         )
 
     zeros = jnp.zeros((reader.table_size,), jnp.float32)
-    return lax.fori_loop(
-        0, reader.num_blocks, accumulate, (jnp.int32(0), zeros, jnp.int32(0), zeros)
+    no_counts = jnp.zeros((reader.block,), jnp.int32)
+    counts0, table0, counts1, table1 = lax.fori_loop(
+        0, reader.num_blocks, accumulate, (no_counts, zeros, no_counts, zeros)
     )
+    return jnp.sum(counts0), table0, jnp.sum(counts1), table1
 
 
 def dual_pivot_kernel(
@@ -239,7 +251,15 @@ def dual_pivot_kernel(
 
 @functools.partial(
     jax.jit,
-    static_argnames=("order", "max_rounds", "stream", "block", "num_warps", "interpret"),
+    static_argnames=(
+        "order",
+        "max_rounds",
+        "stream",
+        "block",
+        "num_warps",
+        "num_stages",
+        "interpret",
+    ),
 )
 def dual_pivot_sample(
     probs: jax.Array,
@@ -253,6 +273,7 @@ def dual_pivot_sample(
     stream: int,
     block: int = 1024,
     num_warps: int = 4,
+    num_stages: int = 1,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """Samples one token per row through the filters by dual-pivot rejection.
@@ -266,7 +287,7 @@ def dual_pivot_sample(
       order: ``"joint"`` or ``"top_k_first"``.
       max_rounds: rounds before the exact fallback.
       stream: the generator stream of the round uniforms (``sampling.api.ROUND_STREAM``).
-      block, num_warps: launch parameters (a power-of-two ``block``).
+      block, num_warps, num_stages: launch parameters (a power-of-two ``block``).
       interpret: Pallas interpret mode (CPU).
 
     Returns:
@@ -308,7 +329,7 @@ def dual_pivot_sample(
         in_specs=[whole(x.shape) for x in operands],
         out_specs=(whole((batch,)), whole((batch,))),
         out_shape=out_shape,
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name=f"dual_pivot_{order}_b{block}",
     )(*operands)

@@ -114,7 +114,9 @@ def filter_kernel(
     lax.fori_loop(0, num_blocks, write, jnp.int32(0))
 
 
-@functools.partial(jax.jit, static_argnames=("mode", "block", "num_warps", "interpret"))
+@functools.partial(
+    jax.jit, static_argnames=("mode", "block", "num_warps", "num_stages", "interpret")
+)
 def filter_rows(
     values: jax.Array,
     parameter: jax.Array,
@@ -122,6 +124,7 @@ def filter_rows(
     mode: str,
     block: int = 1024,
     num_warps: int = 4,
+    num_stages: int = 1,
     interpret: bool = False,
 ) -> jax.Array:
     """Applies one filter to every row (module docstring).
@@ -131,7 +134,7 @@ def filter_rows(
         narrower (computed in float32, returned in the input dtype).
       parameter: ``[B]``: ``top_k`` int32 in ``[1, V]``, or ``top_p`` float32 in ``(0, 1]``.
       mode: one of ``MODES``.
-      block, num_warps: launch parameters (a power-of-two ``block``).
+      block, num_warps, num_stages: launch parameters (a power-of-two ``block``).
       interpret: Pallas interpret mode (CPU).
 
     Returns:
@@ -158,7 +161,7 @@ def filter_rows(
         in_specs=[whole(parameter.shape), whole(values.shape)],
         out_specs=whole(values.shape),
         out_shape=jax.ShapeDtypeStruct(values.shape, values.dtype),
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name=f"{mode}_b{block}",
     )(parameter, values)

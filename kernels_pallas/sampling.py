@@ -68,16 +68,31 @@ def gumbel_race_kernel(
     greedy = temperature < MIN_TEMPERATURE
     divisor = jnp.where(greedy, 1.0, temperature)
 
+    half = block // 2
+    lane = jnp.arange(2, dtype=jnp.int32)[None, :]
+
     def step(i, carry):
         best_score, best_index = carry
         start = (chunk * blocks_per_program + i) * block
-        columns = start + jnp.arange(block)
+        columns = start + jnp.arange(block, dtype=jnp.int32)
         in_row = columns < vocab
         empty = -jnp.inf if from_logits else 0.0
         values = plgpu.load(
             values_ref.at[row, pl.ds(start, block)], mask=in_row, other=empty
         ).astype(jnp.float32)  # [block]
-        noise = rng.exponential(rng.random_bits(words, columns.astype(jnp.uint32), stream))
+        # Columns 2m and 2m + 1 take the two words of one Threefry block (rng.random_bit_pairs):
+        # half the generator's work of one call per column, the very same numbers. The block
+        # is viewed as [block / 2, 2] (pair, lane) so each pair's two words meet their columns.
+        values = values.reshape(half, 2)
+        columns = columns.reshape(half, 2)
+        in_row = in_row.reshape(half, 2)
+        pairs = (start // 2 + jnp.arange(half, dtype=jnp.int32)).astype(jnp.uint32)
+        even_bits, odd_bits = rng.random_bit_pairs(words, pairs, stream)
+        noise = jnp.where(
+            lane == 0,
+            rng.exponential(even_bits)[:, None],
+            rng.exponential(odd_bits)[:, None],
+        )  # [block / 2, 2]
         if from_logits:
             scaled = jnp.where(values == -jnp.inf, -jnp.inf, values / divisor)
             score = jnp.where(greedy, values, scaled - jnp.log(noise))
@@ -108,6 +123,7 @@ def gumbel_race_kernel(
         "block",
         "blocks_per_program",
         "num_warps",
+        "num_stages",
         "interpret",
     ),
 )
@@ -121,6 +137,7 @@ def gumbel_sample(
     block: int = 1024,
     blocks_per_program: int = 8,
     num_warps: int = 4,
+    num_stages: int = 1,
     interpret: bool = False,
 ) -> jax.Array:
     """Samples one token per row by the exponential race.
@@ -132,7 +149,7 @@ def gumbel_sample(
         greedy.
       from_logits: which race (module docstring).
       stream: the generator stream of the noise (``sampling.api.EXPONENTIAL_STREAM``).
-      block, blocks_per_program, num_warps: launch parameters (a power-of-two ``block``).
+      block, blocks_per_program, num_warps, num_stages: launch parameters (a power-of-two ``block``).
       interpret: Pallas interpret mode (CPU).
 
     Returns:
@@ -168,7 +185,7 @@ def gumbel_sample(
         ],
         out_specs=(whole(out_shape[0].shape), whole(out_shape[1].shape)),
         out_shape=out_shape,
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name=f"gumbel_{'logits' if from_logits else 'probs'}_b{block}x{blocks_per_program}",
     )(key0, key1, temperature.astype(jnp.float32), values)
