@@ -51,6 +51,10 @@ from kernels_pallas.row_select import (
 )
 
 ORDERS = ("joint", "top_k_first")
+# Measured on the H200 (bench/tune_sampling.py, 2026-11-30): 16 elements a thread; 8192 columns
+# with 8 warps spills registers (4x slower), 4096 with 8 warps is 1.2x to 1.4x slower.
+DEFAULT_BLOCK = 8192
+DEFAULT_NUM_WARPS = 16
 
 
 def _probability_blocks(reader: RowReader):
@@ -271,8 +275,8 @@ def dual_pivot_sample(
     order: str,
     max_rounds: int,
     stream: int,
-    block: int = 1024,
-    num_warps: int = 4,
+    block: int = DEFAULT_BLOCK,
+    num_warps: int = DEFAULT_NUM_WARPS,
     num_stages: int = 1,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:

@@ -135,7 +135,7 @@ def gumbel_sample(
     from_logits: bool,
     stream: int,
     block: int = 1024,
-    blocks_per_program: int = 8,
+    blocks_per_program: int = 2,  # best or within 1% at B = 1, 32, 256 (bench/tune_sampling.py)
     num_warps: int = 4,
     num_stages: int = 1,
     interpret: bool = False,

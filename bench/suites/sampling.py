@@ -18,14 +18,17 @@ Cases and arms:
   ``top_k_sample`` (50), ``min_p_sample`` (0.1), ``top_k_top_p_sample`` (50 and 0.9,
   ``order="joint"``) on the probabilities ``softmax(logits)`` computed once outside the loop (the
   API samples from probabilities; the ``jax_sort`` peer starts from logits, so its figure
-  includes one softmax, a few microseconds against its sort). These samplers have no kernel
-  yet: their only arm is ``decodelab_reference``, the pure-JAX dual-pivot rejection of
-  ``sampling/reference.py``, a baseline and not a kernel's speed. Each row records
+  includes one softmax, a few microseconds against its sort). Arms: ``decodelab`` (the public
+  sampler, ``backend="pallas"``: the dual-pivot kernel, key to per-row key words and parameter
+  clamping included), ``decodelab_kernel`` (``dual_pivot_sample`` alone on per-row key words
+  and parameters prepared outside the loop) and ``decodelab_reference`` (the pure-JAX
+  dual-pivot rejection of ``sampling/reference.py``, a baseline). Each row records
   ``rounds_mean`` and ``rounds_max``: the rejection rounds per row over every rotating set,
-  from one untimed call with ``return_rounds=True`` (``fallback_rows``: rows decided by the
-  exact fallback at the bound), and ``vs_jax_sort_top_p``: the ``jax_sort`` peer's time at
-  this batch over this arm's. The reference runs all its rounds whatever the rows need (a
-  decided row is carried unchanged), so its time does not follow the rounds; a kernel's will.
+  from one untimed call with ``return_rounds=True`` of that arm's backend
+  (``fallback_rows``: rows decided by the exact fallback at the bound), and
+  ``vs_jax_sort_top_p``: the ``jax_sort`` peer's time at this batch over this arm's. The
+  reference runs all its rounds whatever the rows need (a decided row is carried unchanged),
+  so its time does not follow the rounds; the kernel's does (one pass over the row a round).
 - the peers (``peers.sampling_results`` for the same batch): ``jax_sort`` and ``torch_sort`` in
   ``top_p B=<n>``, ``jax_categorical`` and ``torch_exponential`` in ``gumbel B=<n>``, and
   ``slice_only`` in both.
@@ -39,9 +42,8 @@ becomes a note (they draw the very same noise, so only float rounding may flip a
 
 The targets of issue 4, which the notes check at the end of each batch: Gumbel-max from logits
 (``decodelab``) at 70% or more of the copy ceiling at batch 256 and faster than
-``jax.random.categorical`` at every batch; top-p, top-k, min-p and joint at least 10x faster
-than the sort-based JAX top-p (``jax_sort``) at batch 32 and 256, which the reference arms are
-not expected to meet: the filtered kernels do not exist yet.
+``jax.random.categorical`` at every batch; top-p, top-k, min-p and joint (``decodelab``) at
+least 10x faster than the sort-based JAX top-p (``jax_sort``) at batch 32 and 256.
 """
 
 from __future__ import annotations
@@ -67,7 +69,7 @@ from bench.harness import (
 )
 from bench.suites import SuiteOutput, peers
 from kernels_pallas import rng
-from kernels_pallas.sampling import gumbel_sample
+from kernels_pallas.sampling import dual_pivot_sample, gumbel_sample
 from sampling import api
 from sampling.reference import DEFAULT_MAX_ROUNDS
 
@@ -77,6 +79,7 @@ TOP_P = peers.TOP_P
 MIN_P = 0.1
 KEY_SEED = 2  # the peers draw their noise from key 1; ours is another stream
 GUMBEL_KERNEL_PREFIX = "gumbel"  # the pallas_call names of kernels_pallas/sampling.py
+DUAL_PIVOT_KERNEL_PREFIX = "dual_pivot"  # and of kernels_pallas/dual_pivot.py
 TRITON_CALL_MARKER = "__gpu$xla.gpu.triton"  # how a Triton kernel appears in a lowered program
 
 # Priors for sizing the first timed program (harness.expected_us): guesses until the kernel
@@ -108,15 +111,25 @@ class FilteredMethod:
     sampler: Callable[..., object]
     parameters: dict[str, object]
 
-    def sample(self, key, probs: jax.Array, **options):
-        """The public sampler on the reference backend, the only one these samplers have."""
-        return self.sampler(key, probs, **self.parameters, backend="reference", **options)
+    def sample(self, key, probs: jax.Array, backend: str, **options):
+        """The public sampler on ``backend``."""
+        return self.sampler(key, probs, **self.parameters, backend=backend, **options)
 
-    def label(self) -> str:
+    def label(self, backend: str) -> str:
         """``top_k_top_p_sample(top_k=50,top_p=0.9,order=joint,backend=reference)``: the call,
         for attributions."""
         arguments = [f"{name}={value}" for name, value in self.parameters.items()]
-        return f"{self.sampler.__name__}({','.join([*arguments, 'backend=reference'])})"
+        return f"{self.sampler.__name__}({','.join([*arguments, f'backend={backend}'])})"
+
+    def kernel_parameters(self, batch: int, vocab: int):
+        """``(top_k, top_p, min_p, order)`` as the kernel takes them, per row."""
+        parameters = self.parameters
+        return (
+            jnp.full((batch,), parameters.get("top_k", vocab), jnp.int32),
+            jnp.full((batch,), parameters.get("top_p", 1.0), jnp.float32),
+            jnp.full((batch,), parameters.get("min_p", 0.0), jnp.float32),
+            parameters.get("order", "joint"),
+        )
 
 
 FILTERED_METHODS = (
@@ -132,9 +145,8 @@ FILTERED_METHODS = (
 def run(options: RunOptions, ceiling: CopyCeiling) -> SuiteOutput:
     """Times decodelab's samplers and the peers at each batch of the grid (module docstring)."""
     notes: list[str] = [
-        "filtered samplers (top_p, top_k, min_p, joint) have no kernel yet: their "
-        "`decodelab_reference` arm is the pure-JAX reference (sampling/reference.py) on "
-        "probabilities computed outside the timed call; `jax_sort` starts from logits"
+        "filtered samplers (top_p, top_k, min_p, joint) sample from probabilities computed "
+        "outside the timed call; `jax_sort` starts from logits"
     ]
     results: list[CaseResult] = []
     vocab = peers.DRY_RUN_VOCAB if options.dry_run else peers.VOCAB
@@ -234,25 +246,50 @@ def kernel_gumbel_loop(inputs: SamplingInputs, interpret: bool) -> TimedLoop:
     return TimedLoop(step, inputs.num_sets, (inputs.logits_sets, inputs.row_key_words, temperature))
 
 
-def filtered_loop(inputs: SamplingInputs, method: FilteredMethod) -> TimedLoop:
+def filtered_loop(inputs: SamplingInputs, method: FilteredMethod, backend: str) -> TimedLoop:
     """One call = the public filtered sampler ``method`` on the probabilities of a set."""
 
     def step(set_index, operands):
         probs_sets, keys = operands
-        return method.sample(keys[set_index], probs_sets[set_index])
+        return method.sample(keys[set_index], probs_sets[set_index], backend)
 
     return TimedLoop(step, inputs.num_sets, (inputs.probs_sets, inputs.keys))
 
 
-def rounds_over_sets(inputs: SamplingInputs, method: FilteredMethod) -> np.ndarray:
-    """int32 ``[R, B]``: the rejection rounds every row of every set takes (untimed), from the
-    same keys and probabilities as the timed calls."""
+def kernel_filtered_loop(
+    inputs: SamplingInputs, method: FilteredMethod, interpret: bool
+) -> TimedLoop:
+    """One call = the raw dual-pivot kernel on precomputed per-row key words and parameters."""
+    top_k, top_p, min_p, order = method.kernel_parameters(inputs.batch, inputs.vocab)
+
+    def step(set_index, operands):
+        probs_sets, row_key_words, top_k, top_p, min_p = operands
+        tokens, _ = dual_pivot_sample(
+            probs_sets[set_index],
+            row_key_words[set_index],
+            top_k,
+            top_p,
+            min_p,
+            order=order,
+            max_rounds=DEFAULT_MAX_ROUNDS,
+            stream=api.ROUND_STREAM,
+            interpret=interpret,
+        )
+        return tokens
+
+    operands = (inputs.probs_sets, inputs.row_key_words, top_k, top_p, min_p)
+    return TimedLoop(step, inputs.num_sets, operands)
+
+
+def rounds_over_sets(inputs: SamplingInputs, method: FilteredMethod, backend: str) -> np.ndarray:
+    """int32 ``[R, B]``: the rejection rounds every row of every set takes (untimed) on
+    ``backend``, from the same keys and probabilities as the timed calls."""
 
     @jax.jit
     def all_rounds(probs_sets, keys):
         def rounds_of_set(set_inputs):
             probs, key = set_inputs
-            _, rounds = method.sample(key, probs, return_rounds=True)
+            _, rounds = method.sample(key, probs, backend, return_rounds=True)
             return rounds
 
         return lax.map(rounds_of_set, (probs_sets, keys))
@@ -264,12 +301,14 @@ def rounds_over_sets(inputs: SamplingInputs, method: FilteredMethod) -> np.ndarr
 # Attribution
 
 
-def pallas_kernel_names(loop: TimedLoop, options: RunOptions) -> str:
-    """The Gumbel Triton kernels a loop's program calls (``gumbel_logits_b1024x8``),
+def pallas_kernel_names(
+    loop: TimedLoop, options: RunOptions, prefix: str = GUMBEL_KERNEL_PREFIX
+) -> str:
+    """The Triton kernels named ``prefix...`` a loop's program calls (``gumbel_logits_b1024x2``),
     ``interpret`` where no kernel is compiled, ``no-triton-kernel-found`` otherwise."""
     if options.interpret:
         return "interpret"
-    names = peers.triton_kernel_names(loop.lowered_text(), GUMBEL_KERNEL_PREFIX)
+    names = peers.triton_kernel_names(loop.lowered_text(), prefix)
     return "+".join(names) if names else "no-triton-kernel-found"
 
 
@@ -400,32 +439,89 @@ def gumbel_arms(
     return arms
 
 
-def filtered_arm(
-    inputs: SamplingInputs, method: FilteredMethod, options: RunOptions, ceiling_tbps: float
-) -> _Arm:
-    """``decodelab_reference`` in ``<method> B=<n>``, with its rejection rounds."""
+def filtered_arms(
+    inputs: SamplingInputs,
+    method: FilteredMethod,
+    options: RunOptions,
+    ceiling_tbps: float,
+    notes: list[str],
+) -> list[_Arm]:
+    """``decodelab_reference``, ``decodelab`` and ``decodelab_kernel`` in ``<method> B=<n>``,
+    each with the rejection rounds its backend took; a Pallas arm that fails is noted."""
     case = f"{method.name} B={inputs.batch}"
-    loop = filtered_loop(inputs, method)
-    rounds = rounds_over_sets(inputs, method)
-    prior = expected_us(
+    parameters = {name: value for name, value in method.parameters.items() if name != "order"}
+
+    def rounds_fields(rounds: np.ndarray) -> dict:
+        return dict(
+            rounds_mean=float(rounds.mean()),
+            rounds_max=int(rounds.max()),
+            rounds_rows=int(rounds.size),
+            fallback_rows=int(np.sum(rounds > DEFAULT_MAX_ROUNDS)),
+        )
+
+    reference_loop = filtered_loop(inputs, method, "reference")
+    reference_prior = expected_us(
         inputs.bytes_per_call, EXPECTED_FILTER_REFERENCE_TBPS, EXPECTED_FILTER_REFERENCE_FLOOR_US
     )
-    row = _timed_row(
+    reference_row = _timed_row(
         inputs,
         options,
         ceiling_tbps,
         case,
         "decodelab_reference",
-        f"{method.label()}:{xla_only_label(loop)}:dual_pivot(max_rounds={DEFAULT_MAX_ROUNDS})",
-        loop,
-        prior,
-        rounds_mean=float(rounds.mean()),
-        rounds_max=int(rounds.max()),
-        rounds_rows=int(rounds.size),
-        fallback_rows=int(np.sum(rounds > DEFAULT_MAX_ROUNDS)),
-        **{name: value for name, value in method.parameters.items() if name != "order"},
+        f"{method.label('reference')}:{xla_only_label(reference_loop)}"
+        f":dual_pivot(max_rounds={DEFAULT_MAX_ROUNDS})",
+        reference_loop,
+        reference_prior,
+        **rounds_fields(rounds_over_sets(inputs, method, "reference")),
+        **parameters,
     )
-    return _Arm(row, loop)
+    arms = [_Arm(reference_row, reference_loop)]
+    reference_tokens = reference_loop.output(0)
+    kernel_prior = expected_us(inputs.bytes_per_call, 0.3, EXPECTED_KERNEL_FLOOR_US)
+    pallas_arms = (
+        ("decodelab", method.label("pallas"), lambda: filtered_loop(inputs, method, "pallas")),
+        (
+            "decodelab_kernel",
+            "dual_pivot_sample(kernel only)",
+            lambda: kernel_filtered_loop(inputs, method, options.interpret),
+        ),
+    )
+    kernel_rounds = None
+    for arm, call, make_loop in pallas_arms:
+        try:
+            loop = make_loop()
+            kernels = pallas_kernel_names(loop, options, DUAL_PIVOT_KERNEL_PREFIX)
+            same = _same_tokens(loop.output(0), reference_tokens)
+            if kernel_rounds is None:
+                kernel_rounds = rounds_fields(rounds_over_sets(inputs, method, "pallas"))
+            row = _timed_row(
+                inputs,
+                options,
+                ceiling_tbps,
+                case,
+                arm,
+                f"{call}:{kernels}",
+                loop,
+                kernel_prior,
+                same_tokens_as_reference=same,
+                **kernel_rounds,
+                **parameters,
+            )
+        except Exception as error:  # a kernel that fails to compile must not lose the others
+            notes.append(f"{case}: `{arm}` failed: {peers.error_summary(error)}")
+            continue
+        if kernels == "no-triton-kernel-found":
+            notes.append(
+                f"{case}: no Triton `{DUAL_PIVOT_KERNEL_PREFIX}` kernel in `{arm}`'s program"
+            )
+        if same != 1.0:
+            notes.append(
+                f"{case}: `{arm}` picked the reference's token on {same:.1%} of the rows of "
+                "set 0 (same uniforms: only float32 summation order should flip a decision)"
+            )
+        arms.append(_Arm(row, loop))
+    return arms
 
 
 def _repeat_row(
@@ -453,13 +549,23 @@ def batch_results(
 ) -> list[CaseResult]:
     """Every row of one batch: our arms, the peers', then our repeats, and the target notes."""
     gumbel = gumbel_arms(inputs, options, ceiling_tbps, notes)
-    filtered = [filtered_arm(inputs, method, options, ceiling_tbps) for method in FILTERED_METHODS]
+    filtered_by_method = [
+        filtered_arms(inputs, method, options, ceiling_tbps, notes) for method in FILTERED_METHODS
+    ]
+    filtered = [arm for arms in filtered_by_method for arm in arms]
+    # Each filtered case's noise level: its API arm, or its reference arm where that failed.
+    filtered_repeats = [
+        next((arm for arm in arms if arm.row.arm == "decodelab"), arms[0])
+        for arms in filtered_by_method
+    ]
     peer_rows = peers.sampling_results(
         inputs.batch, inputs.vocab, options, ceiling_tbps, notes=notes
     )
     # The API arm is the noise level of its case; where it failed, the reference arm is.
     api_arm = next((arm for arm in gumbel if arm.row.arm == "decodelab"), gumbel[0])
-    repeats = [_repeat_row(inputs, options, ceiling_tbps, arm) for arm in [api_arm, *filtered]]
+    repeats = [
+        _repeat_row(inputs, options, ceiling_tbps, arm) for arm in [api_arm, *filtered_repeats]
+    ]
     ours = [arm.row for arm in gumbel + filtered]
     sort_row = _find(peer_rows, f"top_p B={inputs.batch}", "jax_sort")
     if sort_row is not None:
@@ -496,12 +602,13 @@ def target_notes(batch: int, rows: list[CaseResult]) -> list[str]:
     sort_row = _find(rows, f"top_p B={batch}", "jax_sort")
     if batch in TARGET_FILTER_BATCHES and sort_row is not None:
         for method in FILTERED_METHODS:
-            filtered = _find(rows, f"{method.name} B={batch}", "decodelab_reference")
+            filtered = _find(rows, f"{method.name} B={batch}", "decodelab")
             if filtered is None:
+                notes.append(f"target {method.name} B={batch}: `decodelab` not measured")
                 continue
             speedup = sort_row.median_us / filtered.median_us
             notes.append(
-                f"target {method.name} B={batch}: reference (no kernel yet) {speedup:.2f}x "
+                f"target {method.name} B={batch}: `decodelab` {speedup:.2f}x "
                 f"`jax_sort` top-p (target >= {TARGET_FILTER_SPEEDUP_OVER_SORT:.0f}x: "
                 f"{_verdict(speedup >= TARGET_FILTER_SPEEDUP_OVER_SORT)})"
             )
