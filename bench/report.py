@@ -103,13 +103,16 @@ def gpu_driver_version() -> str:
 
 
 def git_commit() -> str:
-    """The short commit of this checkout, ``-dirty`` if tracked files changed. Outside a git
-    checkout (a copy of the tree sent to a GPU host has no ``.git``), the value of the
-    ``DECODELAB_COMMIT`` variable set by whoever sent it, else ``"unknown"``. Untracked files
-    (new reports) do not count as changes."""
+    """The commit a report measured: ``DECODELAB_COMMIT`` when whoever sent the tree to a GPU
+    host set it (that copy may carry a stale ``.git``, or none), else the short commit of this
+    checkout, ``-dirty`` if tracked files changed, else ``"unknown"``. Untracked files (new
+    reports) do not count as changes."""
+    sent = os.environ.get("DECODELAB_COMMIT", "").strip()
+    if sent:
+        return sent
     commit = _command_output(["git", "rev-parse", "--short", "HEAD"])
     if commit is None:
-        return os.environ.get("DECODELAB_COMMIT", "unknown")
+        return "unknown"
     changes = _command_output(["git", "status", "--porcelain", "--untracked-files=no"])
     return commit.strip() + ("-dirty" if changes else "")
 

@@ -92,3 +92,76 @@ def test_auto_keeps_the_reference_until_the_kernel_ran_on_a_gpu(monkeypatch):
     monkeypatch.setattr("kernels_pallas.sampling.gumbel_sample", lambda *a, **k: calls.append(1))
     sampling.sample_from_logits(jax.random.key(0), jnp.zeros((2, 5)))
     assert calls == []
+
+
+# ----------------------------------------------------------------------------------------------
+# On the GPU, at the full vocabulary: the kernels' draws against the target distribution.
+
+FULL_VOCAB = 128256
+GPU_DRAW_CHUNKS, GPU_DRAW_ROWS = 40, 2048  # 81920 draws, in chunks of 1 GB of rows
+NUM_BUCKETS = 64
+
+
+def _mass_buckets(target: np.ndarray) -> np.ndarray:
+    """int ``[V]``: each token's bucket when the tokens, in the sampling order, are cut into
+    ``NUM_BUCKETS`` runs of about equal target mass. A sampler that draws the target draws each
+    bucket at its mass, so the calibrated test of ``tests/test_sampling_api.py`` applies to the
+    buckets (64 categories) where 81920 draws could not test 128256 tokens one by one."""
+    order = np.argsort(-target, kind="stable")
+    mass_before = np.concatenate([[0.0], np.cumsum(target[order])[:-1]])
+    buckets = np.empty(target.shape[0], np.int64)
+    buckets[order] = np.minimum((mass_before * NUM_BUCKETS).astype(np.int64), NUM_BUCKETS - 1)
+    return buckets
+
+
+GPU_CASES = {
+    "gumbel_probs": dict(),
+    "top_p": dict(top_p=0.9),
+    "top_k": dict(top_k=50),
+    "min_p": dict(min_p=0.1),
+    "joint": dict(top_k=50, top_p=0.9),
+    "top_k_first": dict(top_k=50, top_p=0.9, order="top_k_first"),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", sorted(GPU_CASES))
+def test_kernels_draw_the_target_at_the_full_vocabulary(name):
+    """81920 kernel draws at vocab 128256, bucketed by target mass, pass the calibrated L1 test
+    (false-fail rate ``ALPHA`` = 1e-6, ``tests/test_sampling_api.py``)."""
+    from sampling.filters import FilterParams, filtered_distribution
+    from tests.test_sampling_api import assert_distributed_as
+
+    generator = np.random.default_rng(11)
+    probs = jax.nn.softmax(jnp.asarray(generator.standard_normal(FULL_VOCAB) * 3, jnp.float32))
+    parameters = GPU_CASES[name]
+    if name == "gumbel_probs":
+        target = np.asarray(probs, np.float64)
+    else:
+        params = FilterParams(
+            top_k=parameters.get("top_k", FULL_VOCAB),
+            top_p=parameters.get("top_p", 1.0),
+            min_p=parameters.get("min_p", 0.0),
+        )
+        kept = filtered_distribution(probs, params, parameters.get("order", "joint"))
+        target = np.asarray(kept, np.float64)
+    target /= target.sum()
+    rows = jnp.broadcast_to(probs, (GPU_DRAW_ROWS, FULL_VOCAB))
+
+    @jax.jit
+    def draw(keys):
+        if name == "gumbel_probs":
+            return sampling.sample_from_probs(keys, rows, backend="pallas")
+        return sampling.filtered_sample(keys, rows, backend="pallas", **parameters)
+
+    keys = jax.random.split(jax.random.key(3), GPU_DRAW_CHUNKS * GPU_DRAW_ROWS)
+    tokens = np.concatenate(
+        [
+            np.asarray(draw(keys[i * GPU_DRAW_ROWS : (i + 1) * GPU_DRAW_ROWS]))
+            for i in range(GPU_DRAW_CHUNKS)
+        ]
+    )
+    assert (target[tokens] > 0).all(), "drew a token outside the kept set"
+    buckets = _mass_buckets(target)
+    bucket_target = np.bincount(buckets, weights=target, minlength=NUM_BUCKETS)
+    assert_distributed_as(buckets[tokens], bucket_target)
