@@ -6,6 +6,8 @@ Public API (names are part of the contract):
 - ``plan_decode``, ``DecodePlan``: the split-KV planner (host side, once per step)
 - ``decode_attention`` (``backend="auto" | "reference" | "pallas"``)
 - ``merge_state``, ``merge_states``: exact merging of partial attention states
+- ``RopeParams``, ``Llama3Scaling``, ``apply_rope``, ``inverse_frequencies``: rotary embedding
+- ``rope_append_kv`` (``backend=``): RoPE on new tokens' q and k, k and v written into pages
 """
 
 from paged.attention_reference import merge_state, merge_states
@@ -14,19 +16,26 @@ from paged.kv_cache import KVCache, append_kv, new_kv_cache
 from paged.page_table import PageTable, bucket_size, validate_page_table
 from paged.plan import DecodePlan, plan_decode
 from paged.pool import PagePool, PoolExhaustedError
+from paged.rope import Llama3Scaling, RopeParams, apply_rope, inverse_frequencies
+from paged.rope_append import rope_append_kv
 
 __all__ = [
     "DecodePlan",
     "KVCache",
+    "Llama3Scaling",
     "PagePool",
     "PageTable",
     "PoolExhaustedError",
+    "RopeParams",
     "append_kv",
+    "apply_rope",
     "bucket_size",
     "decode_attention",
+    "inverse_frequencies",
     "merge_state",
     "merge_states",
     "new_kv_cache",
     "plan_decode",
+    "rope_append_kv",
     "validate_page_table",
 ]

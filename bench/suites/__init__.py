@@ -43,6 +43,7 @@ SUITES = {
     "peers": "bench.suites.peers",
     "decode": "bench.suites.decode",
     "sampling": "bench.suites.sampling",
+    "fused_ops": "bench.suites.fused_ops",
 }
 
 

@@ -1,0 +1,156 @@
+"""Public RoPE + paged KV append: rotate a ragged batch's new q and k, write k and v into pages.
+
+The reference is the composition of the two definitions, ``paged.rope.apply_rope`` and
+``paged.append_kv``; the Pallas backend (``kernels_pallas/rope_append.py``) does both in one
+launch. The kernel has been checked in interpret mode only, not yet compiled on a GPU; until it
+has been, ``backend="auto"`` keeps the reference everywhere (the kill switch
+``DECODELAB_BACKEND=reference`` is still validated), and ``backend="pallas"`` runs the kernel
+(interpreted on a CPU).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from kernels_pallas import rope_append as rope_append_kernels
+from kernels_pallas.platform import interpret_mode, resolve_backend
+from paged.kv_cache import KVCache, _validate_append, append_kv, validate_kv_cache
+from paged.page_table import PageTable
+from paged.rope import RopeParams, apply_rope, inverse_frequencies
+
+DEFAULT_ROPE = RopeParams()  # Llama 2's: theta 10000, rotate-half, no scaling
+# Flip once the kernel has been compiled, checked and timed on a GPU: "auto" then uses it.
+ROPE_APPEND_KERNEL_CHECKED_ON_GPU = False
+
+
+def _validate_rope_append(q, k, v, positions, batch_indices, cache, page_table, rope) -> None:
+    """Shapes always; the page table, batch indices and positions when they are concrete."""
+    if not isinstance(rope, RopeParams):
+        raise ValueError(f"rope must be a paged.RopeParams, got {rope!r}")
+    validate_kv_cache(cache)
+    head_dim = cache.head_dim
+    if head_dim % 2:
+        raise ValueError(f"the cache's head_dim={head_dim} must be even (RoPE rotates pairs)")
+    if q.ndim != 3:
+        raise ValueError(f"q must have shape [tokens, num_q_heads, head_dim], got {q.shape}")
+    if q.shape[2] != head_dim:
+        raise ValueError(f"q has head_dim {q.shape[2]} but the cache has {head_dim}")
+    for name, array in [("q", q), ("k", k), ("v", v)]:
+        if not jnp.issubdtype(array.dtype, jnp.floating):
+            raise ValueError(f"{name} must be a floating array, got dtype {array.dtype}")
+    expected = (q.shape[0], cache.num_kv_heads, head_dim)
+    for name, array in [("k", k), ("v", v)]:
+        if array.shape != expected:
+            raise ValueError(
+                f"{name} must have shape [tokens, num_kv_heads, head_dim] = {expected} (q's "
+                f"tokens, the cache's heads), got {array.shape}"
+            )
+    # Page table (indices outside the pool, ...), batch indices, positions, duplicates.
+    _validate_append(cache, page_table, k, v, batch_indices, positions)
+
+
+def rope_append_kv(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    positions: jax.Array,
+    batch_indices: jax.Array,
+    cache: KVCache,
+    page_table: PageTable,
+    *,
+    rope: RopeParams = DEFAULT_ROPE,
+    backend: str = "auto",
+) -> tuple[jax.Array, KVCache]:
+    """Applies RoPE to new tokens' q and k, and writes the rotated k and v into the pages.
+
+    Token ``t`` (request ``b = batch_indices[t]``, position ``p = positions[t]``) is rotated by
+    the angles ``float32(p) * inv_freq`` (``paged.rope``), and its k and v go to page
+    ``page_indices[page_indptr[b] + p // page_size]``, slot ``p % page_size``, as in
+    ``paged.append_kv``. Rotation in float32; q_rotated is rounded to q's dtype, the pages'
+    entries to the cache's dtype.
+
+    For the in-place update of serving engines, call it inside a jitted step that donates the
+    cache (or carries it through a loop): the kernel writes only the new slots, into the pool's
+    buffers. A cache that stays live is copied first (JAX semantics).
+
+    Args:
+      q: ``[T, Hq, D]`` floating.
+      k, v: ``[T, Hkv, D]`` floating, ``Hkv`` and ``D`` the cache's.
+      positions: int ``[T]``, each token's position in its request.
+      batch_indices: int ``[T]``, each token's request.
+      cache: the KV pool (``HND`` or ``NHD``), ``D`` even.
+      page_table: the table after the append (it already covers the new tokens).
+      rope: the model's ``RopeParams`` (theta, convention, Llama 3.1 scaling); static.
+      backend: ``"auto"``, ``"reference"`` or ``"pallas"`` (module docstring).
+
+    Returns:
+      ``(q_rotated [T, Hq, D] in q's dtype, the updated cache)``.
+
+    Raises:
+      ValueError: naming the argument and value, for shape or dtype mismatches (q, k, v, the
+        cache's heads or head_dim), an odd head_dim, and, when the inputs are concrete, a
+        negative position or one not below its request's length, a batch index outside the
+        batch, a (request, position) given twice, and page-table invariants (page indices
+        outside the pool, ...); ``backend="pallas"`` with float64 arrays. Under ``jit`` the
+        value checks cannot run: such a token's q is still rotated but its k and v are not
+        written (the kernel masks the store; never an access outside the pool).
+
+    Example:
+      >>> from paged import new_kv_cache
+      >>> cache = new_kv_cache(4, 2, 1, 2, jnp.float32, layout="NHD")
+      >>> table = PageTable.from_page_lists([[3]], seq_lens=[2], page_size=2)
+      >>> x = jnp.array([[[1.0, 0.0]]])
+      >>> q, cache = rope_append_kv(x, x, x, jnp.array([1]), jnp.array([0]), cache, table,
+      ...                           backend="reference")
+      >>> [round(float(value), 4) for value in (*q.ravel(), *cache.k_pages[3, 1, 0])]
+      [0.5403, 0.8415, 0.5403, 0.8415]
+    """
+    _validate_rope_append(q, k, v, positions, batch_indices, cache, page_table, rope)
+    chosen = _rope_append_backend(backend, (q, k, v, cache.k_pages))
+    if q.shape[0] == 0:  # nothing to rotate or write
+        return q, cache
+    if chosen == "reference":
+        return _rope_append_reference(q, k, v, positions, batch_indices, cache, page_table, rope)
+    q_rotated, k_pages, v_pages = rope_append_kernels.rope_append(
+        q,
+        k,
+        v,
+        positions,
+        batch_indices,
+        jnp.asarray(inverse_frequencies(cache.head_dim, rope)),
+        page_table.seq_lens(),
+        page_table.page_indptr,
+        page_table.page_indices,
+        cache.k_pages,
+        cache.v_pages,
+        layout=cache.layout,
+        interleaved=rope.interleaved,
+        interpret=interpret_mode(),
+    )
+    return q_rotated, KVCache(k_pages, v_pages, cache.layout)
+
+
+def _rope_append_backend(backend: str, arrays) -> str:
+    """``"reference"`` or ``"pallas"`` (module docstring). The kernel rotates in float32: for
+    float64 arrays ``"auto"`` keeps the reference and ``"pallas"`` raises."""
+    if backend == "auto" and not ROPE_APPEND_KERNEL_CHECKED_ON_GPU:
+        resolve_backend(backend)  # still validates the kill switch's value
+        return "reference"
+    chosen = resolve_backend(backend)
+    wide = [a.dtype for a in arrays if jnp.dtype(a.dtype).itemsize > 4]
+    if chosen == "pallas" and wide:
+        if backend == "pallas":
+            raise ValueError(
+                f"backend='pallas' rotates in float32: dtype {wide[0]} would lose precision"
+            )
+        return "reference"
+    return chosen
+
+
+def _rope_append_reference(q, k, v, positions, batch_indices, cache, page_table, rope):
+    """Rotate (``apply_rope``), round once to the stored dtypes, then ``append_kv``."""
+    q_rotated = apply_rope(q, positions, rope).astype(q.dtype)
+    k_rotated = apply_rope(k, positions, rope).astype(cache.dtype)
+    cache = append_kv(cache, page_table, k_rotated, v, batch_indices, positions)
+    return q_rotated, cache
