@@ -143,6 +143,10 @@ def filter_rows(
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     batch, vocab = values.shape
+    # A short row needs no block longer than itself, nor more warps than a block keeps busy (16
+    # columns a thread); interpret mode (tests) gains the most.
+    block = min(block, max(32, pl.next_power_of_2(vocab)))
+    num_warps = max(1, min(num_warps, block // 256))
     num_blocks = pl.cdiv(vocab, block)
     parameter = parameter.astype(jnp.float32 if mode == "top_p_renorm" else jnp.int32)
 

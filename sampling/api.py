@@ -18,9 +18,13 @@ to logits first, temperature 0 is greedy (lowest index on ties); a logit of ``-i
 
 Backends: every function here has a Pallas kernel (``kernels_pallas/sampling.py``): the
 Gumbel-max race, dual-pivot rejection for the filtered samplers, and radix selection for the
-renorm and mask functions. ``backend="pallas"`` runs it (interpreted on a CPU);
-``backend="auto"`` runs it on a GPU once ``KERNELS_CHECKED_ON_GPU`` says the kernels were
-compiled, checked and timed there, and the reference otherwise.
+renorm and mask functions. ``backend="pallas"`` runs it (interpreted on a CPU).
+``backend="auto"`` runs, on a GPU, whichever was faster on the H200 in the committed report
+(``docs/benchmark_results/2026-11-30-sampling.md``), per family (``AUTO_PICKS_KERNEL``): the
+dual-pivot kernel for the filtered samplers (8x to 18x the sort-based JAX top-p); the XLA
+reference for Gumbel-max, whose compiled noise generation beat the kernel's (209 against
+242 us at batch 256); the reference for renorm and mask, not yet timed beside it. Elsewhere
+``"auto"`` is the reference, and ``DECODELAB_BACKEND=reference`` forces it everywhere.
 """
 
 from __future__ import annotations
@@ -36,9 +40,10 @@ from sampling.filters import ORDERS, FilterParams, filtered_distribution, rank_o
 
 EXPONENTIAL_STREAM = 0
 ROUND_STREAM = 1
-# Flip once the sampling kernels have been compiled, checked and timed on a GPU: then "auto"
-# uses them there.
-KERNELS_CHECKED_ON_GPU = False
+# Which families backend="auto" runs as a kernel on a GPU: those compiled, checked (tokens
+# against the reference, full-vocabulary statistics, memcheck) and measured faster than the
+# reference on the H200 (module docstring).
+AUTO_PICKS_KERNEL = {"gumbel": False, "filtered": True, "renorm": False}
 
 
 def _exponentials(key, batch: int, vocab: int) -> jax.Array:
@@ -55,9 +60,9 @@ def _round_uniforms(key, batch: int, max_rounds: int) -> jax.Array:
     return rng.uniform_open(bits)
 
 
-def _kernel_backend(backend: str) -> str:
-    """``"pallas"`` or ``"reference"`` (module docstring)."""
-    if backend == "auto" and not KERNELS_CHECKED_ON_GPU:
+def _kernel_backend(backend: str, family: str) -> str:
+    """``"pallas"`` or ``"reference"`` for a function of kernel ``family`` (module docstring)."""
+    if backend == "auto" and not AUTO_PICKS_KERNEL[family]:
         resolve_backend(backend)  # still validates the kill switch's value
         return "reference"
     return resolve_backend(backend)
@@ -92,7 +97,7 @@ def sample_from_logits(
       >>> tokens.shape, int(tokens[0]) != 1
       ((1,), True)
     """
-    chosen = _kernel_backend(backend)
+    chosen = _kernel_backend(backend, "gumbel")
     batch, vocab = validation.check_rows("logits", logits)
     validation.check_logits_values(logits)
     temperature = validation.per_row("temperature", temperature, batch, jnp.float32)
@@ -139,7 +144,7 @@ def sample_from_probs(key, probs: jax.Array, *, return_logprob: bool = False, ba
       ValueError: bad shapes; concrete NaN, infinite or negative probabilities, a row summing
         to 0.
     """
-    chosen = _kernel_backend(backend)
+    chosen = _kernel_backend(backend, "gumbel")
     batch, vocab = validation.check_rows("probs", probs)
     validation.check_probs_values(probs)
     probs = probs.astype(jnp.promote_types(probs.dtype, jnp.float32))
@@ -217,7 +222,7 @@ def filtered_sample(
     Raises:
       ValueError: bad shapes or order; concrete bad probabilities or parameters out of range.
     """
-    chosen = _kernel_backend(backend)
+    chosen = _kernel_backend(backend, "filtered")
     batch, vocab = validation.check_rows("probs", probs)
     validation.check_probs_values(probs)
     if not isinstance(max_rounds, int) or max_rounds < 0:
@@ -282,7 +287,7 @@ def top_k_top_p_sample(key, probs, top_k, top_p, *, order="joint", **options):
 
 def _renorm(probs: jax.Array, top_k, top_p, backend: str) -> jax.Array:
     """``probs`` restricted to each row's kept set and renormalized (float32 inside)."""
-    chosen = _kernel_backend(backend)
+    chosen = _kernel_backend(backend, "renorm")
     batch, vocab = validation.check_rows("probs", probs)
     validation.check_probs_values(probs)
     params = _filter_params(batch, vocab, top_k, top_p, None)
@@ -311,7 +316,7 @@ def top_p_renorm_probs(probs: jax.Array, top_p, *, backend="auto") -> jax.Array:
 
 def top_k_mask_logits(logits: jax.Array, top_k, *, backend="auto") -> jax.Array:
     """``[B, V]``: each row's top-k logits kept, the rest ``-inf`` (ties by index)."""
-    chosen = _kernel_backend(backend)
+    chosen = _kernel_backend(backend, "renorm")
     batch, vocab = validation.check_rows("logits", logits)
     validation.check_logits_values(logits)
     k = validation.per_row("top_k", top_k, batch, jnp.int32)

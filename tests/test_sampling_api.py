@@ -217,9 +217,19 @@ def test_bad_input_raises_naming_it(sampler, arguments, message):
         sampler(jax.random.key(0), **arguments)
 
 
-def test_filtered_samplers_have_no_kernel_yet():
-    with pytest.raises(ValueError, match="not available"):
-        sampling.top_k_sample(jax.random.key(0), GOOD_PROBS, 1, backend="pallas")
+def test_auto_picks_per_family_and_the_kill_switch_wins(monkeypatch):
+    """``"auto"`` follows ``AUTO_PICKS_KERNEL`` on a GPU, is the reference elsewhere, and the kill
+    switch forces the reference even for a family the table sends to its kernel."""
+    from sampling import api
+
+    monkeypatch.setattr(api, "resolve_backend", lambda backend: "pallas")  # "a GPU"
+    assert api._kernel_backend("auto", "filtered") == "pallas"
+    assert api._kernel_backend("auto", "gumbel") == "reference"
+    assert api._kernel_backend("auto", "renorm") == "reference"
+    monkeypatch.undo()
+    monkeypatch.setenv("DECODELAB_BACKEND", "reference")
+    assert api._kernel_backend("auto", "filtered") == "reference"
+    assert api._kernel_backend("pallas", "filtered") == "pallas"  # explicit wins
 
 
 def test_under_jit_bad_values_never_give_an_out_of_range_token():

@@ -165,3 +165,188 @@ def test_kernels_draw_the_target_at_the_full_vocabulary(name):
     buckets = _mass_buckets(target)
     bucket_target = np.bincount(buckets, weights=target, minlength=NUM_BUCKETS)
     assert_distributed_as(buckets[tokens], bucket_target)
+
+
+# ----------------------------------------------------------------------------------------------
+# Dual-pivot rejection and the renorm / mask kernels against the reference (interpret mode).
+#
+# The kernel runs the reference's rounds with the same uniforms, but sums in block order where the
+# reference reads one sorted running sum. A top-p test or an inverse-transform draw within a
+# float32 rounding error of its threshold can therefore go the other way. How often grows with
+# the vocabulary (the running sums' rounding grows like sqrt(V) ulps while tail tokens shrink
+# like 1 / V): on the H200 at vocab 128256, 1 row in 64 differed for top-p, top-k and joint, 0
+# for min-p (bench/tune_sampling.py, 2026-11-30). At the vocabularies here the rate is far lower;
+# the bound below is 1 row in 32 over 96 rows, so up to 3 flips pass and a kernel that breaks a
+# rule (wrong pivot, wrong tie) fails it: such a bug flips a large share of the rows.
+
+FILTERED_MISMATCH_BOUND = 1 / 32
+FILTER_CASES = {
+    "top_k": dict(top_k=7),
+    "top_p": dict(top_p=0.8),
+    "min_p": dict(min_p=0.05),
+    "joint": dict(top_k=40, top_p=0.7),
+    "all": dict(top_k=20, top_p=0.9, min_p=0.02),
+    "top_k_first": dict(top_k=12, top_p=0.7, order="top_k_first"),
+}
+
+
+def _filter_rows(seed: int, batch: int, vocab: int) -> jax.Array:
+    """float32 ``[batch, vocab]`` rows with zeros, exact ties at the top and in the body, and a
+    row whose only positive token is the last column."""
+    generator = np.random.default_rng(seed)
+    logits = generator.standard_normal((batch, vocab)) * 2.5
+    probs = np.exp(logits - logits.max(axis=1, keepdims=True))
+    probs[0, : vocab // 2] = 0.0
+    if vocab > 8:
+        probs[1, 3:7] = probs[1].max()  # a tie at the top
+        probs[2, 10:40] = np.median(probs[2])  # a long tie in the body
+        probs[3] = 0.0
+        probs[3, vocab - 1] = 1.0
+    return jnp.asarray(probs / probs.sum(axis=1, keepdims=True), jnp.float32)
+
+
+DUAL_PIVOT_CASES = (
+    [(3000, name, 32) for name in sorted(FILTER_CASES)]  # the rounds
+    + [(1000, name, 0) for name in sorted(FILTER_CASES)]  # every row through the fallback
+    + [(1000, "joint", 1), (1000, "top_k_first", 1), (7, "top_p", 32), (7, "all", 1)]
+)
+
+
+@pytest.mark.parametrize(("vocab", "name", "max_rounds"), DUAL_PIVOT_CASES)
+def test_dual_pivot_kernel_picks_the_references_tokens(vocab, name, max_rounds):
+    """Same keys, same uniforms: the same tokens and rounds, up to the measured rounding flips;
+    ``max_rounds`` 0 and 1 send rows through the exact fallback (radix-selected kept set)."""
+    batch = 96
+    probs = _filter_rows(vocab + max_rounds, batch, vocab)
+    keys = jax.random.split(jax.random.key(vocab), batch)
+    filters = dict(FILTER_CASES[name])
+    if "top_k" in filters:
+        filters["top_k"] = min(filters["top_k"], vocab)
+    parameters = dict(filters, max_rounds=max_rounds, return_rounds=True)
+    ours, our_rounds = sampling.filtered_sample(keys, probs, backend="pallas", **parameters)
+    theirs, their_rounds = sampling.filtered_sample(keys, probs, backend="reference", **parameters)
+    differs = (np.asarray(ours) != np.asarray(theirs)) | (
+        np.asarray(our_rounds) != np.asarray(their_rounds)
+    )
+    assert differs.mean() <= FILTERED_MISMATCH_BOUND, (name, np.flatnonzero(differs))
+    kept = jax.vmap(
+        lambda row: sampling.filters.kept_mask(
+            row,
+            sampling.filters.FilterParams(
+                top_k=filters.get("top_k", vocab),
+                top_p=filters.get("top_p", 1.0),
+                min_p=filters.get("min_p", 0.0),
+            ),
+            filters.get("order", "joint"),
+        )
+    )(probs)
+    # Whatever rounding does, a token outside the kept set is never returned.
+    assert np.asarray(kept)[np.arange(batch), np.asarray(ours)].all()
+    if max_rounds == 0:
+        assert (np.asarray(our_rounds) == 1).all()  # max_rounds + 1: the fallback decided
+
+
+def test_dual_pivot_kernel_draws_the_filtered_distribution():
+    """The kernel's own draws (not only its agreement with the reference) pass the calibrated
+    test of ``tests/test_sampling_api.py`` (false-fail rate 1e-6) on a 64-token distribution
+    with ties and a zero. 16384 draws, not the API tests' 100000: interpret mode runs the rows
+    one program at a time; the bound is computed for the draws taken."""
+    from tests.test_sampling_api import _distribution, assert_distributed_as
+
+    probs = jnp.asarray(_distribution(5))
+    parameters = dict(top_k=12, top_p=0.7, min_p=0.01)
+    rows = jnp.broadcast_to(probs, (16384, probs.shape[0]))
+    tokens = np.asarray(
+        jax.jit(
+            lambda p: sampling.filtered_sample(jax.random.key(2), p, backend="pallas", **parameters)
+        )(rows)
+    )
+    target = np.asarray(
+        sampling.filters.filtered_distribution(
+            probs.astype(jnp.float32), sampling.filters.FilterParams(12, 0.7, 0.01)
+        ),
+        np.float64,
+    )
+    assert_distributed_as(tokens, target / target.sum())
+
+
+@pytest.mark.parametrize("vocab", [7, 1000, 3000])
+def test_renorm_and_mask_kernels_follow_the_reference(vocab):
+    """Top-k sets are exact (integer counts); top-p sets may differ only by a rounding flip at
+    the boundary (none at these sizes); kept probabilities agree to a few float32 ulps (the
+    kernel divides by a block-order sum, the reference by a sorted one)."""
+    probs = _filter_rows(vocab, 8, vocab)
+    logits = jnp.where(probs > 0, jnp.log(probs), -jnp.inf)
+    for top_k in (1, 3, min(50, vocab), vocab):
+        ours = sampling.top_k_renorm_probs(probs, top_k, backend="pallas")
+        theirs = sampling.top_k_renorm_probs(probs, top_k, backend="reference")
+        np.testing.assert_array_equal(np.asarray(ours) > 0, np.asarray(theirs) > 0)
+        np.testing.assert_allclose(np.asarray(ours), np.asarray(theirs), rtol=8e-7, atol=0)
+        masked = sampling.top_k_mask_logits(logits, top_k, backend="pallas")
+        expected = sampling.top_k_mask_logits(logits, top_k, backend="reference")
+        np.testing.assert_array_equal(np.asarray(masked), np.asarray(expected))
+    for top_p in (1e-6, 0.3, 0.9, 1.0):
+        ours = sampling.top_p_renorm_probs(probs, top_p, backend="pallas")
+        theirs = sampling.top_p_renorm_probs(probs, top_p, backend="reference")
+        np.testing.assert_array_equal(np.asarray(ours) > 0, np.asarray(theirs) > 0)
+        np.testing.assert_allclose(np.asarray(ours), np.asarray(theirs), rtol=8e-7, atol=0)
+
+
+def test_kernels_under_jit_never_return_an_out_of_range_token():
+    """NaN, all-zero and all-tiny rows (bad input only jit lets through): a token inside the
+    row from every kernel, whatever it is (``sampling/validation.py``)."""
+    probs = _filter_rows(3, 6, 300)
+    probs = probs.at[1].set(jnp.nan).at[2].set(0.0).at[4].set(-1.0).at[5].set(1e-38)
+    keys = jax.random.split(jax.random.key(0), 6)
+    for order in ("joint", "top_k_first"):
+        for max_rounds in (32, 0):
+            tokens = jax.jit(
+                lambda p, order=order, max_rounds=max_rounds: sampling.filtered_sample(
+                    keys,
+                    p,
+                    top_k=5,
+                    top_p=0.5,
+                    min_p=0.1,
+                    order=order,
+                    max_rounds=max_rounds,
+                    backend="pallas",
+                )
+            )(probs)
+            tokens = np.asarray(tokens)
+            assert ((tokens >= 0) & (tokens < 300)).all(), tokens
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the Pallas Triton backend's
+def test_filter_kernels_lower_to_triton_for_an_h200(monkeypatch):
+    """The compiled path as far as a CPU can follow it: every dual-pivot and renorm/mask variant
+    lowers to one Triton kernel for an H200 (a lowering the CPU never exercises: the Triton
+    rules refuse, for example, a ``cond`` branch that yields a literal)."""
+    gpu_info = pytest.importorskip("jax._src.pallas.triton.gpu_info")
+    h200 = gpu_info._get_gpu_info_impl(gpu_info.GpuVersion.H200)
+    monkeypatch.setitem(gpu_info.registry, jax.devices()[0].device_kind, lambda: h200)
+    from kernels_pallas.sampling import dual_pivot_sample, filter_rows
+
+    batch, vocab = 4, 128256
+    probs = jax.ShapeDtypeStruct((batch, vocab), jnp.float32)
+    words = jax.ShapeDtypeStruct((batch, 2), jnp.uint32)
+    ints = jax.ShapeDtypeStruct((batch,), jnp.int32)
+    floats = jax.ShapeDtypeStruct((batch,), jnp.float32)
+
+    def cuda_text(function, *arguments):
+        return jax.jit(function).trace(*arguments).lower(lowering_platforms=("cuda",)).as_text()
+
+    for order in ("joint", "top_k_first"):
+        text = cuda_text(
+            lambda p, w, k, t, m, order=order: dual_pivot_sample(
+                p, w, k, t, m, order=order, max_rounds=32, stream=1
+            ),
+            probs,
+            words,
+            ints,
+            floats,
+            floats,
+        )
+        assert f"dual_pivot_{order}_b8192" in text
+    for mode, parameter in (("top_k_renorm", ints), ("top_p_renorm", floats), ("top_k_mask", ints)):
+        text = cuda_text(lambda v, q, mode=mode: filter_rows(v, q, mode=mode), probs, parameter)
+        assert f"{mode}_b2048" in text
