@@ -128,6 +128,8 @@ def token_slots(
       the table (possible only under ``jit``, where ``append_kv`` cannot validate) gets page
       ``INVALID_PAGE``, past any pool, so a scatter with ``mode="drop"`` drops it instead of
       writing into a page another request reads. (Not -1: JAX indexing wraps negative indices.)
+      A negative entry of ``page_indices`` is dropped the same way; one past the pool is
+      dropped by the scatter itself.
     """
     page_size = page_table.page_size
     batch = jnp.clip(batch_indices, 0, page_table.batch_size - 1)
@@ -140,7 +142,9 @@ def token_slots(
     )
     flat = page_table.page_indptr[batch] + positions // page_size
     flat = jnp.clip(flat, 0, page_table.page_indices.shape[0] - 1)
-    pages = jnp.where(valid, page_table.page_indices[flat], INVALID_PAGE)
+    pages = page_table.page_indices[flat]
+    # A negative page number (a corrupt table under jit) would wrap to the end of the pool.
+    pages = jnp.where(valid & (pages >= 0), pages, INVALID_PAGE)
     return pages.astype(jnp.int32), (positions % page_size).astype(jnp.int32)
 
 

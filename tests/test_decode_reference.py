@@ -8,6 +8,7 @@ float32 inputs and 1e-2 for bfloat16 inputs (the oracle sees the same bf16-round
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import jax
@@ -464,3 +465,26 @@ def test_jitted_append_of_a_bad_token_leaves_other_requests_pages_alone(batch_in
             continue
         assert (np.asarray(out.k_pages[page]) == 3.0).all(), f"page {page} was written"
         assert (np.asarray(out.v_pages[page]) == 3.0).all(), f"page {page} was written"
+
+
+def test_jitted_append_through_a_negative_page_number_writes_nothing():
+    """A corrupt table under ``jit`` (a negative page number, which ``validate_page_table``
+    rejects when concrete): the token is dropped. JAX indexing wraps negative indices, so page
+    -1 once landed in the pool's last page, which another request may read."""
+    arguments = _append_error_inputs()
+    cache = arguments["cache"]
+    arguments["cache"] = paged.KVCache(
+        jnp.full_like(cache.k_pages, 3.0), jnp.full_like(cache.v_pages, 3.0), cache.layout
+    )
+    table = arguments["page_table"]
+    arguments["page_table"] = dataclasses.replace(
+        table, page_indices=table.page_indices.at[0].set(-1)
+    )
+    arguments["k_new"] = arguments["v_new"] = jnp.full((1, NUM_KV_HEADS, 8), -7.0, jnp.float32)
+    out = jax.jit(paged.append_kv)(
+        **arguments,
+        batch_indices=jnp.asarray([0], jnp.int32),
+        positions=jnp.asarray([2], jnp.int32),
+    )
+    assert (np.asarray(out.k_pages) == 3.0).all()
+    assert (np.asarray(out.v_pages) == 3.0).all()
