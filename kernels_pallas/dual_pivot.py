@@ -157,11 +157,12 @@ def dual_pivot_kernel(
     if order == "joint":
         nucleus = total
     else:  # top-p of the renormalized top-k: the top-k mass, found without sorting
-        top_k_edge = top_k_boundary(num_blocks, load, top_k, top_k_filters)
+        # (only where top-p filters at all: otherwise the nucleus is never read)
+        top_k_edge = top_k_boundary(num_blocks, load, top_k, top_k_filters & (top_p < 1))
         top_k_mass = top_k_edge.mass_above + top_k_edge.ties_kept.astype(jnp.float32) * (
             top_k_edge.value
         )
-        nucleus = jnp.where(top_k_filters, top_k_mass, total)
+        nucleus = jnp.where(top_k_filters & (top_p < 1), top_k_mass, total)
     top_p_bound = top_p * nucleus
     min_p_bound = min_p * largest
 
@@ -205,7 +206,7 @@ def dual_pivot_kernel(
     def fallback():
         """The reference's exact fallback: draw from the kept set with the last uniform."""
         k_edge = top_k_boundary(num_blocks, load, top_k, top_k_filters)
-        p_edge = top_p_boundary(num_blocks, load, top_p_bound, top_p < 1)
+        p_edge = top_p_boundary(num_blocks, load, top_p_bound, top_p < 1, order_keys(largest))
 
         def kept_weights(block_index, k_ties_before, p_ties_before):
             keys, weights, _ = load(block_index)

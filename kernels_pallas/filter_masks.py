@@ -19,8 +19,8 @@ decision within a float32 rounding error of ``top_p * sum(probs)`` can differ, b
 kernel sums in block order and the reference in sorted order. Kept probabilities are divided by
 a block-order sum: within a few float32 ulps of the reference's.
 
-Byte floor: read the row once and write it once, ``8 V`` bytes; these kernels read it about
-11 times (from L2 when the batch fits in its 60 MB), trading passes for having no sort.
+Byte floor: read the row once and write it once, ``8 V`` bytes; these kernels read it 11 times
+(``top_p_renorm``: 12) (from L2 when the batch fits in its 60 MB), trading passes for having no sort.
 """
 
 from __future__ import annotations
@@ -35,7 +35,6 @@ from jax.experimental.pallas import triton as plgpu
 
 from kernels_pallas.row_select import (
     RowReader,
-    key_to_value,
     order_keys,
     tie_ranks,
     top_k_boundary,
@@ -61,30 +60,41 @@ def filter_kernel(
     parameter = parameter_ref[row]
     from_logits = mode == "top_k_mask"
 
-    def load(block_index):
-        """``(keys, weights, in_row)``: logits are ordered by value and weigh nothing;
-        probabilities weigh themselves (bad values 0, as everywhere)."""
+    def load_values(block_index):
+        """``(keys, weights, in_row, values)``: logits are ordered by value (-0.0 as +0.0, as
+        the reference's sort has them) and weigh nothing; probabilities weigh themselves (bad
+        values 0, as everywhere)."""
         if from_logits:
             _, in_row, values = reader.raw(block_index, -jnp.inf)
-            return order_keys(values), jnp.zeros_like(values), in_row
+            keys = order_keys(jnp.where(values == 0, 0.0, values))
+            return keys, jnp.zeros_like(values), in_row, values
         _, in_row, values = reader.raw(block_index, 0.0)
         weights = jnp.where(values > 0, values, 0.0)
-        return order_keys(weights), weights, in_row
+        return order_keys(weights), weights, in_row, values
+
+    def load(block_index):
+        return load_values(block_index)[:3]
 
     if mode == "top_p_renorm":
 
-        def add_block(block_index, total):
-            return total + jnp.sum(load(block_index)[1])
+        def add_block(block_index, carry):
+            total, largest = carry
+            weights = load(block_index)[1]
+            return total + jnp.sum(weights), jnp.maximum(largest, jnp.max(weights))
 
-        total = lax.fori_loop(0, num_blocks, add_block, jnp.float32(0.0))
-        edge = top_p_boundary(num_blocks, load, parameter * total, parameter < 1)
+        total, largest = lax.fori_loop(
+            0, num_blocks, add_block, (jnp.float32(0.0), jnp.float32(0.0))
+        )
+        edge = top_p_boundary(
+            num_blocks, load, parameter * total, parameter < 1, order_keys(largest)
+        )
     else:
         edge = top_k_boundary(num_blocks, load, parameter, parameter < vocab)
 
     def kept(block_index, ties_before):
-        keys, weights, in_row = load(block_index)
+        keys, weights, in_row, values = load_values(block_index)
         is_tie, rank = tie_ranks(keys, edge.key, ties_before)
-        return edge.keeps(keys, rank) & in_row, keys, weights, in_row, is_tie
+        return edge.keeps(keys, rank) & in_row, values, weights, in_row, is_tie
 
     if mode != "top_k_mask":
 
@@ -99,9 +109,9 @@ def filter_kernel(
         kept_mass, _ = lax.fori_loop(0, num_blocks, add_kept, (jnp.float32(0.0), jnp.int32(0)))
 
     def write(block_index, ties):
-        keep, keys, weights, in_row, is_tie = kept(block_index, ties)
+        keep, values, weights, in_row, is_tie = kept(block_index, ties)
         if from_logits:
-            out = jnp.where(keep, key_to_value(keys), -jnp.inf)  # the logit itself, bit for bit
+            out = jnp.where(keep, values, -jnp.inf)  # the logit itself, bit for bit
         else:
             out = jnp.where(keep, weights / kept_mass, 0.0)
         plgpu.store(

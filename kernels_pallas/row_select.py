@@ -244,12 +244,18 @@ def top_k_boundary(num_blocks: int, load_block, top_k, active) -> Boundary:
     )
 
 
-def top_p_boundary(num_blocks: int, load_block, target, active) -> Boundary:
+def top_p_boundary(num_blocks: int, load_block, target, active, largest_key) -> Boundary:
     """The top-p boundary: the token whose mass crosses ``target`` (``9`` passes when
-    ``active``). ``load_block`` gives ``(keys, weights, in_row)`` of probabilities."""
+    ``active``). ``load_block`` gives ``(keys, weights, in_row)`` of probabilities;
+    ``largest_key`` is the row's largest key.
+
+    Where ``target <= 0`` (``top_p * total`` underflows) every threshold reaches it, and the
+    search would return the largest int32, the key of no token; the boundary is then the row's
+    first token, which the definition always keeps (``Boundary.keeps``)."""
 
     def search():
         key = largest_key_reaching(num_blocks, lambda i: load_block(i)[:2], target)
+        key = jnp.minimum(key, largest_key)
         count, mass = above_key(num_blocks, lambda i: load_block(i)[:2], key)
         return key, count, mass
 
@@ -289,7 +295,10 @@ def pick_by_table(reader: RowReader, table: jax.Array, uniform, block_weights):
     ids = reader.table_ids()
     running_table = jnp.cumsum(table)
     target = uniform * jnp.sum(table)
-    chosen = jnp.sum((running_table <= target).astype(jnp.int32))
+    # The first block of positive mass whose running sum passes the target: a running sum that
+    # dips by an ulp (a scan may reassociate) cannot send the draw to an empty block.
+    crossing = (running_table > target) & (table > 0) & (ids < reader.num_blocks)
+    chosen = jnp.min(jnp.where(crossing, ids, reader.table_size))
     last_positive_block = jnp.max(jnp.where(table > 0, ids, 0))
     past_the_end = chosen >= reader.num_blocks
     chosen = jnp.where(past_the_end, last_positive_block, chosen)

@@ -1,7 +1,7 @@
 """Public samplers: keys in, tokens out, with ``backend=`` like every decodelab operation.
 
 Randomness comes from ``kernels_pallas/rng.py``, so the reference here and the Pallas kernels
-(to come) draw the very same numbers for the same key. ``key`` is one JAX key (row ``b`` draws
+draw the very same numbers for the same key. ``key`` is one JAX key (row ``b`` draws
 its own stream, derived from the key and ``b``) or ``B`` keys (row ``b`` uses key ``b``, so a
 request's tokens do not depend on its batch slot; an engine passes
 ``jax.random.fold_in(request_key, step)`` per row). Within a row:
@@ -210,7 +210,9 @@ def filtered_sample(
       order: ``"joint"`` (intersection) or ``"top_k_first"`` (top-p of the renormalized top-k).
       max_rounds: rejection rounds before the exact fallback (static).
       return_logprob: also return ``log q(token)`` under the filtered distribution (computed
-        from the definition, ``sampling/filters.py``, with a sort, whatever the backend).
+        from the definition, ``sampling/filters.py``, with a sort, whatever the backend). On
+        the kernel, a token kept only by a float32 rounding flip at the cut-off (a block-order
+        sum on the other side of ``top_p * N`` than the sorted one) gets ``-inf``.
       return_rounds: also return the rounds each row took (``max_rounds + 1`` at the fallback).
       backend: ``"auto"``, ``"reference"`` or ``"pallas"`` (module docstring; the kernel picks
         the reference's token for the same key up to float32 summation order,
