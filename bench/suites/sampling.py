@@ -408,11 +408,51 @@ def gumbel_arms(
             lambda: kernel_gumbel_loop(inputs, options.interpret),
         ),
     )
+    arms += _pallas_arms(
+        inputs,
+        options,
+        ceiling_tbps,
+        notes,
+        case,
+        pallas_arms,
+        reference_tokens,
+        kernel_prior,
+        kernel_prefix=GUMBEL_KERNEL_PREFIX,
+        why_same="same key, same noise: only float rounding should flip a near-tie",
+        extra=lambda: dict(temperature=TEMPERATURE),
+    )
+    return arms
+
+
+def _pallas_arms(
+    inputs: SamplingInputs,
+    options: RunOptions,
+    ceiling_tbps: float,
+    notes: list[str],
+    case: str,
+    pallas_arms,
+    reference_tokens,
+    prior_us: float,
+    *,
+    kernel_prefix: str,
+    why_same: str,
+    extra: Callable[[], dict],
+) -> list[_Arm]:
+    """Times each ``(arm, call, make_loop)`` of ``pallas_arms``, with the Triton kernels its
+    program calls and the share of rows on which it picked the reference's token (set 0). An arm
+    that fails is noted, not raised, so the other arms keep their figures; so is an arm whose
+    program calls no ``kernel_prefix`` kernel or disagrees with the reference (``why_same`` says
+    what alone may flip a token). ``extra()`` gives the row's extra fields (called once an arm
+    compiled, so an expensive field is computed only when needed)."""
+    timed = []
+    extra_fields = None
     for arm, call, make_loop in pallas_arms:
         try:
             loop = make_loop()
-            kernels = pallas_kernel_names(loop, options)
+            kernels = pallas_kernel_names(loop, options, kernel_prefix)
             same = _same_tokens(loop.output(0), reference_tokens)
+            if extra_fields is None:
+                extra_fields = extra()
             row = _timed_row(
                 inputs,
                 options,
@@ -421,22 +461,22 @@ def gumbel_arms(
                 arm,
                 f"{call}:{kernels}",
                 loop,
-                kernel_prior,
-                temperature=TEMPERATURE,
+                prior_us,
                 same_tokens_as_reference=same,
+                **extra_fields,
             )
         except Exception as error:  # a kernel that fails to compile must not lose the others
             notes.append(f"{case}: `{arm}` failed: {peers.error_summary(error)}")
             continue
         if kernels == "no-triton-kernel-found":
-            notes.append(f"{case}: no Triton `{GUMBEL_KERNEL_PREFIX}` kernel in `{arm}`'s program")
+            notes.append(f"{case}: no Triton `{kernel_prefix}` kernel in `{arm}`'s program")
         if same != 1.0:
             notes.append(
                 f"{case}: `{arm}` picked the reference's token on {same:.1%} of the rows of "
-                "set 0 (same key, same noise: only float rounding should flip a near-tie)"
+                f"set 0 ({why_same})"
             )
-        arms.append(_Arm(row, loop))
-    return arms
+        timed.append(_Arm(row, loop))
+    return timed
 
 
 def filtered_arms(
@@ -487,40 +527,22 @@ def filtered_arms(
             lambda: kernel_filtered_loop(inputs, method, options.interpret),
         ),
     )
-    kernel_rounds = None
-    for arm, call, make_loop in pallas_arms:
-        try:
-            loop = make_loop()
-            kernels = pallas_kernel_names(loop, options, DUAL_PIVOT_KERNEL_PREFIX)
-            same = _same_tokens(loop.output(0), reference_tokens)
-            if kernel_rounds is None:
-                kernel_rounds = rounds_fields(rounds_over_sets(inputs, method, "pallas"))
-            row = _timed_row(
-                inputs,
-                options,
-                ceiling_tbps,
-                case,
-                arm,
-                f"{call}:{kernels}",
-                loop,
-                kernel_prior,
-                same_tokens_as_reference=same,
-                **kernel_rounds,
-                **parameters,
-            )
-        except Exception as error:  # a kernel that fails to compile must not lose the others
-            notes.append(f"{case}: `{arm}` failed: {peers.error_summary(error)}")
-            continue
-        if kernels == "no-triton-kernel-found":
-            notes.append(
-                f"{case}: no Triton `{DUAL_PIVOT_KERNEL_PREFIX}` kernel in `{arm}`'s program"
-            )
-        if same != 1.0:
-            notes.append(
-                f"{case}: `{arm}` picked the reference's token on {same:.1%} of the rows of "
-                "set 0 (same uniforms: only float32 summation order should flip a decision)"
-            )
-        arms.append(_Arm(row, loop))
+    arms += _pallas_arms(
+        inputs,
+        options,
+        ceiling_tbps,
+        notes,
+        case,
+        pallas_arms,
+        reference_tokens,
+        kernel_prior,
+        kernel_prefix=DUAL_PIVOT_KERNEL_PREFIX,
+        why_same="same uniforms: only float32 summation order should flip a decision",
+        extra=lambda: {
+            **rounds_fields(rounds_over_sets(inputs, method, "pallas")),
+            **parameters,
+        },
+    )
     return arms
 
 
