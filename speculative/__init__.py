@@ -1,5 +1,25 @@
-"""Chain speculative sampling (arrives with the speculative-sampling issue).
+"""Chain speculative sampling: verify drafted tokens so that the emitted ones are distributed
+exactly as the target model's autoregressive sampling.
 
-Will hold the distribution-preserving accept / residual / bonus step, its reference, the
-greedy verifier, and the public ``chain_speculative_sampling`` with ``backend=``.
+- ``speculative.reference``: the verification step with explicit uniforms, its pieces exposed as
+  state transitions (accept test, residual, two-level draw) for exact enumeration
+  (``tests/test_speculative_exact.py``, ``proofs/chain_speculative.md``).
+- ``speculative.api`` (re-exported here): ``chain_speculative_sampling`` with keys and
+  ``backend=`` (kernel: ``kernels_pallas/spec_accept.py``), ``chain_greedy_verify``, and the
+  helpers that build the draft and target distributions from logits so that exactness holds by
+  construction (``sampling_distribution``, ``sample_draft``).
 """
+
+from speculative.api import (
+    chain_greedy_verify,
+    chain_speculative_sampling,
+    sample_draft,
+    sampling_distribution,
+)
+
+__all__ = [
+    "chain_greedy_verify",
+    "chain_speculative_sampling",
+    "sample_draft",
+    "sampling_distribution",
+]

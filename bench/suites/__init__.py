@@ -44,6 +44,7 @@ SUITES = {
     "decode": "bench.suites.decode",
     "sampling": "bench.suites.sampling",
     "fused_ops": "bench.suites.fused_ops",
+    "speculative": "bench.suites.speculative",
 }
 
 
