@@ -17,8 +17,9 @@ The step emits ``t_0 .. t_{s-1}`` and the drawn token: ``s + 1`` tokens, distrib
 
 **A residual with no mass.** ``max(p - q, 0)`` is zero everywhere only where ``p <= q``
 everywhere; for two distributions that means ``p = q``, and then no draft is ever rejected
-(``u * q(t) < q(t)`` for every ``u < 1``, in float32 too). Rows that are distributions only up to
-rounding can still reach it (``p(t)`` an ulp below ``q(t)``). The draw then takes ``p`` itself:
+(``u * q(t) < q(t)`` for every ``u < 1``, in float32 too where ``q(t)`` is a normal float;
+a subnormal ``q(t)``, below ``1.2e-38``, can round the product up to it). Rows that are
+distributions only up to rounding can still reach it (``p(t)`` an ulp below ``q(t)``). The draw then takes ``p`` itself:
 Theorem 1 of the proof shows that this choice makes the step's output exactly ``p / sum(p)``
 whenever ``sum(q) = 1`` and ``p <= q``, where a "draw from the zero vector" has no meaning at all.
 

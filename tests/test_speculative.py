@@ -238,7 +238,8 @@ def _kernel_case_inputs(
 ):
     """Mixed rows: related pairs, p = q (never rejected), disjoint supports (always rejected at
     0), rows whose mass sits past the first chunk, and (unless ``valid``: the API refuses them)
-    residuals without mass, ``p = 0.9 q``, which draw from p."""
+    residuals without mass, ``p = 0.1 q``, which draw from p; each special kind on every 8th
+    row."""
     generator = np.random.default_rng(seed)
     target_logits = generator.standard_normal((batch, num_drafts + 1, vocab)) * 2.5
     draft_logits = target_logits[:, :num_drafts] + generator.standard_normal(
@@ -249,15 +250,20 @@ def _kernel_case_inputs(
     p /= p.sum(-1, keepdims=True)
     q /= q.sum(-1, keepdims=True)
     if num_drafts:
-        q[0] = p[0, :num_drafts]
+        # Each special kind takes every 8th row, so a bug in one kind's rule changes more rows
+        # than the rounding bound lets through (a review found one row a kind could hide).
+        kind = np.arange(batch) % 8
+        q[kind == 0] = p[kind == 0, :num_drafts]
         half = vocab // 2
-        p[1, 0, half:], q[1, 0, :half] = 0, 0
-        p[1, 0] /= p[1, 0].sum()
-        q[1, 0] /= q[1, 0].sum()
+        for b in np.flatnonzero(kind == 1):
+            p[b, 0, half:], q[b, 0, :half] = 0, 0
+            p[b, 0] /= p[b, 0].sum()
+            q[b, 0] /= q[b, 0].sum()
         if not valid:
-            p[2, :num_drafts] = 0.9 * q[2]
-        p[3, :, : vocab - 5] = 0
-        p[3] /= p[3].sum(-1, keepdims=True)
+            # p = 0.1 q: most drafts are rejected, onto a residual without mass (drawn from p).
+            p[kind == 2, :num_drafts] = 0.1 * q[kind == 2]
+        p[kind == 3, :, : vocab - 5] = 0
+        p[kind == 3] /= p[kind == 3].sum(-1, keepdims=True)
     p, q = p.astype(np.float32), q.astype(np.float32)
     tokens = np.stack(
         [

@@ -78,7 +78,8 @@ def distribution_pairs(draw, vocab: int, kind: str | None = None):
         return p, p.copy()
     if kind == "q_outside_p":  # p has zeros where q (all positive) does not
         zeros = draw(st.lists(st.booleans(), min_size=vocab, max_size=vocab))
-        keep = draw(st.integers(0, vocab - 1))
+        # Keep one token p actually has: all zeros would leave nothing to normalize.
+        keep = draw(st.sampled_from(np.flatnonzero(p > 0).tolist()))
         zeros[keep] = False
         p = _normalized(np.where(zeros, 0.0, p))
         return p, _normalized(draw(simplex_points(vocab)))
