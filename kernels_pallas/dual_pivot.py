@@ -41,6 +41,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from kernels_pallas import rng
+from kernels_pallas.platform import whole_array
 from kernels_pallas.row_select import (
     RowReader,
     order_keys,
@@ -309,9 +310,6 @@ def dual_pivot_sample(
     num_blocks = pl.cdiv(vocab, block)
     table_size = pl.next_power_of_2(num_blocks)
 
-    def whole(shape):
-        return pl.BlockSpec(shape, lambda b: (0,) * len(shape))
-
     operands = (
         row_key_words[:, 0],
         row_key_words[:, 1],
@@ -335,8 +333,8 @@ def dual_pivot_sample(
             order=order,
         ),
         grid=(batch,),
-        in_specs=[whole(x.shape) for x in operands],
-        out_specs=(whole((batch,)), whole((batch,))),
+        in_specs=[whole_array(x.shape) for x in operands],
+        out_specs=(whole_array((batch,)), whole_array((batch,))),
         out_shape=out_shape,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,

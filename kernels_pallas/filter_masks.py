@@ -33,6 +33,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from kernels_pallas.platform import whole_array
 from kernels_pallas.row_select import (
     RowReader,
     order_keys,
@@ -160,9 +161,6 @@ def filter_rows(
     num_blocks = pl.cdiv(vocab, block)
     parameter = parameter.astype(jnp.float32 if mode == "top_p_renorm" else jnp.int32)
 
-    def whole(shape):
-        return pl.BlockSpec(shape, lambda b: (0,) * len(shape))
-
     return pl.pallas_call(
         functools.partial(
             filter_kernel,
@@ -172,8 +170,8 @@ def filter_rows(
             table_size=pl.next_power_of_2(num_blocks),
         ),
         grid=(batch,),
-        in_specs=[whole(parameter.shape), whole(values.shape)],
-        out_specs=whole(values.shape),
+        in_specs=[whole_array(parameter.shape), whole_array(values.shape)],
+        out_specs=whole_array(values.shape),
         out_shape=jax.ShapeDtypeStruct(values.shape, values.dtype),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,

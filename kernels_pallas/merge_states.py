@@ -24,6 +24,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from kernels_pallas.platform import whole_array
+
 
 def merge_states_kernel(
     merge_indptr_ref,  # [B + 1] int32
@@ -124,9 +126,6 @@ def merge_partial_states(
     partial_o = partial_o.reshape(num_work * num_kv_heads * partial_rows, head_dim)
     partial_lse = partial_lse.reshape(num_work * num_kv_heads * partial_rows)
 
-    def whole(shape):
-        return pl.BlockSpec(shape, lambda b, h: (0,) * len(shape))
-
     out_shape = (
         jax.ShapeDtypeStruct((batch * num_q_heads, head_dim), out_dtype),
         jax.ShapeDtypeStruct((batch * num_q_heads,), jnp.float32),
@@ -140,8 +139,12 @@ def merge_partial_states(
             items_per_step=items_per_step,
         ),
         grid=(batch, num_kv_heads),
-        in_specs=[whole(merge_indptr.shape), whole(partial_o.shape), whole(partial_lse.shape)],
-        out_specs=(whole(out_shape[0].shape), whole(out_shape[1].shape)),
+        in_specs=[
+            whole_array(merge_indptr.shape),
+            whole_array(partial_o.shape),
+            whole_array(partial_lse.shape),
+        ],
+        out_specs=(whole_array(out_shape[0].shape), whole_array(out_shape[1].shape)),
         out_shape=out_shape,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,

@@ -46,6 +46,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from kernels_pallas.platform import whole_array
+
 # The largest hidden size one block of registers holds: 16384 float32 values a row spread over
 # 16 warps is 32 values a thread. Llama 3's largest (405B) is 16384.
 MAX_HIDDEN = 16384
@@ -152,14 +154,11 @@ def _norm_call(x, residual, weight, eps, gemma, row_offset, num_rows, num_warps,
     # becomes new_residual. A window's outputs differ in shape from its inputs: no aliasing.
     aliases = {} if windowed else ({1: 0, 2: 1} if fused else {1: 0})
 
-    def whole(shape):
-        return pl.BlockSpec(shape, lambda i: (0,) * len(shape))
-
     outputs = pl.pallas_call(
         kernel,
         grid=(pl.cdiv(num_rows, block_rows),),
-        in_specs=[whole(a.shape) for a in inputs],
-        out_specs=[whole(s.shape) for s in out_shape],
+        in_specs=[whole_array(a.shape) for a in inputs],
+        out_specs=[whole_array(s.shape) for s in out_shape],
         out_shape=out_shape,
         input_output_aliases=aliases,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps or default_warps, num_stages=1),

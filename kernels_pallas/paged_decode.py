@@ -42,6 +42,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from kernels_pallas.platform import whole_array
+
 LOG2_E = math.log2(math.e)
 LN_2 = math.log(2.0)
 # Masked logits get this instead of -inf so that exp2(masked - running_max) is exactly 0 and
@@ -236,22 +238,19 @@ def paged_decode(
     num_work = work_request.shape[0]
     q_rows = q.reshape(batch * num_q_heads, head_dim)
 
-    def whole(array):
-        return pl.BlockSpec(array.shape, lambda w, h: (0,) * array.ndim)
-
     if write_final:
         out_shape = (
             jax.ShapeDtypeStruct((batch * num_q_heads, head_dim), q.dtype),
             jax.ShapeDtypeStruct((batch * num_q_heads,), jnp.float32),
         )
-        out_specs = (whole(out_shape[0]), whole(out_shape[1]))
+        out_specs = (whole_array(out_shape[0].shape), whole_array(out_shape[1].shape))
     else:
         partial_count = num_work * num_kv_heads * partial
         out_shape = (
             jax.ShapeDtypeStruct((partial_count, head_dim), jnp.float32),
             jax.ShapeDtypeStruct((partial_count,), jnp.float32),
         )
-        out_specs = (whole(out_shape[0]), whole(out_shape[1]))
+        out_specs = (whole_array(out_shape[0].shape), whole_array(out_shape[1].shape))
     precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
     kernel = functools.partial(
         paged_decode_kernel,
@@ -271,9 +270,9 @@ def paged_decode(
         kernel,
         grid=(num_work, num_kv_heads),
         in_specs=[
-            *(whole(a) for a in work_arrays),
-            whole(page_indices),
-            whole(q_rows),
+            *(whole_array(a.shape) for a in work_arrays),
+            whole_array(page_indices.shape),
+            whole_array(q_rows.shape),
             kv_spec,
             kv_spec,
         ],

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 
 import jax
+from jax.experimental import pallas as pl
 
 BACKENDS = ("auto", "reference", "pallas")
 KILL_SWITCH_VARIABLE = "DECODELAB_BACKEND"
@@ -61,3 +62,13 @@ def resolve_backend(backend: str, *, pallas_available: bool = True) -> str:
 def is_concrete(*arrays) -> bool:
     """True when none of ``arrays`` is a tracer, so value checks may read them."""
     return not any(isinstance(a, jax.core.Tracer) for a in arrays)
+
+
+def whole_array(shape):
+    """A ``BlockSpec`` that hands every program of any grid the whole array of ``shape``.
+
+    The kernels here index their operands themselves (pages through a table, rows by program
+    id, masked blocks of a row), so each sees whole arrays rather than grid-sliced blocks.
+    """
+    shape = tuple(shape)
+    return pl.BlockSpec(shape, lambda *grid_indices: (0,) * len(shape))

@@ -45,6 +45,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from kernels_pallas.platform import whole_array
+
 LAYOUTS = ("HND", "NHD")
 
 
@@ -227,9 +229,6 @@ def rope_append(
         jax.ShapeDtypeStruct(inputs[10].shape, v_pages.dtype),
     )
 
-    def whole(shape):
-        return pl.BlockSpec(shape, lambda t: (0,) * len(shape))
-
     kernel = functools.partial(
         rope_append_kernel,
         layout=layout,
@@ -243,8 +242,8 @@ def rope_append(
     q_rotated, k_pages, v_pages = pl.pallas_call(
         kernel,
         grid=(num_tokens,),
-        in_specs=[whole(a.shape) for a in inputs],
-        out_specs=[whole(s.shape) for s in out_shape],
+        in_specs=[whole_array(a.shape) for a in inputs],
+        out_specs=[whole_array(s.shape) for s in out_shape],
         out_shape=out_shape,
         # Inputs 9 and 10 (the pools) are outputs 1 and 2: only the new slots are written.
         input_output_aliases={9: 1, 10: 2},

@@ -38,13 +38,13 @@ from jax.experimental.pallas import triton as plgpu
 from kernels_pallas import rng
 from kernels_pallas.dual_pivot import dual_pivot_sample
 from kernels_pallas.filter_masks import filter_rows
+from kernels_pallas.platform import whole_array
+from kernels_pallas.row_select import INDEX_SENTINEL
 
 __all__ = ["dual_pivot_sample", "filter_rows", "gumbel_sample"]
 
 # The same floor as sampling.reference.MIN_TEMPERATURE (kernels_pallas imports nothing above it).
 MIN_TEMPERATURE = 1e-30
-
-INDEX_SENTINEL = 2**31 - 1  # larger than any column; min() over it means "no column"
 
 
 def gumbel_race_kernel(
@@ -159,9 +159,6 @@ def gumbel_sample(
     chunk_columns = block * blocks_per_program
     num_chunks = pl.cdiv(vocab, chunk_columns)
 
-    def whole(shape):
-        return pl.BlockSpec(shape, lambda b, c: (0,) * len(shape))
-
     key0 = row_key_words[:, 0]
     key1 = row_key_words[:, 1]
     out_shape = (
@@ -178,12 +175,12 @@ def gumbel_sample(
         ),
         grid=(batch, num_chunks),
         in_specs=[
-            whole(key0.shape),
-            whole(key1.shape),
-            whole(temperature.shape),
-            whole(values.shape),
+            whole_array(key0.shape),
+            whole_array(key1.shape),
+            whole_array(temperature.shape),
+            whole_array(values.shape),
         ],
-        out_specs=(whole(out_shape[0].shape), whole(out_shape[1].shape)),
+        out_specs=(whole_array(out_shape[0].shape), whole_array(out_shape[1].shape)),
         out_shape=out_shape,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,

@@ -47,6 +47,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from kernels_pallas import rng
+from kernels_pallas.platform import whole_array
 from kernels_pallas.row_select import RowReader, pick_by_table
 
 COLUMNS_PER_POSITION = 4
@@ -228,9 +229,6 @@ def chain_speculative_sample(
     if num_drafts == 0:
         tokens = jnp.zeros((batch, 1), jnp.int32)  # never read: the chain stops at once
 
-    def whole(shape):
-        return pl.BlockSpec(shape, lambda b, c: (0,) * len(shape))
-
     operands = [
         row_key_words[:, 0],
         row_key_words[:, 1],
@@ -256,8 +254,8 @@ def chain_speculative_sample(
             deterministic_draft=deterministic,
         ),
         grid=per_chunk,
-        in_specs=[whole(x.shape) for x in operands],
-        out_specs=tuple(whole(per_chunk) for _ in out_shape),
+        in_specs=[whole_array(x.shape) for x in operands],
+        out_specs=tuple(whole_array(per_chunk) for _ in out_shape),
         out_shape=out_shape,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,

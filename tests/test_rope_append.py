@@ -261,6 +261,22 @@ def make_append_case(
     return q, k, v, positions, batch, cache, table, page_lists
 
 
+def kernel_append_matches_oracle(q, k, v, positions, batch, cache, table, page_lists, rope):
+    """``paged.rope_append_kv`` on the kernel, checked by ``check_append``."""
+    q_rotated, new_cache = paged.rope_append_kv(
+        q,
+        k,
+        v,
+        jnp.asarray(positions),
+        jnp.asarray(batch),
+        cache,
+        table,
+        rope=rope,
+        backend="pallas",
+    )
+    check_append(q, k, v, positions, batch, cache, page_lists, rope, q_rotated, new_cache)
+
+
 def check_append(
     q, k, v, positions, batch, cache, page_lists, rope, q_rotated, new_cache, *, written=None
 ):
@@ -374,18 +390,7 @@ def test_positions_up_to_131072():
     )
     q, k, v, positions, batch, cache, table, page_lists = case
     assert positions.max() == 131072
-    q_rotated, new_cache = paged.rope_append_kv(
-        q,
-        k,
-        v,
-        jnp.asarray(positions),
-        jnp.asarray(batch),
-        cache,
-        table,
-        rope=LLAMA31,
-        backend="pallas",
-    )
-    check_append(q, k, v, positions, batch, cache, page_lists, LLAMA31, q_rotated, new_cache)
+    kernel_append_matches_oracle(q, k, v, positions, batch, cache, table, page_lists, LLAMA31)
 
 
 def test_prefill_of_4096_tokens():
@@ -403,18 +408,7 @@ def test_prefill_of_4096_tokens():
         num_pool_pages=260,
     )
     q, k, v, positions, batch, cache, table, page_lists = case
-    q_rotated, new_cache = paged.rope_append_kv(
-        q,
-        k,
-        v,
-        jnp.asarray(positions),
-        jnp.asarray(batch),
-        cache,
-        table,
-        rope=LLAMA31,
-        backend="pallas",
-    )
-    check_append(q, k, v, positions, batch, cache, page_lists, LLAMA31, q_rotated, new_cache)
+    kernel_append_matches_oracle(q, k, v, positions, batch, cache, table, page_lists, LLAMA31)
 
 
 BUCKET_BATCH, BUCKET_TOKENS, BUCKET_PAGE_SIZE, BUCKET_POOL, BUCKET_INDICES = 4, 16, 4, 64, 64
@@ -459,18 +453,7 @@ def test_random_ragged_appends_in_one_bucket(drawn):
     order = np.array(token_order)
     q, k, v = q[order], k[order], v[order]
     positions, batch = positions[order], batch[order]
-    q_rotated, new_cache = paged.rope_append_kv(
-        q,
-        k,
-        v,
-        jnp.asarray(positions),
-        jnp.asarray(batch),
-        cache,
-        table,
-        rope=LLAMA31,
-        backend="pallas",
-    )
-    check_append(q, k, v, positions, batch, cache, page_lists, LLAMA31, q_rotated, new_cache)
+    kernel_append_matches_oracle(q, k, v, positions, batch, cache, table, page_lists, LLAMA31)
 
 
 def test_invalid_tokens_under_jit_are_not_written():
