@@ -39,6 +39,7 @@ from bench.timing import (
     H200_L2_BYTES,
     MAX_CALLS_PER_PROGRAM,
     MAX_ROTATING_SETS,
+    SetsInTurnLoop,
     TimedLoop,
     Timing,
     calls_for,
@@ -47,6 +48,7 @@ from bench.timing import (
     num_rotating_sets,
     time_in_loop,
     timing_method_description,
+    unrolled_num_sets,
 )
 from bench.torch_timing import (
     release_torch_memory,
@@ -67,6 +69,7 @@ __all__ = [
     "CaseResult",
     "CopyCeiling",
     "RunOptions",
+    "SetsInTurnLoop",
     "TimedLoop",
     "Timing",
     "calls_for",
@@ -82,4 +85,5 @@ __all__ = [
     "timing_method_description",
     "torch_device_for",
     "torch_from_jax",
+    "unrolled_num_sets",
 ]

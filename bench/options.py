@@ -21,6 +21,7 @@ from bench.timing import (
     TimedLoop,
     Timing,
     num_rotating_sets,
+    unrolled_num_sets,
 )
 from bench.torch_timing import time_torch_calls, torch_device_for
 
@@ -63,6 +64,10 @@ class RunOptions:
         """Rotating sets for inputs of ``bytes_per_set``: the cold-L2 count, or 2 in a dry run
         (tiny dry-run shapes would need thousands of sets and measure nothing anyway)."""
         return 2 if self.dry_run else num_rotating_sets(bytes_per_set)
+
+    def unrolled_sets_for(self, bytes_per_set: int) -> int:
+        """``num_sets_for`` capped for ``SetsInTurnLoop`` (``timing.unrolled_num_sets``)."""
+        return 2 if self.dry_run else unrolled_num_sets(bytes_per_set)
 
     def time(
         self,

@@ -37,6 +37,10 @@ DEFAULT_REPEATS = 5
 # whole suite of a few hundred programs still runs in minutes.
 DEFAULT_TARGET_SECONDS = 0.1
 MAX_CALLS_PER_PROGRAM = 1 << 20
+# ``SetsInTurnLoop`` programs hold one call per set; past this many sets their compilation takes
+# minutes. Only sets under ~2 MB need more (batch-1 sampling: 0.5 MB a set), and for those the
+# L2 may hold a set between visits: the report says so (``bytes_between_visits``).
+MAX_UNROLLED_SETS = 32
 
 
 def timing_method_description(repeats: int = DEFAULT_REPEATS) -> str:
@@ -368,3 +372,57 @@ def time_in_loop(
         target_seconds=target_seconds,
         expected_us_per_call=expected_us_per_call,
     )
+
+
+def unrolled_num_sets(bytes_per_set: int) -> int:
+    """``num_rotating_sets(bytes_per_set)`` capped at ``MAX_UNROLLED_SETS`` (for
+    ``SetsInTurnLoop``, whose program grows with the number of sets)."""
+    return min(num_rotating_sets(bytes_per_set), MAX_UNROLLED_SETS)
+
+
+class SetsInTurnLoop(TimedLoop):
+    """A ``TimedLoop`` whose program visits every set in turn, each set its own arrays.
+
+    Why: ``stacked[set_index]`` with a traced index is a ``dynamic_slice``, and XLA copies the
+    slice into a buffer of its own before a custom call (a Pallas kernel) can read it: at
+    ``256 x 128256`` float32 that copy cost 60 us a call on the H200
+    (``bench/slice_probe.py``), timed as if it were the kernel's. Here every set is a separate
+    array and the program names each one statically, so nothing is copied; the price is a
+    program that holds R calls (compile time grows with R).
+
+    ``call(set_operands, round_index)`` is one call of the arm; round ``r`` of the program's
+    ``fori_loop`` runs it on set 0, 1, ..., R - 1, so a program of ``iters`` calls (a multiple
+    of R, as ``harness.calls_for`` sizes them) runs ``iters / R`` rounds. Each result is folded
+    into the carried checksum, as in ``TimedLoop``.
+    """
+
+    def __init__(self, call, operands: list):
+        super().__init__(step=None, num_sets=len(operands), operands=operands)
+        self.call = call
+        # One compilation serves every set (they share shapes): checks visit hundreds of sets.
+        self._single_call = jax.jit(call)
+
+    def program(self, iters: int):
+        if iters not in self._programs:
+            num_sets = self.num_sets
+            rounds = math.ceil(iters / num_sets)
+            if rounds * num_sets != iters:
+                raise ValueError(f"iters={iters} is not a multiple of the {num_sets} sets")
+
+            def loop_program(operands):
+                def body(round_index, checksum):
+                    for set_operands in operands:
+                        checksum = checksum + checksum_of(self.call(set_operands, round_index))
+                    return checksum
+
+                return lax.fori_loop(0, rounds, body, jnp.float32(0))
+
+            self._programs[iters] = jax.jit(loop_program)
+        return self._programs[iters]
+
+    def output(self, set_index: int = 0):
+        """One call on set ``set_index`` at round 0 (what the timed calls compute)."""
+        return self._single_call(self.operands[set_index], jnp.int32(0))
+
+    def lowered_text(self, iters: int | None = None) -> str:
+        return self.program(iters or self.num_sets).lower(self.operands).as_text()

@@ -27,6 +27,7 @@ from bench import harness, report
 from bench.__main__ import NO_GPU_MESSAGE, REPORTS_DIRECTORY, main
 from bench.attention_inputs import ATTENTION_GRID, kv_bytes_per_set, make_attention_setup
 from bench.harness import CASE_FIELDS, CaseResult, RunOptions, Timing
+from bench.suites import decode as decode_suite
 from bench.suites import fused_ops as fused_ops_suite
 from bench.suites import peers
 from bench.suites import sampling as sampling_suite
@@ -106,7 +107,7 @@ def test_dry_run_covers_every_jax_arm_and_case_kind(dry_run):
         "jax_sort",
         "jax_categorical",
         "jax_categorical (repeat)",
-        "slice_only",
+        "read_only",
     } <= arms
     names = {case["case"] for case in document["cases"]}
     assert {"B=1 ctx=64", "B=2 ctx=40", "top_p B=1", "gumbel B=4"} <= names
@@ -380,9 +381,17 @@ def _decode_dry_run(out_dir, *flags):
     return document, arms_by_case
 
 
-def test_decode_dry_run_times_every_decodelab_arm_beside_the_peers(tmp_path):
-    document, arms_by_case = _decode_dry_run(tmp_path)
-    for arms in arms_by_case.values():
+@pytest.fixture(scope="module")
+def decode_dry_run(tmp_path_factory):
+    """``python -m bench decode --dry-run`` once for the tests that read its report."""
+    return _decode_dry_run(tmp_path_factory.mktemp("decode_dry_run"))
+
+
+def test_decode_dry_run_times_every_decodelab_arm_beside_the_peers(decode_dry_run):
+    document, arms_by_case = decode_dry_run
+    standard = {case: arms for case, arms in arms_by_case.items() if "q_len=" not in case}
+    assert standard
+    for arms in standard.values():
         # Dry-run contexts split at one page, so the no-split arm runs; the fixed-16 arm
         # coincides with the planner there and is noted instead of timed.
         assert {
@@ -397,6 +406,57 @@ def test_decode_dry_run_times_every_decodelab_arm_beside_the_peers(tmp_path):
         assert row["max_abs_difference_from_xla_gather"] < 0.05
         assert row["splits"] > 1 and not row["write_final"]
     assert any("fixed-16 arm" in note for note in document["notes"])
+
+
+def test_decode_dry_run_times_several_new_tokens_per_request(decode_dry_run):
+    """The q_len cases: the API (its kernel with the causal q_len rows, split and merged in the
+    dry run) and the causal XLA arm on the same pool, checked against each other."""
+    document, arms_by_case = decode_dry_run
+    q_lens = decode_suite.DRY_RUN_MULTI_TOKEN_Q_LENS
+    expected = {decode_suite.multi_token_case(2, 40, q_len) for q_len in q_lens}
+    assert expected <= set(arms_by_case)
+    for case in expected:
+        assert arms_by_case[case] == {"decodelab", "xla_gather", "decodelab (repeat)"}
+    rows = {(c["case"], c["arm"]): c for c in document["cases"]}
+    for q_len in q_lens:
+        case = decode_suite.multi_token_case(2, 40, q_len)
+        api, xla = rows[(case, "decodelab")], rows[(case, "xla_gather")]
+        assert api["q_len"] == xla["q_len"] == q_len
+        assert api["max_abs_difference_from_xla_gather"] < decode_suite.DISAGREEMENT_TOLERANCE
+        assert api["splits"] > 1 and not api["write_final"]  # the merge of q_len x G rows ran
+        assert api["bytes"] == xla["bytes"] == rows[("B=2 ctx=40", "decodelab")]["bytes"]
+        assert xla["attribution"].endswith(f"causal_softmax:q_len={q_len}")
+    first = decode_suite.multi_token_case(2, 40, q_lens[0])
+    assert rows[(first, "decodelab")]["vs_q_len_1"] == 1.0
+
+
+def test_xla_causal_arm_equals_the_paged_reference():
+    """The multi-token XLA arm computes paged.decode_attention's function (float32, a ragged
+    batch whose shortest request has exactly L tokens)."""
+    rng = np.random.default_rng(0)
+    q_len, page_size, pages_per_sequence = 4, 4, 3
+    seq_lens = np.array([4, 9, 12], np.int32)
+    block_tables = rng.permutation(9).reshape(3, pages_per_sequence).astype(np.int32)
+    k_hnd = rng.standard_normal((9, 2, page_size, 8)).astype(np.float32)
+    v_hnd = rng.standard_normal((9, 2, page_size, 8)).astype(np.float32)
+    q = rng.standard_normal((3, q_len, 4, 8)).astype(np.float32)
+    xla = decode_suite.xla_gather_causal_attention(
+        jnp.asarray(q),
+        jnp.asarray(k_hnd.swapaxes(0, 1)),
+        jnp.asarray(v_hnd.swapaxes(0, 1)),
+        jnp.asarray(block_tables),
+        jnp.asarray(seq_lens),
+        sm_scale=0.3,
+    )
+    page_lists = [
+        row[: -(-n // page_size)].tolist() for row, n in zip(block_tables, seq_lens, strict=True)
+    ]
+    table = paged.PageTable.from_page_lists(page_lists, seq_lens.tolist(), page_size)
+    cache = paged.KVCache(jnp.asarray(k_hnd), jnp.asarray(v_hnd), "HND")
+    expected = paged.decode_attention(
+        jnp.asarray(q), cache, table, sm_scale=0.3, backend="reference"
+    )
+    np.testing.assert_allclose(np.asarray(xla), np.asarray(expected), rtol=1e-5, atol=1e-5)
 
 
 def test_decode_tuning_dry_run_sweeps_launch_and_planner_parameters(tmp_path):
@@ -432,7 +492,7 @@ def test_sampling_dry_run_times_every_decodelab_arm_beside_the_peers(tmp_path):
             "decodelab_kernel",
             "decodelab (repeat)",
             "jax_categorical",
-            "slice_only",
+            "read_only",
         } <= arms
         assert {"jax_sort", "decodelab_reference", "decodelab", "decodelab_kernel"} <= {
             arm for case, arm in rows if case == f"top_p B={batch}"
@@ -493,16 +553,17 @@ def test_sampling_gumbel_arms_lower_to_the_triton_kernel_for_an_h200(monkeypatch
     monkeypatch.setattr(sampling_suite.api, "interpret_mode", lambda: False)
     batch, vocab = 256, peers.VOCAB
     num_sets = harness.num_rotating_sets(batch * vocab * 4)
-    keys = jax.eval_shape(lambda: jax.random.split(jax.random.key(0), num_sets))
-    logits = jax.ShapeDtypeStruct((num_sets, batch, vocab), jnp.float32)
+    key = jax.eval_shape(lambda: jax.random.key(0))
+    logits = jax.ShapeDtypeStruct((batch, vocab), jnp.float32)
+    words = jax.ShapeDtypeStruct((batch, 2), jnp.uint32)
     inputs = sampling_suite.SamplingInputs(
         batch,
         vocab,
         num_sets,
-        logits,
-        logits,
-        keys,
-        jax.ShapeDtypeStruct((num_sets, batch, 2), jnp.uint32),
+        [logits] * num_sets,
+        [logits] * num_sets,
+        [key] * num_sets,
+        [words] * num_sets,
     )
 
     def cuda_text(loop):

@@ -605,17 +605,20 @@ def test_kernel_draws_the_target_at_the_full_vocabulary():
     q = jax.nn.softmax(
         jnp.asarray(target_logits[0] + generator.standard_normal(FULL_VOCAB), jnp.float32)
     )
-    target = jnp.broadcast_to(p, (GPU_DRAW_ROWS, 2, FULL_VOCAB))
-    draft = jnp.broadcast_to(q, (GPU_DRAW_ROWS, 1, FULL_VOCAB))
 
+    # p and q are arguments, broadcast inside the program: closed over, the 2 GB of broadcast
+    # rows would be embedded in the program as constants (a compile that never ends).
     @functools.partial(jax.jit, static_argnames="backend")
-    def verify(keys, backend="pallas"):
+    def verify(keys, p, q, backend="pallas"):
+        target = jnp.broadcast_to(p, (GPU_DRAW_ROWS, 2, FULL_VOCAB))
+        draft = jnp.broadcast_to(q, (GPU_DRAW_ROWS, 1, FULL_VOCAB))
         tokens = sampling.sample_from_probs(jax.random.fold_in(keys[0], 1), draft[:, 0])[:, None]
         return speculative.chain_speculative_sampling(keys, draft, tokens, target, backend=backend)
 
     keys = jax.random.split(jax.random.key(32), GPU_DRAW_CHUNKS * GPU_DRAW_ROWS)
     results = [
-        verify(keys[i * GPU_DRAW_ROWS : (i + 1) * GPU_DRAW_ROWS]) for i in range(GPU_DRAW_CHUNKS)
+        verify(keys[i * GPU_DRAW_ROWS : (i + 1) * GPU_DRAW_ROWS], p, q)
+        for i in range(GPU_DRAW_CHUNKS)
     ]
     out = np.concatenate([np.asarray(o) for o, _ in results])
     accepted = np.concatenate([np.asarray(a) for _, a in results])
@@ -627,7 +630,7 @@ def test_kernel_draws_the_target_at_the_full_vocabulary():
         assert_distributed_as(
             buckets[out[rows, position]], np.bincount(buckets, expected, NUM_BUCKETS)
         )
-    reference_out, _ = verify(keys[:GPU_DRAW_ROWS], backend="reference")
+    reference_out, _ = verify(keys[:GPU_DRAW_ROWS], p, q, backend="reference")
     differs = np.mean((np.asarray(reference_out) != out[:GPU_DRAW_ROWS]).any(axis=1))
     print(f"kernel vs reference at vocab {FULL_VOCAB}: {differs:.4%} of rows differ")
     assert differs <= MISMATCH_BOUND

@@ -2,9 +2,11 @@
 
 Vocab 128256, float32, batch 1, 32 and 256 (``--quick``: batch 32; dry run: vocab 1000, batch 1
 and 4), cold L2, dispatch amortized (``bench/harness.py``). Inputs rotate the way
-``peers.sampling_results`` rotates them: ``[R, B, V]`` stacked sets indexed by the loop's set
-index, R from ``options.num_sets_for(B x V x 4)``, with the very logits the peers draw (same seed,
-same scale). Bytes per call = ``B x V x 4``: one read of the float32 rows. Each rotating set has
+``peers.sampling_results`` rotates them: R sets, each its own ``[B, V]`` array visited by a
+static index (``timing.SetsInTurnLoop``: no slice is copied before a Pallas call), R from
+``options.unrolled_sets_for(B x V x 4)`` (cold L2, but at most 32 sets: at batch 1 the 16 MB
+between visits may leave a set in the L2, a difference of under 0.2 us on a 0.5 MB read), with the very logits the peers draw (same seed, same
+scale). Bytes per call = ``B x V x 4``: one read of the float32 rows. Each rotating set has
 its own key (split from a fixed seed), so no two sets draw the same noise.
 
 Cases and arms:
@@ -31,7 +33,7 @@ Cases and arms:
   so its time does not follow the rounds; the kernel's does (one pass over the row a round).
 - the peers (``peers.sampling_results`` for the same batch): ``jax_sort`` and ``torch_sort`` in
   ``top_p B=<n>``, ``jax_categorical`` and ``torch_exponential`` in ``gumbel B=<n>``, and
-  ``slice_only`` in both.
+  ``read_only`` in both.
 - ``decodelab (repeat)`` and ``decodelab_reference (repeat)`` in each filtered case: the arm
   timed again at the end of the batch, its noise level.
 
@@ -56,13 +58,13 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 from bench import report
 from bench.harness import (
     CaseResult,
     CopyCeiling,
     RunOptions,
+    SetsInTurnLoop,
     TimedLoop,
     expected_us,
     repeat_arm,
@@ -94,7 +96,7 @@ TARGET_GUMBEL_FRACTION_OF_CEILING = 0.70
 TARGET_GUMBEL_FRACTION_BATCH = 256
 TARGET_FILTER_SPEEDUP_OVER_SORT = 10.0
 TARGET_FILTER_BATCHES = (32, 256)
-PEERS_FOR_RATIO = ("jax_sort", "torch_sort", "jax_categorical", "torch_exponential", "slice_only")
+PEERS_FOR_RATIO = ("jax_sort", "torch_sort", "jax_categorical", "torch_exponential", "read_only")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,7 +157,7 @@ def run(options: RunOptions, ceiling: CopyCeiling) -> SuiteOutput:
     else:
         batches = peers.QUICK_SAMPLING_BATCHES if options.quick else peers.SAMPLING_BATCHES
     for batch in batches:
-        inputs = make_sampling_inputs(batch, vocab, options.num_sets_for(batch * vocab * 4))
+        inputs = make_sampling_inputs(batch, vocab, options.unrolled_sets_for(batch * vocab * 4))
         try:
             results += batch_results(inputs, options, ceiling.tbps, notes)
         finally:
@@ -173,24 +175,25 @@ def run(options: RunOptions, ceiling: CopyCeiling) -> SuiteOutput:
 
 @dataclasses.dataclass
 class SamplingInputs:
-    """The rotating sets of one batch.
+    """The rotating sets of one batch, each set its own arrays (``SetsInTurnLoop``).
 
     Attributes:
       batch, vocab: each set is ``[batch, vocab]``.
       num_sets: R, the number of rotating sets.
-      logits_sets: float32 ``[R, B, V]``, the values the peers draw for this batch.
-      probs_sets: float32 ``[R, B, V]``, ``softmax(logits_sets)`` (the filtered samplers' input).
-      keys: ``[R]`` typed keys, one for each set.
-      row_key_words: uint32 ``[R, B, 2]``, ``rng.row_keys(keys[r], B)`` (the raw kernel's input).
+      logits_sets: R float32 ``[B, V]`` arrays, the values the peers draw for this batch.
+      probs_sets: R float32 ``[B, V]``, ``softmax`` of each (the filtered samplers' input).
+      keys: R typed keys, one for each set.
+      row_key_words: R uint32 ``[B, 2]``, ``rng.row_keys(fold_in(keys[r], 0), B)``: the raw
+        kernels' input, the words the public API derives in round 0 (``round_key``).
     """
 
     batch: int
     vocab: int
     num_sets: int
-    logits_sets: jax.Array
-    probs_sets: jax.Array
-    keys: jax.Array
-    row_key_words: jax.Array
+    logits_sets: list[jax.Array]
+    probs_sets: list[jax.Array]
+    keys: list[jax.Array]
+    row_key_words: list[jax.Array]
 
     @property
     def bytes_per_call(self) -> int:
@@ -199,74 +202,88 @@ class SamplingInputs:
 
     def delete(self) -> None:
         """Frees the device arrays before the next batch allocates its own."""
-        for array in (self.logits_sets, self.probs_sets, self.keys, self.row_key_words):
-            array.delete()
+        for arrays in (self.logits_sets, self.probs_sets, self.keys, self.row_key_words):
+            for array in arrays:
+                array.delete()
+
+
+def round_key(key: jax.Array, round_index) -> jax.Array:
+    """The key of one timed call: the set's key folded with the program's round, so that no
+    call is loop-invariant (which XLA could hoist out of the timed loop)."""
+    return jax.random.fold_in(key, round_index)
+
+
+def round_words(row_key_words: jax.Array, round_index) -> jax.Array:
+    """The raw kernels' counterpart of ``round_key``: round 0 gives the API's own words."""
+    return row_key_words ^ jnp.asarray(round_index).astype(jnp.uint32)
 
 
 def make_sampling_inputs(batch: int, vocab: int, num_sets: int) -> SamplingInputs:
-    """Rotating sets with the peers' logits for ``batch`` (their seed is the batch)."""
-    logits_sets = peers.random_logits(jax.random.key(batch), (num_sets, batch, vocab))
-    probs_sets = jax.jit(functools.partial(jax.nn.softmax, axis=-1))(logits_sets)
-    keys = jax.random.split(jax.random.key(KEY_SEED), num_sets)
-    row_key_words = jax.jit(jax.vmap(lambda key: rng.row_keys(key, batch)))(keys)
+    """Rotating sets with the peers' logits for ``batch`` (``peers.random_sets``)."""
+    logits_sets = peers.random_sets(batch, vocab, num_sets)
+    softmax = jax.jit(functools.partial(jax.nn.softmax, axis=-1))
+    probs_sets = [softmax(logits) for logits in logits_sets]
+    keys = list(jax.random.split(jax.random.key(KEY_SEED), num_sets))
+    words = jax.jit(lambda key: rng.row_keys(round_key(key, 0), batch))
+    row_key_words = [words(key) for key in keys]
     return SamplingInputs(batch, vocab, num_sets, logits_sets, probs_sets, keys, row_key_words)
 
 
 # ----------------------------------------------------------------------------------------------
-# Loops: one call of each arm on rotating set `set_index`
+# Loops: one call of each arm on one set, in round `round_index` of the timed program
 
 
-def api_gumbel_loop(inputs: SamplingInputs, backend: str) -> TimedLoop:
+def api_gumbel_loop(inputs: SamplingInputs, backend: str) -> SetsInTurnLoop:
     """One call = ``sample_from_logits(key, logits, temperature=1, backend=backend)``."""
 
-    def step(set_index, operands):
-        logits_sets, keys = operands
+    def call(set_operands, round_index):
+        logits, key = set_operands
         return api.sample_from_logits(
-            keys[set_index], logits_sets[set_index], temperature=TEMPERATURE, backend=backend
+            round_key(key, round_index), logits, temperature=TEMPERATURE, backend=backend
         )
 
-    return TimedLoop(step, inputs.num_sets, (inputs.logits_sets, inputs.keys))
+    return SetsInTurnLoop(call, list(zip(inputs.logits_sets, inputs.keys, strict=True)))
 
 
-def kernel_gumbel_loop(inputs: SamplingInputs, interpret: bool) -> TimedLoop:
+def kernel_gumbel_loop(inputs: SamplingInputs, interpret: bool) -> SetsInTurnLoop:
     """One call = the raw Gumbel-max kernel from logits on precomputed per-row key words."""
+    temperature = jnp.full((inputs.batch,), TEMPERATURE, jnp.float32)
 
-    def step(set_index, operands):
-        logits_sets, row_key_words, temperature = operands
+    def call(set_operands, round_index):
+        logits, row_key_words = set_operands
         return gumbel_sample(
-            logits_sets[set_index],
-            row_key_words[set_index],
+            logits,
+            round_words(row_key_words, round_index),
             temperature,
             from_logits=True,
             stream=api.EXPONENTIAL_STREAM,
             interpret=interpret,
         )
 
-    temperature = jnp.full((inputs.batch,), TEMPERATURE, jnp.float32)
-    return TimedLoop(step, inputs.num_sets, (inputs.logits_sets, inputs.row_key_words, temperature))
+    return SetsInTurnLoop(call, list(zip(inputs.logits_sets, inputs.row_key_words, strict=True)))
 
 
-def filtered_loop(inputs: SamplingInputs, method: FilteredMethod, backend: str) -> TimedLoop:
+def filtered_loop(inputs: SamplingInputs, method: FilteredMethod, backend: str) -> SetsInTurnLoop:
     """One call = the public filtered sampler ``method`` on the probabilities of a set."""
 
-    def step(set_index, operands):
-        probs_sets, keys = operands
-        return method.sample(keys[set_index], probs_sets[set_index], backend)
+    def call(set_operands, round_index):
+        probs, key = set_operands
+        return method.sample(round_key(key, round_index), probs, backend)
 
-    return TimedLoop(step, inputs.num_sets, (inputs.probs_sets, inputs.keys))
+    return SetsInTurnLoop(call, list(zip(inputs.probs_sets, inputs.keys, strict=True)))
 
 
 def kernel_filtered_loop(
     inputs: SamplingInputs, method: FilteredMethod, interpret: bool
-) -> TimedLoop:
+) -> SetsInTurnLoop:
     """One call = the raw dual-pivot kernel on precomputed per-row key words and parameters."""
     top_k, top_p, min_p, order = method.kernel_parameters(inputs.batch, inputs.vocab)
 
-    def step(set_index, operands):
-        probs_sets, row_key_words, top_k, top_p, min_p = operands
+    def call(set_operands, round_index):
+        probs, row_key_words = set_operands
         tokens, _ = dual_pivot_sample(
-            probs_sets[set_index],
-            row_key_words[set_index],
+            probs,
+            round_words(row_key_words, round_index),
             top_k,
             top_p,
             min_p,
@@ -277,24 +294,24 @@ def kernel_filtered_loop(
         )
         return tokens
 
-    operands = (inputs.probs_sets, inputs.row_key_words, top_k, top_p, min_p)
-    return TimedLoop(step, inputs.num_sets, operands)
+    return SetsInTurnLoop(call, list(zip(inputs.probs_sets, inputs.row_key_words, strict=True)))
 
 
 def rounds_over_sets(inputs: SamplingInputs, method: FilteredMethod, backend: str) -> np.ndarray:
     """int32 ``[R, B]``: the rejection rounds every row of every set takes (untimed) on
-    ``backend``, from the same keys and probabilities as the timed calls."""
+    ``backend``, with the keys of round 0 of the timed calls."""
 
     @jax.jit
-    def all_rounds(probs_sets, keys):
-        def rounds_of_set(set_inputs):
-            probs, key = set_inputs
-            _, rounds = method.sample(key, probs, backend, return_rounds=True)
-            return rounds
+    def rounds_of_set(probs, key):
+        _, rounds = method.sample(round_key(key, 0), probs, backend, return_rounds=True)
+        return rounds
 
-        return lax.map(rounds_of_set, (probs_sets, keys))
-
-    return np.asarray(all_rounds(inputs.probs_sets, inputs.keys))
+    return np.stack(
+        [
+            np.asarray(rounds_of_set(probs, key))
+            for probs, key in zip(inputs.probs_sets, inputs.keys, strict=True)
+        ]
+    )
 
 
 # ----------------------------------------------------------------------------------------------

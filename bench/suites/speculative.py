@@ -22,8 +22,9 @@ timed program visits the sets in turn with static indices (``SetsInTurnLoop``): 
 large input is sliced by a traced index (a ``dynamic_slice`` feeding a custom call may be copied
 first: here the set is 5 to 9 times the bytes a call reads, so that copy would be the figure),
 and no call is loop-invariant (the keys change every round). The sets hold at least
-``COLD_L2_FACTOR`` x L2 between two visits of one set, up to ``MAX_SETS`` sets (the program
-grows with them; ``bytes_between_visits`` in the JSON says what each case got).
+``COLD_L2_FACTOR`` x L2 between two visits of one set, up to ``timing.MAX_UNROLLED_SETS``
+sets (the program grows with them; ``bytes_between_visits`` in the JSON says what each case
+got).
 
 Arms: ``decodelab`` (``chain_speculative_sampling(backend="pallas")``: the kernel through the
 public API), ``decodelab_reference`` (``backend="reference"``, pure JAX compiled by XLA), and
@@ -42,24 +43,22 @@ from __future__ import annotations
 import dataclasses
 import functools
 import gc
-import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 from bench import report
 from bench.harness import (
     CaseResult,
     CopyCeiling,
     RunOptions,
-    TimedLoop,
-    checksum_of,
+    SetsInTurnLoop,
     expected_us,
-    num_rotating_sets,
+    unrolled_num_sets,
 )
 from bench.suites import SuiteOutput, peers
+from bench.timing import MAX_UNROLLED_SETS
 from speculative import api
 
 VOCAB = peers.VOCAB
@@ -70,7 +69,6 @@ DRY_RUN_VOCAB = peers.DRY_RUN_VOCAB
 DRY_RUN_CASES = ((1, 1), (4, 2))  # (batch, drafts): every code path, two compilations an arm
 LOGITS_SCALE = peers.LOGITS_SCALE
 DRAFT_NOISE = 0.7  # acceptance about 0.70 at vocab 128256 with LOGITS_SCALE 3
-MAX_SETS = 256
 KERNEL_PREFIX = "spec_accept"  # the pallas_call names of kernels_pallas/spec_accept.py
 TRITON_CALL_MARKER = "__gpu$xla.gpu.triton"
 SEED = 5
@@ -178,13 +176,15 @@ def _make_set(key, *, batch: int, num_drafts: int, vocab: int):
 
 
 def make_sets(batch: int, num_drafts: int, vocab: int, options: RunOptions) -> SpeculativeSets:
-    """Enough sets for a cold L2 (at most ``MAX_SETS``; 2 in a dry run), sized from the first
-    set's expected bytes."""
-    keys = jax.random.split(jax.random.key(SEED * 1000 + batch * 10 + num_drafts), MAX_SETS)
+    """Enough sets for a cold L2 (at most ``MAX_UNROLLED_SETS``; 2 in a dry run), sized from
+    the first set's expected bytes."""
+    keys = jax.random.split(
+        jax.random.key(SEED * 1000 + batch * 10 + num_drafts), MAX_UNROLLED_SETS
+    )
     shapes = dict(batch=batch, num_drafts=num_drafts, vocab=vocab)
     first = _make_set(keys[0], **shapes)
     first_bytes = max(1, int(first[3][0]))
-    num_sets = 2 if options.dry_run else min(num_rotating_sets(first_bytes), MAX_SETS)
+    num_sets = 2 if options.dry_run else unrolled_num_sets(first_bytes)
     made = [first] + [_make_set(keys[s], **shapes) for s in range(1, num_sets)]
     call_keys = jax.random.split(jax.random.key(SEED), num_sets)
     operands = [(t, d, ids, call_keys[s]) for s, (t, d, ids, _) in enumerate(made)]
@@ -202,47 +202,6 @@ def make_sets(batch: int, num_drafts: int, vocab: int, options: RunOptions) -> S
 
 # ----------------------------------------------------------------------------------------------
 # The timed program
-
-
-class SetsInTurnLoop(TimedLoop):
-    """A ``TimedLoop`` whose program visits every set in turn with static indices.
-
-    ``call(set_operands, round_index)`` is one call of the arm; round ``r`` of the program's
-    ``fori_loop`` runs it on set 0, 1, ..., R - 1, so a program of ``iters`` calls (a multiple
-    of R, as ``harness.calls_for`` sizes them) runs ``iters / R`` rounds. Each result is folded
-    into the carried checksum, as in ``TimedLoop``.
-    """
-
-    def __init__(self, call, operands: list):
-        super().__init__(step=None, num_sets=len(operands), operands=operands)
-        self.call = call
-        # One compilation serves every set (they share shapes): checks visit hundreds of sets.
-        self._single_call = jax.jit(call)
-
-    def program(self, iters: int):
-        if iters not in self._programs:
-            num_sets = self.num_sets
-            rounds = math.ceil(iters / num_sets)
-            if rounds * num_sets != iters:
-                raise ValueError(f"iters={iters} is not a multiple of the {num_sets} sets")
-
-            def loop_program(operands):
-                def body(round_index, checksum):
-                    for set_operands in operands:
-                        checksum = checksum + checksum_of(self.call(set_operands, round_index))
-                    return checksum
-
-                return lax.fori_loop(0, rounds, body, jnp.float32(0))
-
-            self._programs[iters] = jax.jit(loop_program)
-        return self._programs[iters]
-
-    def output(self, set_index: int = 0):
-        """One call on set ``set_index`` at round 0 (what the timed calls compute)."""
-        return self._single_call(self.operands[set_index], jnp.int32(0))
-
-    def lowered_text(self, iters: int | None = None) -> str:
-        return self.program(iters or self.num_sets).lower(self.operands).as_text()
 
 
 def api_call(backend: str):
