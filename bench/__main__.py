@@ -53,6 +53,13 @@ def parse_arguments(argv: list[str]) -> argparse.Namespace:
         help="also sweep kernel parameters where the suite has them (decode), and report the best",
     )
     parser.add_argument(
+        "--batches",
+        type=lambda text: tuple(int(b) for b in text.split(",")),
+        default=None,
+        help="comma-separated batch sizes to run instead of the grid's (suites with a batch "
+        "grid: sampling), e.g. 256,32",
+    )
+    parser.add_argument(
         "--out",
         type=pathlib.Path,
         default=None,
@@ -101,7 +108,11 @@ def main(argv: list[str] | None = None) -> int:
     out_dir = _report_directory(arguments.out, arguments.dry_run)
     repeats = DRY_RUN_REPEATS if arguments.dry_run else harness.DEFAULT_REPEATS
     options = harness.RunOptions(
-        quick=arguments.quick, dry_run=arguments.dry_run, repeats=repeats, tune=arguments.tune
+        quick=arguments.quick,
+        dry_run=arguments.dry_run,
+        repeats=repeats,
+        tune=arguments.tune,
+        batches=arguments.batches,
     )
     command = shlex.join(["python", "-m", "bench", *argv])
 

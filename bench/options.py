@@ -39,6 +39,7 @@ class RunOptions:
       target_seconds: the length a timed program is calibrated to.
       sweep_target_seconds: the same, for sweeps of a parameter (JAX's ``k_splits``).
       dry_run_calls: calls per timed program in a dry run (no calibration).
+      batches: batch sizes to run instead of a suite's grid (``--batches``), or None.
     """
 
     quick: bool = False
@@ -48,6 +49,7 @@ class RunOptions:
     target_seconds: float = DEFAULT_TARGET_SECONDS
     sweep_target_seconds: float = 0.05
     dry_run_calls: int = 4
+    batches: tuple[int, ...] | None = None
 
     @property
     def interpret(self) -> bool:

@@ -156,6 +156,7 @@ def run(options: RunOptions, ceiling: CopyCeiling) -> SuiteOutput:
         batches = peers.DRY_RUN_SAMPLING_BATCHES
     else:
         batches = peers.QUICK_SAMPLING_BATCHES if options.quick else peers.SAMPLING_BATCHES
+    batches = options.batches or batches
     for batch in batches:
         inputs = make_sampling_inputs(batch, vocab, options.unrolled_sets_for(batch * vocab * 4))
         try:
