@@ -1,7 +1,10 @@
 """Fused split-KV paged decode attention (Pallas, Triton lowering).
 
-What it computes: grouped-query attention of one new query token per request over that
-request's keys and values, which live in pages of a KV pool reached through a CSR page table.
+What it computes: grouped-query attention of each request's newest ``q_len`` query tokens (one
+in plain decode; a few when verifying speculative drafts) over that request's keys and values,
+which live in pages of a KV pool reached through a CSR page table. The new tokens are the last
+``q_len`` of the request's sequence, their keys already in the pool, and attention among them is
+causal: query token ``l`` sits at position ``seq_len - q_len + l`` and sees keys up to it.
 
 What it optimizes. Decode attention is memory bound: each key and value byte is used by only
 ``G = num_q_heads / num_kv_heads`` query heads, far too few multiply-adds a byte to keep tensor
@@ -11,9 +14,13 @@ cores busy. The kernel's whole job is to stream K and V at the copy bandwidth:
   materialized); one program handles one (work item, KV head), where a work item is a chunk of
   one request's pages, and loads ``pages_per_step`` pages of ``[page_size, head_dim]`` per loop
   step (one contiguous 4 KiB tile a page in the HND layout at 16 x 128 bfloat16).
-- All ``G`` query heads that share a KV head are computed from one read of its K and V. The
-  ``G`` rows are padded to 16 (the smallest tensor-core tile) in registers only: q is loaded with
-  a row mask, output rows are stored with a row mask; nothing padded touches memory.
+- All ``G`` query heads that share a KV head, for all ``q_len`` new tokens, are computed from
+  one read of its K and V: the query tile's rows are ``q_len x G`` (token-major), so verifying
+  eight drafts costs about the KV bytes of one decode step, not nine. The rows are padded to a
+  power of two, at least 16 (the smallest tensor-core tile), in registers only: q is loaded with
+  a row mask, output rows are stored with a row mask; nothing padded touches memory. The causal
+  mask among the new tokens is a per-row bound on the key index (row ``r`` is token
+  ``r // G``), which only cuts into a request's last ``q_len - 1`` keys.
 - Online softmax in float32, in base 2 (``exp2`` is one instruction; ``log2 e`` is folded into
   the logit scale), converted back to natural log for the returned log-sum-exp.
 - Split-KV: when a batch has too few (request, KV head) pairs to fill the GPU, the planner
@@ -59,13 +66,16 @@ def paged_decode_kernel(
     work_page_end_ref,  # [num_work] int32
     work_last_page_len_ref,  # [num_work] int32, valid slots in the item's final page
     page_indices_ref,  # [num_indices] int32
-    q_ref,  # [batch * num_q_heads, head_dim], the whole array
+    page_indptr_ref,  # [batch + 1] int32, the table's; read only when q_len > 1
+    request_last_page_len_ref,  # [batch] int32, the table's; read only when q_len > 1
+    q_ref,  # [batch * num_kv_heads * q_len * group_size, head_dim], rows (b, kv head, token, g)
     k_pages_ref,  # [num_pages, page_size, head_dim], this program's KV head
     v_pages_ref,  # [num_pages, page_size, head_dim]
-    # Outputs: final (write_final) or per-work-item partials, the whole arrays.
-    o_ref,  # [batch * num_q_heads, head_dim] | [num_work * num_kv_heads * partial_rows, head_dim]
-    lse_ref,  # [batch * num_q_heads] | [num_work * num_kv_heads * partial_rows] float32
+    # Outputs: final (write_final) or per-work-item partials, the whole arrays, rows as in q_ref.
+    o_ref,  # [batch * KVH * q_len * G, head_dim] | [num_work * KVH * partial_rows, head_dim]
+    lse_ref,  # [batch * KVH * q_len * G] | [num_work * KVH * partial_rows] float32
     *,
+    q_len: int,
     group_size: int,
     rows: int,
     partial_rows: int,
@@ -81,7 +91,8 @@ def paged_decode_kernel(
     kv_head = pl.program_id(1)
     num_pages, page_size, head_dim = k_pages_ref.shape
     num_indices = page_indices_ref.shape[0]
-    batch = q_ref.shape[0] // (num_kv_heads * group_size)
+    query_rows = q_len * group_size  # real rows of the tile: every new token's group of heads
+    batch = q_ref.shape[0] // (num_kv_heads * query_rows)
     block_tokens = pages_per_step * page_size
     # The public API validates plans and tables when they are concrete; under jit it cannot.
     # These clamps (a few scalar ops a program) keep every access inside its array whatever
@@ -96,8 +107,8 @@ def paged_decode_kernel(
     last_page_len = jnp.clip(work_last_page_len_ref[work], 0, page_size)
 
     row_ids = jnp.arange(rows)
-    row_is_real = row_ids < group_size
-    first_row = (request * num_kv_heads + kv_head) * group_size
+    row_is_real = row_ids < query_rows
+    first_row = (request * num_kv_heads + kv_head) * query_rows
     q = plgpu.load(
         q_ref.at[pl.ds(first_row, rows), :], mask=row_is_real[:, None], other=0.0
     )  # [rows, head_dim]
@@ -108,6 +119,26 @@ def paged_decode_kernel(
         0,
     )
     num_steps = pl.cdiv(page_end - page_start, pages_per_step)
+    if q_len > 1:
+        # Causal bound per row, as a count of this item's keys the row may see. Token l of the
+        # request sits at position seq_len - q_len + l and sees positions up to its own; this
+        # item's first key sits at position (page_start - page_indptr[request]) * page_size.
+        # Only the request's last q_len - 1 keys are ever cut, but they may fall in an earlier
+        # item than the last when the final chunk is short, so every item computes the bound.
+        # (Under jit a request shorter than q_len gets a bound <= 0 for its early tokens: they
+        # see no key, as positions before 0 do not exist.)
+        request_first_page = page_indptr_ref[request]
+        request_pages = page_indptr_ref[request + 1] - request_first_page
+        seq_len = jnp.where(
+            request_pages > 0,
+            (request_pages - 1) * page_size + request_last_page_len_ref[request],
+            0,
+        )
+        item_first_position = (page_start - request_first_page) * page_size
+        row_token = row_ids // group_size  # [rows]
+        visible_keys = jnp.minimum(
+            seq_len - q_len + row_token + 1 - item_first_position, num_tokens
+        )  # [rows]
 
     def load_pages(i):
         first = page_start + i * pages_per_step
@@ -128,15 +159,21 @@ def paged_decode_kernel(
         else:
             capped = logits_soft_cap * jnp.tanh(logits * (sm_scale / logits_soft_cap))
             logits = capped * LOG2_E
-        token_is_real = i * block_tokens + jnp.arange(block_tokens) < num_tokens
-        logits = jnp.where(token_is_real[None, :], logits, MASKED_LOGIT)
+        key_index = i * block_tokens + jnp.arange(block_tokens)  # [block_tokens], in the item
+        token_is_real = key_index < num_tokens
+        if q_len > 1:
+            visible = key_index[None, :] < visible_keys[:, None]  # [rows, block_tokens]
+        else:
+            visible = token_is_real[None, :]  # [1, block_tokens]
+        logits = jnp.where(visible, logits, MASKED_LOGIT)
         # A zero weight times a NaN left in an unused slot is still NaN: zero those values.
         v = jnp.where(token_is_real[:, None], v, jnp.zeros_like(v))
         new_max = jnp.maximum(running_max, jnp.max(logits, axis=1))
         correction = jnp.exp2(running_max - new_max)
-        # Masked tokens get weight exactly 0 even in a block with no real token (possible only
-        # for a last page declared empty), where logits - new_max would be 0 for them.
-        probs = jnp.where(token_is_real[None, :], jnp.exp2(logits - new_max[:, None]), 0.0)
+        # Masked keys get weight exactly 0 even in a block where a row sees no key (a last page
+        # declared empty, or a causal bound before the block), where logits - new_max would be
+        # 0 for them.
+        probs = jnp.where(visible, jnp.exp2(logits - new_max[:, None]), 0.0)
         running_sum = running_sum * correction + jnp.sum(probs, axis=1)
         acc = acc * correction[:, None] + plgpu.dot(probs.astype(v.dtype), v, precision=precision)
         return acc, new_max, running_sum
@@ -158,8 +195,9 @@ def paged_decode_kernel(
         )
         plgpu.store(lse_ref.at[pl.ds(first_row, rows)], lse, mask=keep)
     else:
-        # Partials keep only the group's rows (padded to a power of two, partial_rows), not the
-        # 16 rows of the dot tile: a quarter of the bytes at G = 4 for the merge to read.
+        # Partials keep only the q_len x G real rows (padded to a power of two, partial_rows),
+        # not the 16 rows of the dot tile: a quarter of the bytes at G = 4, q_len = 1 for the
+        # merge to read.
         keep = row_ids < partial_rows
         first_partial = (work * num_kv_heads + kv_head) * partial_rows
         plgpu.store(o_ref.at[pl.ds(first_partial, rows), :], out, mask=keep[:, None])
@@ -189,6 +227,8 @@ def paged_decode(
     work_page_end: jax.Array,
     work_last_page_len: jax.Array,
     *,
+    page_indptr: jax.Array | None = None,
+    last_page_len: jax.Array | None = None,
     layout: str,
     sm_scale: float,
     logits_soft_cap: float | None,
@@ -201,7 +241,8 @@ def paged_decode(
     """Runs the decode kernel over a list of work items.
 
     Args:
-      q: ``[B, H, D]``.
+      q: ``[B, H, D]`` (one new token a request) or ``[B, L, H, D]`` (the last ``L`` tokens of
+        each request, causal among themselves; ``L`` is static).
       k_pages, v_pages: ``[num_pages, KVH, page_size, D]`` (``layout="HND"``) or
         ``[num_pages, page_size, KVH, D]`` (``"NHD"``).
       page_indices: int32 ``[num_indices]``; every ``[start, end)`` range of a work item should
@@ -211,18 +252,25 @@ def paged_decode(
       work_request, work_page_start, work_page_end, work_last_page_len: int32 ``[W]``, one work
         item each: a request (``-1`` for padding), its page range in ``page_indices``, and the
         number of valid slots in the range's final page.
+      page_indptr, last_page_len: the table's int32 ``[B + 1]`` and ``[B]``: where each
+        request's pages start and its length, which place an item's keys relative to the new
+        tokens for the causal mask. Needed only when ``L > 1`` (None otherwise).
       layout, sm_scale, logits_soft_cap: as in ``paged.decode_attention``.
       write_final: every request is exactly one work item, so write normalized outputs
-        ``(o [B, H, D] in q.dtype, lse [B, H] float32)`` directly; otherwise write partial states
-        ``(o [W, KVH, P, D] float32, lse [W, KVH, P] float32)`` with ``P = partial_rows(G)``
-        (the group padded to a power of two; rows past G are padding).
+        ``(o, lse)`` shaped like ``q`` (``o`` in q.dtype, ``lse`` float32 without ``D``)
+        directly; otherwise write partial states ``(o [W, KVH, P, D] float32, lse [W, KVH, P]
+        float32)`` with ``P = partial_rows(L * G)``: row ``l * G + g`` is token ``l``, head
+        ``g`` of the KV head's group, padded to a power of two (rows past ``L * G`` are
+        padding). ``merge_partial_states(..., num_q_heads=L * H)`` merges them into rows
+        ``[B, KVH * L * G]``, which ``token_major`` turns into ``[B, L, H]``.
       pages_per_step, num_warps, num_stages: launch parameters (``paged_decode_tuning.py``).
       interpret: run in Pallas interpret mode (CPU).
 
     Returns:
       The final or partial ``(o, lse)`` described above.
     """
-    batch, num_q_heads, head_dim = q.shape
+    q_len = 1 if q.ndim == 3 else q.shape[1]
+    batch, num_q_heads, head_dim = q.shape[0], q.shape[-2], q.shape[-1]
     num_pages = k_pages.shape[0]
     if layout == "HND":
         _, num_kv_heads, page_size, _ = k_pages.shape
@@ -232,16 +280,29 @@ def paged_decode(
         kv_spec = pl.BlockSpec((num_pages, page_size, None, head_dim), lambda w, h: (0, 0, h, 0))
     else:
         raise ValueError(f"layout must be 'HND' or 'NHD', got {layout!r}")
+    if q_len > 1 and (page_indptr is None or last_page_len is None):
+        raise ValueError(
+            f"q_len={q_len} needs the table's page_indptr and last_page_len for the causal mask"
+        )
+    if page_indptr is None or last_page_len is None:  # unread for one token; any int32 will do
+        page_indptr = jnp.zeros((batch + 1,), jnp.int32)
+        last_page_len = jnp.zeros((batch,), jnp.int32)
     group_size = num_q_heads // num_kv_heads
-    rows = dot_rows(group_size)
-    partial = partial_rows(group_size)
+    query_rows = q_len * group_size
+    rows = dot_rows(query_rows)
+    partial = partial_rows(query_rows)
     num_work = work_request.shape[0]
-    q_rows = q.reshape(batch * num_q_heads, head_dim)
+    total_rows = batch * num_q_heads * q_len
+    # Rows grouped by (request, KV head): the q_len x G rows that share a KV head lie together,
+    # token-major. For q_len = 1 this is q's own order; otherwise a small copy of q (B L H D
+    # elements, nothing next to the KV stream).
+    q_rows = head_major(q.reshape(batch, q_len, num_q_heads, head_dim), num_kv_heads)
+    q_rows = q_rows.reshape(total_rows, head_dim)
 
     if write_final:
         out_shape = (
-            jax.ShapeDtypeStruct((batch * num_q_heads, head_dim), q.dtype),
-            jax.ShapeDtypeStruct((batch * num_q_heads,), jnp.float32),
+            jax.ShapeDtypeStruct((total_rows, head_dim), q.dtype),
+            jax.ShapeDtypeStruct((total_rows,), jnp.float32),
         )
         out_specs = (whole_array(out_shape[0].shape), whole_array(out_shape[1].shape))
     else:
@@ -254,6 +315,7 @@ def paged_decode(
     precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
     kernel = functools.partial(
         paged_decode_kernel,
+        q_len=q_len,
         group_size=group_size,
         rows=rows,
         partial_rows=partial,
@@ -272,6 +334,8 @@ def paged_decode(
         in_specs=[
             *(whole_array(a.shape) for a in work_arrays),
             whole_array(page_indices.shape),
+            whole_array(page_indptr.shape),
+            whole_array(last_page_len.shape),
             whole_array(q_rows.shape),
             kv_spec,
             kv_spec,
@@ -281,22 +345,45 @@ def paged_decode(
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name=f"paged_decode_{layout}_p{pages_per_step}_w{num_warps}_s{num_stages}"
+        + (f"_q{q_len}" if q_len > 1 else "")
         + ("_final" if write_final else "_partial"),
-    )(*work_arrays, page_indices, q_rows, k_pages, v_pages)
+    )(*work_arrays, page_indices, page_indptr, last_page_len, q_rows, k_pages, v_pages)
     if write_final:
-        return o.reshape(batch, num_q_heads, head_dim), lse.reshape(batch, num_q_heads)
+        o = token_major(o.reshape(batch, num_q_heads * q_len, head_dim), q_len, num_kv_heads)
+        lse = token_major(lse.reshape(batch, num_q_heads * q_len), q_len, num_kv_heads)
+        return o.reshape(q.shape), lse.reshape(q.shape[:-1])
     return (
         o.reshape(num_work, num_kv_heads, partial, head_dim),
         lse.reshape(num_work, num_kv_heads, partial),
     )
 
 
-def dot_rows(group_size: int) -> int:
-    """Rows of the query tile: the group padded to a power of two, at least the 16 rows of a
-    tensor-core tile (padding lives in registers only)."""
-    return max(MIN_ROWS, pl.next_power_of_2(group_size))
+def dot_rows(query_rows: int) -> int:
+    """Rows of the query tile: the ``q_len x G`` query rows of a KV head padded to a power of
+    two, at least the 16 rows of a tensor-core tile (padding lives in registers only)."""
+    return max(MIN_ROWS, pl.next_power_of_2(query_rows))
 
 
-def partial_rows(group_size: int) -> int:
-    """Rows a work item's partial state keeps per KV head: the group, padded to a power of 2."""
-    return pl.next_power_of_2(group_size)
+def partial_rows(query_rows: int) -> int:
+    """Rows a work item's partial state keeps per KV head: the ``q_len x G`` query rows, padded
+    to a power of 2."""
+    return pl.next_power_of_2(query_rows)
+
+
+def head_major(x: jax.Array, num_kv_heads: int) -> jax.Array:
+    """``[B, L, KVH * G, ...]`` -> ``[B, KVH, L, G, ...]``: the kernel's row order, where the
+    ``L x G`` query rows of one KV head are consecutive. A reshape alone when ``L = 1``."""
+    batch, q_len, num_q_heads, *rest = x.shape
+    x = x.reshape(batch, q_len, num_kv_heads, num_q_heads // num_kv_heads, *rest)
+    return x.reshape(batch, num_kv_heads, 1, *x.shape[3:]) if q_len == 1 else jnp.moveaxis(x, 1, 2)
+
+
+def token_major(x: jax.Array, q_len: int, num_kv_heads: int) -> jax.Array:
+    """``[B, KVH * L * G, ...]`` (the kernel's and the merge's row order) -> ``[B, L, KVH * G,
+    ...]`` (q's order). A reshape alone when ``L = 1``."""
+    batch, total, *rest = x.shape
+    group = total // (num_kv_heads * q_len)
+    x = x.reshape(batch, num_kv_heads, q_len, group, *rest)
+    if q_len > 1:
+        x = jnp.moveaxis(x, 2, 1)
+    return x.reshape(batch, q_len, num_kv_heads * group, *rest)

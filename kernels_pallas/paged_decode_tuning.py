@@ -76,6 +76,35 @@ def kernel_parameters(
     return {**DEFAULT_KERNEL, **KERNEL_TABLE.get(key, {})}
 
 
+# Several new tokens a request (speculative verification): the query tile holds q_len x G rows,
+# padded (``dot_rows``), so its float32 logits tile is rows x (pages_per_step x page_size). Not
+# yet swept on a GPU; until it is, keep that tile no larger than the tuned one-token split
+# launch's (16 rows x 16 pages of 16 slots), and give tiles of 128 rows and more 8 warps, so that
+# the accumulator (rows x head_dim float32) is not spread over too few registers.
+LOGIT_TILE_ELEMENTS = 16 * 16 * 16
+MIN_BLOCK_TOKENS = 16  # a tensor-core dot needs at least 16 keys a step
+WIDE_TILE_ROWS = 128
+
+
+def multi_token_parameters(
+    launch: dict[str, int], query_rows: int, page_size: int
+) -> dict[str, int]:
+    """Launch parameters for a query tile of ``query_rows = q_len x G`` rows, from those tuned
+    for one new token (``launch``, e.g. a plan's). Unchanged for tiles of 16 rows.
+
+    Example:
+      >>> multi_token_parameters({"pages_per_step": 16, "num_warps": 4, "num_stages": 1}, 36, 16)
+      {'pages_per_step': 4, 'num_warps': 4, 'num_stages': 1}
+    """
+    rows = dot_rows(query_rows)
+    fitting_pages = max(
+        LOGIT_TILE_ELEMENTS // (rows * page_size), -(-MIN_BLOCK_TOKENS // page_size)
+    )
+    pages_per_step = max(1, min(launch["pages_per_step"], fitting_pages))
+    num_warps = max(launch["num_warps"], 8) if rows >= WIDE_TILE_ROWS else launch["num_warps"]
+    return {**launch, "pages_per_step": pages_per_step, "num_warps": num_warps}
+
+
 def planner_parameters(head_dim: int, group_size: int) -> dict[str, int]:
     """Planner parameters for a shape bucket."""
     return {**DEFAULT_PLANNER, **PLANNER_TABLE.get((head_dim, group_rows(group_size)), {})}

@@ -49,6 +49,18 @@ def token_mask(page_table: PageTable) -> jax.Array:
     return owns[..., None] & filled
 
 
+def token_positions(page_table: PageTable) -> jax.Array:
+    """int32[B, nnz_padded, page_size]: the position in request b's sequence of the token in
+    (page-slot ``j``, token-slot ``t``), ``(j - page_indptr[b]) * page_size + t``.
+
+    Meaningful only where ``token_mask`` is true (elsewhere it is some number, maybe negative).
+    """
+    num_indices = page_table.page_indices.shape[0]
+    page_in_request = jnp.arange(num_indices)[None, :] - page_table.page_indptr[:-1, None]
+    slot = jnp.arange(page_table.page_size)
+    return (page_in_request[..., None] * page_table.page_size + slot).astype(jnp.int32)
+
+
 def decode_attention_reference(
     q: jax.Array,
     cache: KVCache,
@@ -57,26 +69,37 @@ def decode_attention_reference(
     sm_scale: float,
     logits_soft_cap: float | None = None,
 ) -> tuple[jax.Array, jax.Array]:
-    """Grouped-query decode attention of one new token per request over its paged keys.
+    """Grouped-query attention of each request's newest ``L`` tokens over its paged keys.
+
+    ``q`` holds one new token per request (``[B, H, D]``, plain decode) or ``L`` of them
+    (``[B, L, H, D]``: speculative verification, or a chunk of a prompt). The ``L`` new tokens are
+    the last ``L`` tokens of each request's sequence, their keys already in the cache, and
+    attention among them is causal: query ``l`` of a request of ``seq_len`` tokens sits at
+    position ``seq_len - L + l`` and sees the keys at positions ``0 .. seq_len - L + l``. A query
+    whose position is negative (a request shorter than ``L``; ``paged.decode_attention`` rejects
+    it when the table is concrete) sees no keys: positions before 0 do not exist.
 
     Every page slot of the table is gathered once; then, one request at a time, the request
-    masks in its own tokens and attends over them. Simple and exact; its cost is
-    ``B x nnz x page_size`` logits, fine for tests and small batches.
+    masks in its own visible tokens and attends over them. Simple and exact; its cost is
+    ``B x L x H x nnz x page_size`` logits, fine for tests, small batches and prompt chunks of
+    a few hundred tokens.
 
     Args:
-      q: ``[B, H, D]``, H a multiple of the cache's ``num_kv_heads``.
+      q: ``[B, H, D]`` or ``[B, L, H, D]``, H a multiple of the cache's ``num_kv_heads``.
       cache: the KV pool.
       page_table: B requests.
       sm_scale: the logit scale.
       logits_soft_cap: optional soft cap on the scaled logits.
 
     Returns:
-      ``(o, lse)``: ``o`` ``[B, H, D]`` in the compute dtype (float32 or float64), ``lse``
-      ``[B, H]`` natural-log log-sum-exp of the scaled logits; an empty request gets ``o = 0``
-      and ``lse = -inf``.
+      ``(o, lse)``: ``o`` shaped like ``q`` in the compute dtype (float32 or float64), ``lse``
+      (``q``'s shape without ``D``) the natural-log log-sum-exp of the scaled logits; a query that
+      sees no key (every query of an empty request) gets ``o = 0`` and ``lse = -inf``.
     """
     dtype = _compute_dtype(q.dtype)
-    batch, num_heads, head_dim = q.shape
+    single_token = q.ndim == 3
+    queries = q[:, None] if single_token else q  # [B, L, H, D]
+    batch, q_len, num_heads, head_dim = queries.shape
     num_kv_heads = cache.num_kv_heads
     group = num_heads // num_kv_heads
     # [nnz, page_size, KVH, D]: every listed page, token-major.
@@ -85,25 +108,34 @@ def decode_attention_reference(
     num_tokens = k.shape[0] * k.shape[1]
     k = k.reshape(num_tokens, num_kv_heads, head_dim)
     v = v.reshape(num_tokens, num_kv_heads, head_dim)
-    q_grouped = q.astype(dtype).reshape(batch, num_kv_heads, group, head_dim)
+    q_grouped = queries.astype(dtype).reshape(batch, q_len, num_kv_heads, group, head_dim)
     owns_token = token_mask(page_table).reshape(batch, num_tokens)
+    key_position = token_positions(page_table).reshape(batch, num_tokens)
+    # [B, L]: where each new token sits in its request's sequence.
+    query_position = page_table.seq_lens()[:, None] - q_len + jnp.arange(q_len)[None, :]
 
     def attend(request):
-        q_b, mine = request  # [KVH, G, D], bool[T]
-        logits = jnp.einsum("kgd,tkd->kgt", q_b, k, precision="highest")
+        q_b, mine, key_pos, query_pos = request  # [L, KVH, G, D], bool[T], int[T], int[L]
+        visible = mine[None, :] & (key_pos[None, :] <= query_pos[:, None])  # [L, T], causal
+        visible = visible[:, None, None, :]  # [L, 1, 1, T] against logits [L, KVH, G, T]
+        logits = jnp.einsum("lkgd,tkd->lkgt", q_b, k, precision="highest")
         logits = scaled_logits(logits, sm_scale, logits_soft_cap)
-        logits = jnp.where(mine, logits, -jnp.inf)
-        lse = jax.nn.logsumexp(logits, axis=-1)  # -inf for an empty request
+        logits = jnp.where(visible, logits, -jnp.inf)
+        lse = jax.nn.logsumexp(logits, axis=-1)  # -inf for a query that sees no key
         weights = jnp.where(
-            mine, jnp.exp(logits - jnp.where(jnp.isfinite(lse), lse, 0)[..., None]), 0
+            visible, jnp.exp(logits - jnp.where(jnp.isfinite(lse), lse, 0)[..., None]), 0
         )
         # Zero the values the request does not own: a weight of 0 times a NaN left in an unused
         # slot (or in another request's token) would still be NaN.
         own_values = jnp.where(mine[:, None, None], v, 0)
-        return jnp.einsum("kgt,tkd->kgd", weights, own_values, precision="highest"), lse
+        return jnp.einsum("lkgt,tkd->lkgd", weights, own_values, precision="highest"), lse
 
-    o, lse = jax.lax.map(attend, (q_grouped, owns_token))
-    return o.reshape(batch, num_heads, head_dim), lse.reshape(batch, num_heads)
+    o, lse = jax.lax.map(attend, (q_grouped, owns_token, key_position, query_position))
+    o = o.reshape(batch, q_len, num_heads, head_dim)
+    lse = lse.reshape(batch, q_len, num_heads)
+    if single_token:
+        return o[:, 0], lse[:, 0]
+    return o, lse
 
 
 def _merge_along(v: jax.Array, s: jax.Array, axis: int) -> tuple[jax.Array, jax.Array]:

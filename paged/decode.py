@@ -6,10 +6,11 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from kernels_pallas import paged_decode_tuning as tuning
 from kernels_pallas.merge_states import merge_partial_states
-from kernels_pallas.paged_decode import paged_decode
+from kernels_pallas.paged_decode import paged_decode, token_major
 from kernels_pallas.platform import interpret_mode, is_concrete, resolve_backend
 from paged.attention_reference import decode_attention_reference
 from paged.kv_cache import KVCache, validate_kv_cache
@@ -21,12 +22,21 @@ def _is_power_of_two(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
+# The longest run of new tokens per request the kernel takes (its query tile holds q_len x group
+# rows); longer runs (prompt chunks) go to the reference.
+MAX_KERNEL_Q_LEN = 16
+
+
 def kernel_supports(q: jax.Array, cache: KVCache) -> str | None:
     """Why the Pallas kernel cannot run these shapes, or None if it can.
 
     Triton tiles must have power-of-two sides: ``head_dim`` and ``page_size`` (the group size is
-    padded in registers, so any group works).
+    padded in registers, so any group works). The query tile holds ``q_len x group`` rows, so
+    ``q_len`` is at most ``MAX_KERNEL_Q_LEN``.
     """
+    q_len = q.shape[1] if q.ndim == 4 else 1
+    if q_len > MAX_KERNEL_Q_LEN:
+        return f"q_len={q_len} exceeds the kernel's maximum of {MAX_KERNEL_Q_LEN}"
     if not _is_power_of_two(q.shape[-1]):
         return f"head_dim={q.shape[-1]} is not a power of two"
     if not _is_power_of_two(cache.page_size):
@@ -47,9 +57,15 @@ def validate_decode_inputs(
 ) -> None:
     """Shape, dtype and (concrete) page-table checks shared by every backend."""
     validate_kv_cache(cache)
-    if q.ndim != 3:
-        raise ValueError(f"q must have shape [batch, num_q_heads, head_dim], got {q.shape}")
-    batch, num_heads, head_dim = q.shape
+    if q.ndim not in (3, 4):
+        raise ValueError(
+            "q must have shape [batch, num_q_heads, head_dim] or "
+            f"[batch, q_len, num_q_heads, head_dim], got {q.shape}"
+        )
+    batch, *_, num_heads, head_dim = q.shape
+    q_len = q.shape[1] if q.ndim == 4 else 1
+    if q_len < 1:
+        raise ValueError(f"q's q_len (axis 1 of {q.shape}) must be >= 1, got {q_len}")
     if head_dim != cache.head_dim:
         raise ValueError(f"q has head_dim {head_dim} but the cache has {cache.head_dim}")
     if num_heads % cache.num_kv_heads:
@@ -67,6 +83,15 @@ def validate_decode_inputs(
     if logits_soft_cap is not None and not logits_soft_cap > 0:
         raise ValueError(f"logits_soft_cap must be > 0 or None, got {logits_soft_cap}")
     validate_page_table(page_table, cache.num_pages, batch_size=batch)
+    if q_len > 1 and is_concrete(page_table.page_indptr, page_table.last_page_len):
+        seq_lens = np.asarray(page_table.seq_lens())
+        short = (seq_lens > 0) & (seq_lens < q_len)
+        if np.any(short):
+            b = int(np.argmax(short))
+            raise ValueError(
+                f"request {b} has seq_len {seq_lens[b]} in page_table, fewer than q's "
+                f"q_len={q_len} new tokens (whose keys must already be in the cache)"
+            )
 
 
 def decode_attention(
@@ -80,7 +105,13 @@ def decode_attention(
     plan: DecodePlan | None = None,
     backend: str = "auto",
 ):
-    """Grouped-query decode attention: one new query token per request over its paged keys.
+    """Grouped-query decode attention of each request's newest token(s) over its paged keys.
+
+    ``q`` holds one new token per request (``[B, H, D]``) or ``L`` of them (``[B, L, H, D]``,
+    ``L`` static: a speculative step verifying ``L - 1`` drafts, or a chunk of a prompt). The new
+    tokens are the last ``L`` of each request's sequence in ``page_table``, their keys and values
+    already appended, and attention among them is causal: query ``l`` of request ``b`` attends to
+    the keys at positions ``< seq_len[b] - L + l + 1``. With ``L = 1`` this is plain decode.
 
     Query head ``h`` attends with KV head ``h // (H // num_kv_heads)``. Logits are
     ``(q . k) * sm_scale``, soft-capped as ``cap * tanh(s / cap)`` when ``logits_soft_cap`` is
@@ -89,19 +120,20 @@ def decode_attention(
     Backends, chosen when the function is traced (``kernels_pallas.platform``): ``"auto"`` is
     the fused Pallas kernel on a GPU and the reference elsewhere, unless
     ``DECODELAB_BACKEND=reference``; an explicit ``backend=`` wins (``"pallas"`` on a CPU runs the
-    kernel in interpret mode). The kernel needs power-of-two ``head_dim`` and ``page_size``;
-    ``"auto"`` falls back to the reference for other shapes. The kernel reads pages in place in
-    either layout; nothing is converted on the hot path.
+    kernel in interpret mode). The kernel needs power-of-two ``head_dim`` and ``page_size`` and
+    ``L <= MAX_KERNEL_Q_LEN``; ``"auto"`` falls back to the reference for other shapes (so long
+    prompt chunks run on the reference). The kernel reads pages in place in either layout;
+    nothing is converted on the hot path.
 
     Split-KV: the Pallas path follows a ``DecodePlan``. Pass the one ``paged.plan_decode`` made
     for this step (on the host, once, reused by every layer). Without one, a plan is made here
     when the table is concrete, and under ``jit`` a static default split is used
-    (``paged.plan.traced_default_plan``).
+    (``paged.plan.traced_default_plan``). A plan does not depend on ``L``.
 
     Args:
-      q: ``[B, H, D]`` queries, in the cache's dtype.
+      q: ``[B, H, D]`` or ``[B, L, H, D]`` queries, in the cache's dtype.
       cache: the KV pool (``HND`` or ``NHD``).
-      page_table: ``B`` requests' pages.
+      page_table: ``B`` requests' pages, including the new tokens' keys.
       sm_scale: logit scale, a Python float (static); default ``1 / sqrt(D)``.
       logits_soft_cap: optional cap ``> 0``, a Python float (static).
       return_lse: also return the log-sum-exp.
@@ -109,15 +141,20 @@ def decode_attention(
       backend: ``"auto"``, ``"reference"`` or ``"pallas"``.
 
     Returns:
-      ``o [B, H, D]`` in q's dtype, and with ``return_lse=True`` also ``lse`` float32 ``[B, H]``
-      (natural log). An empty request (no pages) gets ``o = 0`` and ``lse = -inf``.
+      ``o`` shaped like ``q`` (``[B, H, D]`` or ``[B, L, H, D]``) in q's dtype, and with
+      ``return_lse=True`` also ``lse`` float32 ``[B, H]`` or ``[B, L, H]`` (natural log). An
+      empty request (no pages) gets ``o = 0`` and ``lse = -inf`` for every query. Under ``jit``
+      a request shorter than ``L`` cannot be rejected: its queries at negative positions see no
+      keys (positions before 0 do not exist) and get ``o = 0``, ``lse = -inf``; the others attend
+      causally as above.
 
     Raises:
-      ValueError: for mismatched shapes or dtypes, head counts that do not divide, a traced
-        ``sm_scale`` or cap, shapes the kernel cannot run with ``backend="pallas"``, a plan made
-        for another batch, and (concrete inputs) page-table invariants (indices outside the
-        pool, ``page_indptr`` not starting at 0 or decreasing, ``last_page_len`` out of range)
-        and a plan that does not match the table (a stale plan).
+      ValueError: for mismatched shapes or dtypes, head counts that do not divide, ``L < 1``, a
+        traced ``sm_scale`` or cap, shapes the kernel cannot run with ``backend="pallas"``, a
+        plan made for another batch, and (concrete inputs) page-table invariants (indices
+        outside the pool, ``page_indptr`` not starting at 0 or decreasing, ``last_page_len`` out
+        of range), a non-empty request shorter than ``L``, and a plan that does not match the
+        table (a stale plan).
 
     Example:
       >>> from paged import new_kv_cache
@@ -126,6 +163,9 @@ def decode_attention(
       >>> o, lse = decode_attention(jnp.ones((2, 4, 8)), cache, table, return_lse=True)
       >>> o.shape, lse.shape
       ((2, 4, 8), (2, 4))
+      >>> o, lse = decode_attention(jnp.ones((2, 3, 4, 8)), cache, table, return_lse=True)
+      >>> o.shape, lse.shape  # three new tokens per request, causal among themselves
+      ((2, 3, 4, 8), (2, 3, 4))
     """
     logits_soft_cap = _static_float("logits_soft_cap", logits_soft_cap)
     sm_scale = _static_float("sm_scale", sm_scale)
@@ -150,10 +190,11 @@ def decode_attention(
 
 
 def _decode_attention_pallas(q, cache, page_table, sm_scale, logits_soft_cap, plan):
-    batch, num_q_heads, head_dim = q.shape
+    batch, num_q_heads, head_dim = q.shape[0], q.shape[-2], q.shape[-1]
+    q_len = q.shape[1] if q.ndim == 4 else 1
     num_kv_heads = cache.num_kv_heads
     if batch == 0:  # no program to launch
-        return jnp.zeros(q.shape, q.dtype), jnp.zeros((0, num_q_heads), jnp.float32)
+        return jnp.zeros(q.shape, q.dtype), jnp.zeros(q.shape[:-1], jnp.float32)
     if plan is None:
         if is_concrete(page_table.page_indptr, page_table.last_page_len):
             plan = plan_decode(page_table, num_q_heads, num_kv_heads, head_dim)
@@ -164,6 +205,10 @@ def _decode_attention_pallas(q, cache, page_table, sm_scale, logits_soft_cap, pl
     params = dict(plan.launch) or tuning.kernel_parameters(
         head_dim, num_q_heads // num_kv_heads, plan.write_final, None
     )
+    if q_len > 1:  # plans are made per step, not per q_len: fit the taller query tile here
+        params = tuning.multi_token_parameters(
+            params, q_len * (num_q_heads // num_kv_heads), cache.page_size
+        )
     interpret = interpret_mode()
     o, lse = paged_decode(
         q,
@@ -174,6 +219,8 @@ def _decode_attention_pallas(q, cache, page_table, sm_scale, logits_soft_cap, pl
         plan.work_page_start,
         plan.work_page_end,
         plan.work_last_page_len,
+        page_indptr=page_table.page_indptr,
+        last_page_len=page_table.last_page_len,
         layout=cache.layout,
         sm_scale=sm_scale,
         logits_soft_cap=logits_soft_cap,
@@ -183,6 +230,16 @@ def _decode_attention_pallas(q, cache, page_table, sm_scale, logits_soft_cap, pl
     )
     if plan.write_final:
         return o, lse
-    return merge_partial_states(
-        o, lse, plan.merge_indptr, num_q_heads=num_q_heads, out_dtype=q.dtype, interpret=interpret
+    # The merge sees each KV head's q_len x G rows as one group of "heads" (the kernel's row
+    # order); token_major puts them back in q's order.
+    o, lse = merge_partial_states(
+        o,
+        lse,
+        plan.merge_indptr,
+        num_q_heads=q_len * num_q_heads,
+        out_dtype=q.dtype,
+        interpret=interpret,
     )
+    o = token_major(o, q_len, num_kv_heads)
+    lse = token_major(lse, q_len, num_kv_heads)
+    return o.reshape(q.shape), lse.reshape(q.shape[:-1])

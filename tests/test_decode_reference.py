@@ -15,15 +15,22 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
-from reference_dense import dense_attention, paged_attention_oracle, relative_error
+from reference_dense import (
+    dense_attention,
+    gather_tokens,
+    paged_attention_oracle,
+    relative_error,
+    request_page_lists,
+)
 from strategies import (
     PagedBucket,
     fixed_total_seq_lens,
     page_tables_with_shared_prefix,
     pages_needed,
     scattered_page_tables,
+    sequence_lengths,
 )
 
 import paged
@@ -488,3 +495,218 @@ def test_jitted_append_through_a_negative_page_number_writes_nothing():
     )
     assert (np.asarray(out.k_pages) == 3.0).all()
     assert (np.asarray(out.v_pages) == 3.0).all()
+
+
+# --------------------------------------------------------------------------------------------
+# Several new tokens per request (speculative verification, prompt chunks): causal among them
+# --------------------------------------------------------------------------------------------
+
+
+def causal_oracle(q, cache, page_table, *, sm_scale, logits_soft_cap=None):
+    """float64 ``(o [B, L, H, D], lse [B, L, H])``: query ``i`` of a request of ``n`` tokens
+    attends densely to its first ``n - L + i + 1`` tokens, gathered by walking its page list
+    (nothing from ``paged``'s attention code); queries at negative positions see no key."""
+    q = np.asarray(q).astype(np.float64)
+    q_len = q.shape[1]
+    page_lists, seq_lens = request_page_lists(
+        page_table.page_indptr,
+        page_table.page_indices,
+        page_table.last_page_len,
+        page_table.page_size,
+    )
+    o = np.zeros(q.shape)
+    lse = np.full(q.shape[:-1], -np.inf)
+    for b, (page_list, seq_len) in enumerate(zip(page_lists, seq_lens, strict=True)):
+        keys = gather_tokens(cache.k_pages, cache.layout, page_list, seq_len)
+        values = gather_tokens(cache.v_pages, cache.layout, page_list, seq_len)
+        for i in range(q_len):
+            visible = max(seq_len - q_len + i + 1, 0)
+            o[b, i], lse[b, i] = dense_attention(
+                q[b, i],
+                keys[:visible],
+                values[:visible],
+                sm_scale=sm_scale,
+                logits_soft_cap=logits_soft_cap,
+            )
+    return o, lse
+
+
+def assert_matches_causal_oracle(o, lse, o_ref, lse_ref, dtype):
+    """Per query token: relative error of ``o`` under the dtype's bound, LSE to float32 accuracy;
+    a query that sees no key exactly ``0`` and ``-inf``; nothing NaN anywhere."""
+    o = np.asarray(o).astype(np.float64)
+    lse = np.asarray(lse)
+    assert o.shape == o_ref.shape and lse.shape == lse_ref.shape
+    assert not np.isnan(o).any() and not np.isnan(lse).any()
+    for b, i in np.ndindex(*o.shape[:2]):
+        if np.isneginf(lse_ref[b, i]).all():
+            assert (o[b, i] == 0).all(), f"query {i} of request {b} sees no key: o must be 0"
+            assert np.isneginf(lse[b, i]).all(), f"query {i} of request {b}: lse must be -inf"
+            continue
+        error = relative_error(o[b, i], o_ref[b, i])
+        assert error < TOLERANCE[dtype], f"request {b}, query {i}: error {error:.3g}"
+        np.testing.assert_allclose(lse[b, i], lse_ref[b, i], rtol=LSE_TOLERANCE, atol=LSE_TOLERANCE)
+
+
+def multi_token_seq_lens(bucket: PagedBucket, q_len: int):
+    """Lengths a batch with ``q_len`` new tokens can have: empty (0), or at least ``q_len``
+    (edge cases near page boundaries favoured)."""
+    length = st.one_of(
+        st.just(0), sequence_lengths(bucket.page_size, bucket.max_seq_len, min_len=q_len)
+    )
+    return st.lists(length, min_size=bucket.batch_size, max_size=bucket.batch_size)
+
+
+def random_multi_token_queries(rng, batch_size, q_len, num_heads, head_dim, dtype):
+    shape = (batch_size, q_len, num_heads, head_dim)
+    return jnp.asarray(QUERY_SCALE * rng.standard_normal(shape), dtype)
+
+
+# q_len 1 to 9 (up to 8 drafts), each with one of the pairwise cases in turn: every q_len once,
+# every case at least once; 40 spans pages (a prompt chunk).
+Q_LEN_CASES = [
+    (q_len, PAIRWISE_CASES[i % len(PAIRWISE_CASES)]) for i, q_len in enumerate(range(1, 10))
+]
+Q_LEN_CASES.append((40, PAIRWISE_CASES[2]))
+
+
+@pytest.mark.parametrize(
+    "q_len, case", Q_LEN_CASES, ids=[f"L{q}-{_case_id(c)}" for q, c in Q_LEN_CASES]
+)
+@given(data=st.data(), seed=st.integers(0, 2**32 - 1))
+@settings(max_examples=5)
+def test_multi_token_decode_matches_causal_dense_float64(q_len, case, data, seed):
+    """Query ``i`` sees the keys up to its own position ``seq_len - L + i``, over ragged, page-
+    scattered batches (empty requests, lengths of exactly ``L``, page boundaries)."""
+    layout, group, head_dim, dtype, cap = case
+    batch = data.draw(
+        scattered_page_tables(DECODE_BUCKET, multi_token_seq_lens(DECODE_BUCKET, q_len))
+    )
+    rng = np.random.default_rng(seed)
+    cache = random_cache(rng, DECODE_BUCKET, head_dim, dtype, layout)
+    q = random_multi_token_queries(
+        rng, DECODE_BUCKET.batch_size, q_len, NUM_KV_HEADS * group, head_dim, dtype
+    )
+    o, lse = paged.decode_attention(
+        q, cache, batch.page_table, logits_soft_cap=cap, return_lse=True, backend="reference"
+    )
+    assert o.dtype == dtype and o.shape == q.shape
+    assert lse.dtype == jnp.float32 and lse.shape == q.shape[:3]
+    o_ref, lse_ref = causal_oracle(
+        q, cache, batch.page_table, sm_scale=head_dim**-0.5, logits_soft_cap=cap
+    )
+    assert_matches_causal_oracle(o, lse, o_ref, lse_ref, dtype)
+
+
+@pytest.mark.parametrize("layout", ["HND", "NHD"])
+def test_multi_token_decode_equals_one_token_calls_on_truncated_tables(layout):
+    """Query ``i`` of ``L`` equals a one-token decode over the table cut after its own token:
+    verification of ``L`` tokens is ``L`` decode steps done at once."""
+    q_len, seq_lens = 6, [6, 0, 16, 17, 38]  # exactly L, empty, a full page, page + 1, longer
+    rng = np.random.default_rng(11)
+    bucket = PagedBucket(batch_size=len(seq_lens), page_size=16, max_seq_len=40)
+    cache = random_cache(rng, bucket, 16, jnp.float32, layout)
+    table = paged.PageTable.from_seq_lens(
+        seq_lens, 16, pages=rng.permutation(bucket.num_pool_pages).tolist()
+    )
+    q = random_multi_token_queries(rng, len(seq_lens), q_len, NUM_KV_HEADS * 4, 16, jnp.float32)
+    o, lse = paged.decode_attention(
+        q, cache, table, logits_soft_cap=SOFT_CAP, return_lse=True, backend="reference"
+    )
+    page_lists = table.page_lists()
+    for i in range(q_len):
+        lens = [max(n - q_len + i + 1, 0) if n else 0 for n in seq_lens]
+        truncated = paged.PageTable.from_page_lists(
+            [pages[: pages_needed(n, 16)] for pages, n in zip(page_lists, lens, strict=True)],
+            lens,
+            16,
+        )
+        o_l, lse_l = paged.decode_attention(
+            q[:, i],
+            cache,
+            truncated,
+            logits_soft_cap=SOFT_CAP,
+            return_lse=True,
+            backend="reference",
+        )
+        np.testing.assert_allclose(np.asarray(o[:, i]), np.asarray(o_l), rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(np.asarray(lse[:, i]), np.asarray(lse_l), rtol=1e-6)
+
+
+def test_one_new_token_as_4d_equals_3d():
+    rng = np.random.default_rng(12)
+    cache = random_cache(rng, DECODE_BUCKET, 16, jnp.float32, "HND")
+    table = paged.PageTable.from_seq_lens([1, 0, 17, 100, 33], 16)
+    q = random_queries(rng, 5, NUM_KV_HEADS * 2, 16, jnp.float32)
+    o3, lse3 = paged.decode_attention(q, cache, table, return_lse=True, backend="reference")
+    o4, lse4 = paged.decode_attention(
+        q[:, None], cache, table, return_lse=True, backend="reference"
+    )
+    assert o4.shape == (5, 1, 4, 16) and lse4.shape == (5, 1, 4)
+    np.testing.assert_array_equal(np.asarray(o4[:, 0]), np.asarray(o3))
+    np.testing.assert_array_equal(np.asarray(lse4[:, 0]), np.asarray(lse3))
+
+
+def test_multi_token_float64_is_exact_up_to_rounding(float64):
+    """A whole prompt as one chunk (``L = seq_len``: query 0 sees only key 0) and a speculative
+    step, in float64: ``o`` agrees with the oracle to 1e-12."""
+    rng = np.random.default_rng(13)
+    for q_len, seq_lens in ((17, [17, 0, 17, 40, 99]), (9, [9, 10, 0, 16, 100])):
+        cache = random_cache(rng, DECODE_BUCKET, 16, jnp.float64, "NHD")
+        table = paged.PageTable.from_seq_lens(
+            seq_lens, 16, pages=rng.permutation(DECODE_BUCKET.num_pool_pages).tolist()
+        )
+        q = random_multi_token_queries(rng, 5, q_len, NUM_KV_HEADS * 4, 16, jnp.float64)
+        o = paged.decode_attention(q, cache, table, logits_soft_cap=SOFT_CAP, backend="reference")
+        assert o.dtype == jnp.float64
+        o_ref, _ = causal_oracle(q, cache, table, sm_scale=0.25, logits_soft_cap=SOFT_CAP)
+        for b, i in np.ndindex(5, q_len):
+            if seq_lens[b]:
+                assert relative_error(o[b, i], o_ref[b, i]) < 1e-12, (q_len, b, i)
+            else:
+                assert (np.asarray(o[b, i]) == 0).all()
+
+
+def test_request_shorter_than_q_len_is_rejected_when_concrete():
+    cache = paged.new_kv_cache(8, 16, NUM_KV_HEADS, 8, jnp.float32)
+    table = paged.PageTable.from_seq_lens([5, 0, 3], 16)
+    q = jnp.ones((3, 4, NUM_KV_HEADS, 8), jnp.float32)
+    message = "request 2 has seq_len 3 in page_table, fewer than q's q_len=4 new tokens"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        paged.decode_attention(q, cache, table, backend="reference")
+
+
+def test_request_shorter_than_q_len_under_jit_sees_only_existing_positions():
+    """Under jit the lengths cannot be checked: a request of 2 tokens with L = 5 has queries at
+    positions -3 .. 1; those before 0 see no key (``o = 0``, ``lse = -inf``), the others attend
+    causally to keys 0 .. their position."""
+    rng = np.random.default_rng(14)
+    bucket = PagedBucket(batch_size=2, page_size=16, max_seq_len=20)
+    cache = random_cache(rng, bucket, 8, jnp.float32, "HND")
+    table = paged.PageTable.from_seq_lens([2, 20], 16, pages=[3, 0, 5])
+    q = random_multi_token_queries(rng, 2, 5, NUM_KV_HEADS, 8, jnp.float32)
+    decode = jax.jit(
+        lambda q, table: paged.decode_attention(
+            q, cache, table, return_lse=True, backend="reference"
+        )
+    )
+    o, lse = decode(q, table)
+    o_ref, lse_ref = causal_oracle(q, cache, table, sm_scale=8**-0.5)
+    assert np.isneginf(lse_ref[0, :3]).all() and np.isfinite(lse_ref[0, 3:]).all()
+    assert_matches_causal_oracle(o, lse, o_ref, lse_ref, jnp.float32)
+
+
+@pytest.mark.parametrize(
+    "shape, message",
+    [
+        ((2, 0, 4, 8), "q's q_len (axis 1 of (2, 0, 4, 8)) must be >= 1, got 0"),
+        ((2, 1, 1, 4, 8), "q must have shape [batch, num_q_heads, head_dim] or [batch, q_len"),
+        ((2, 3, 3, 8), "q's num_q_heads=3 is not a multiple of the cache's num_kv_heads=2"),
+        ((3, 3, 4, 8), "page_table describes 2 requests but the batch has 3"),
+    ],
+)
+def test_bad_multi_token_query_shapes_raise(shape, message):
+    cache = paged.new_kv_cache(8, 16, NUM_KV_HEADS, 8, jnp.float32)
+    table = paged.PageTable.from_seq_lens([5, 0], 16)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        paged.decode_attention(jnp.ones(shape, jnp.float32), cache, table, backend="reference")

@@ -9,6 +9,7 @@ from ``testing.md``: float32 < 1e-5, bfloat16 < 1e-2.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -18,9 +19,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import paged
+from bench.suites import peers
 from kernels_pallas import paged_decode_tuning as tuning
 from kernels_pallas import platform
 from kernels_pallas.merge_states import merge_partial_states
+from kernels_pallas.paged_decode import paged_decode, partial_rows
 from paged import decode as decode_module
 from paged.attention_reference import decode_attention_reference
 from paged.plan import traced_default_plan
@@ -420,3 +423,145 @@ def test_traced_sm_scale_is_rejected_with_its_name():
     )
     with pytest.raises(ValueError, match="sm_scale must be a Python float"):
         decode(q, 0.1)
+
+
+# --------------------------------------------------------------------------------------------
+# Several new tokens per request (speculative verification): rows = q_len x group, causal
+
+
+def make_multi_token_inputs(seed, lens, q_len, layout, group, head_dim, dtype, num_pool_pages=32):
+    """``make_inputs`` with ``q [B, q_len, H, D]``."""
+    _, cache, table = make_inputs(seed, lens, layout, group, head_dim, dtype, num_pool_pages)
+    rng = np.random.default_rng(seed + 1)
+    shape = (len(lens), q_len, NUM_KV_HEADS * group, head_dim)
+    return jnp.asarray(rng.standard_normal(shape) * 2.0, dtype), cache, table
+
+
+def check_multi_token(q, cache, table, plan=None, soft_cap=None, decode=None):
+    """The kernel against the float64 reference, per query token: a query that sees no key
+    (an empty request, or under jit a position before 0) gets exactly 0 and -inf."""
+    decode = decode or functools.partial(paged.decode_attention, plan=plan)
+    o, lse = decode(q, cache, table, return_lse=True, backend="pallas", logits_soft_cap=soft_cap)
+    ref_o, ref_lse = reference64(q, cache, table, soft_cap)
+    assert o.shape == q.shape and lse.shape == q.shape[:-1]
+    assert o.dtype == q.dtype and lse.dtype == jnp.float32
+    assert relative_error(o, ref_o) < TOLERANCE[q.dtype.type]
+    lse, sees_nothing = np.asarray(lse), np.isneginf(ref_lse)
+    assert np.all(np.asarray(o)[sees_nothing] == 0)
+    assert np.all(np.isneginf(lse[sees_nothing]))
+    np.testing.assert_allclose(lse[~sees_nothing], ref_lse[~sees_nothing], rtol=1e-5, atol=1e-5)
+
+
+# (q_len, group, layout, dtype, head_dim): q_len 1 (as 4-D), 2, 5, 9 and the kernel's maximum 16;
+# groups 1 and 4 (tiles of 16 to 64 rows); each layout and dtype with several of them.
+MULTI_TOKEN_CONFIGS = [
+    (1, 4, "HND", jnp.float32, 32),
+    (2, 1, "NHD", jnp.bfloat16, 32),
+    (5, 4, "NHD", jnp.float32, 32),
+    (9, 1, "HND", jnp.bfloat16, 64),
+    (9, 4, "HND", jnp.float32, 32),
+    (16, 4, "NHD", jnp.bfloat16, 32),
+]
+
+
+@pytest.mark.parametrize("q_len,group,layout,dtype,head_dim", MULTI_TOKEN_CONFIGS)
+@pytest.mark.parametrize("split", ["fixed1", "no_split"])
+def test_multi_token_kernel_matches_reference(q_len, group, layout, dtype, head_dim, split):
+    """Ragged lengths from exactly q_len up; with one-page chunks the last chunk of 33 or 17
+    tokens holds 1 key, so the causal bound cuts into the chunk before it as well."""
+    lens = [q_len, 0, max(17, q_len), 33, 70]
+    q, cache, table = make_multi_token_inputs(q_len, lens, q_len, layout, group, head_dim, dtype)
+    if split == "fixed1":
+        plan = paged.plan_decode(table, q.shape[2], NUM_KV_HEADS, head_dim, fixed_split_pages=1)
+    else:
+        plan = paged.plan_decode(table, q.shape[2], NUM_KV_HEADS, head_dim, max_grid=1)
+        assert plan.write_final
+    check_multi_token(q, cache, table, plan=plan)
+
+
+def test_multi_token_under_jit_with_the_traced_plan_and_soft_cap():
+    """The traced default split and a soft cap; a request of 2 tokens with q_len 5 (which only
+    jit lets through) gets 0 and -inf for its queries before position 0, like the reference."""
+    q, cache, table = make_multi_token_inputs(20, [2, 40, 0, 21], 5, "HND", 4, 32, jnp.float32)
+    decode = jax.jit(
+        paged.decode_attention, static_argnames=("return_lse", "backend", "logits_soft_cap")
+    )
+    check_multi_token(q, cache, table, soft_cap=3.0, decode=decode)
+
+
+def test_one_new_token_as_4d_equals_3d_bit_for_bit():
+    q, cache, table = make_inputs(21, (5, 40, 0, 17), "NHD", 4, 32, jnp.float32, num_pool_pages=32)
+    plan = paged.plan_decode(table, q.shape[1], NUM_KV_HEADS, 32, fixed_split_pages=1)
+    three = paged.decode_attention(q, cache, table, plan=plan, return_lse=True, backend="pallas")
+    four = paged.decode_attention(
+        q[:, None], cache, table, plan=plan, return_lse=True, backend="pallas"
+    )
+    for a, b in zip(three, four, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b)[:, 0])
+
+
+def test_auto_falls_back_to_the_reference_beyond_the_kernels_q_len(monkeypatch):
+    calls = []
+    real_kernel = decode_module.paged_decode
+    monkeypatch.setattr(platform, "on_gpu", lambda: True)
+    monkeypatch.setattr(decode_module, "interpret_mode", lambda: True)
+    monkeypatch.setattr(
+        decode_module, "paged_decode", lambda *a, **k: calls.append(1) or real_kernel(*a, **k)
+    )
+    longest = decode_module.MAX_KERNEL_Q_LEN
+    q, cache, table = make_multi_token_inputs(22, [40, 17], longest + 1, "HND", 1, 32, jnp.float32)
+    paged.decode_attention(q, cache, table)  # a prompt chunk: the reference
+    assert calls == []
+    paged.decode_attention(q[:, :longest], cache, table)
+    assert calls == [1]
+    with pytest.raises(ValueError, match=f"q_len={longest + 1} exceeds the kernel's maximum"):
+        paged.decode_attention(q, cache, table, backend="pallas")
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the Pallas Triton backend's
+def test_decode_kernel_lowers_to_triton_for_an_h200(monkeypatch):
+    """As far as a CPU can follow the GPU path: at the benchmark's head shape (32/8 heads,
+    head_dim 128, bfloat16), the kernel lowers to a Triton call for an H200 for one new token
+    and for q_len up to the maximum, final and partial, with the launch parameters the public
+    API would use, and the merge lowers for q_len x H rows. Compiling needs the GPU."""
+    gpu_info = pytest.importorskip("jax._src.pallas.triton.gpu_info")
+    h200 = gpu_info._get_gpu_info_impl(gpu_info.GpuVersion.H200)
+    monkeypatch.setitem(gpu_info.registry, jax.devices()[0].device_kind, lambda: h200)
+    batch, num_pages, num_work = 4, 1024, 64
+    pool = jax.ShapeDtypeStruct((num_pages, 8, PAGE_SIZE, 128), jnp.bfloat16)
+    int32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32)
+    work = [int32((num_work,))] * 4
+    table = dict(page_indptr=int32((batch + 1,)), last_page_len=int32((batch,)))
+    for q_len in (1, 2, 9, decode_module.MAX_KERNEL_Q_LEN):
+        q_shape = (batch, 32, 128) if q_len == 1 else (batch, q_len, 32, 128)
+        q = jax.ShapeDtypeStruct(q_shape, jnp.bfloat16)
+        for write_final in (True, False):
+            params = tuning.kernel_parameters(128, 4, write_final, None)
+            if q_len > 1:
+                params = tuning.multi_token_parameters(params, q_len * 4, PAGE_SIZE)
+            lowered = paged_decode.trace(
+                q,
+                pool,
+                pool,
+                int32((num_pages,)),
+                *work,
+                **table,
+                layout="HND",
+                sm_scale=0.088,
+                logits_soft_cap=None,
+                write_final=write_final,
+                **params,
+            )
+            text = lowered.lower(lowering_platforms=("cuda",)).as_text()
+            suffix = (f"_q{q_len}" if q_len > 1 else "") + ("_final" if write_final else "_partial")
+            names = peers.triton_kernel_names(text, "paged_decode")
+            assert len(names) == 1 and names[0].endswith(suffix), (q_len, write_final, names)
+        rows = partial_rows(q_len * 4)
+        merge = merge_partial_states.trace(
+            jax.ShapeDtypeStruct((num_work, 8, rows, 128), jnp.float32),
+            jax.ShapeDtypeStruct((num_work, 8, rows), jnp.float32),
+            int32((batch + 1,)),
+            num_q_heads=q_len * 32,
+            out_dtype=jnp.bfloat16,
+        )
+        assert "__gpu$xla.gpu.triton" in merge.lower(lowering_platforms=("cuda",)).as_text()

@@ -19,6 +19,20 @@ cold L2, dispatch amortized (``bench/harness.py``). Bytes = K and V of the real 
 Each decodelab arm's attribution names the Triton kernels its program calls (read from the
 lowered program) and the number of splits, so no two arms can be confused.
 
+Several new tokens per request (speculative verification of ``L - 1`` drafts), cases
+``"B=64 ctx=4096 q_len=L"`` for ``L`` in ``MULTI_TOKEN_Q_LENS``: every request's last ``L``
+tokens attend causally (``q [B, L, H, D]``). Bytes are still K and V of the real tokens read
+once (the floor: one read serves all ``L`` queries); the ``q_len=1`` case, timed through the
+same 4-D path, is the one-token step the others are compared with (``vs_q_len_1``). Arms:
+
+- ``decodelab``: the public API with the step's plan, as above (its kernel name ends ``_qL``).
+- ``xla_gather``: the same function written the obvious way in ``jnp`` and compiled by XLA
+  (``xla_gather_causal_attention``: gather each request's pages, einsum, causal mask,
+  softmax, einsum), which is also the float32 output the API arm is checked against.
+  (``paged``'s own reference is not timed at these shapes: it attends every request over the
+  whole table's keys, a test oracle whose cost grows with ``B^2``.)
+- ``decodelab (repeat)``.
+
 ``--tune`` runs the cases of ``TUNE_CASES`` only and also sweeps the kernel's launch parameters
 (pages per step, warps, pipeline stages) and the planner's programs per SM there, records every figure in the decodelab row's
 ``kernel_sweep`` field and names the best in the notes; the chosen values are then written into
@@ -31,6 +45,8 @@ import gc
 import math
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 import paged
@@ -42,6 +58,7 @@ from bench.attention_inputs import (
     QUICK_GRID,
     STANDARD_SHAPE,
     AttentionSetup,
+    case_name,
     kv_bytes_per_set,
     make_attention_setup,
 )
@@ -67,6 +84,13 @@ TUNE_BLOCKS_PER_SM = (1, 2, 4)
 LAUNCH_PARAMETERS = ("pages_per_step", "num_warps", "num_stages")
 DRY_RUN_KERNEL_CANDIDATES = [{"pages_per_step": p, "num_warps": 4, "num_stages": 1} for p in (4, 8)]
 DRY_RUN_BLOCKS_PER_SM = (1, 2)
+
+# Several new tokens per request: a batch that fills the GPU without splitting, long contexts.
+MULTI_TOKEN_GRID = ((64, 4096),)
+MULTI_TOKEN_Q_LENS = (1, 2, 5, 9)
+DRY_RUN_MULTI_TOKEN_GRID = ((2, 40),)
+DRY_RUN_MULTI_TOKEN_Q_LENS = (1, 3)
+EXPECTED_XLA_GATHER_TBPS = 0.7  # prior for sizing the first timed program of the XLA arm
 
 
 def run(options: RunOptions, ceiling: CopyCeiling) -> SuiteOutput:
@@ -102,6 +126,13 @@ def run(options: RunOptions, ceiling: CopyCeiling) -> SuiteOutput:
         finally:
             gc.collect()
             setup.delete()
+    if not options.tune:  # a tuning run times the one-token cases it tunes
+        multi_grid = DRY_RUN_MULTI_TOKEN_GRID if options.dry_run else MULTI_TOKEN_GRID
+        q_lens = DRY_RUN_MULTI_TOKEN_Q_LENS if options.dry_run else MULTI_TOKEN_Q_LENS
+        for batch, context in multi_grid:
+            results += multi_token_results(
+                batch, context, q_lens, shape, options, ceiling.tbps, notes
+            )
     if sweeps:
         notes += summarize_sweeps(sweeps)
     return SuiteOutput(results=results, notes=notes)
@@ -149,8 +180,14 @@ def _operands(setup: AttentionSetup, plan: paged.DecodePlan):
     )
 
 
-def api_loop(setup: AttentionSetup, plan: paged.DecodePlan) -> TimedLoop:
-    """One call = the public ``paged.decode_attention`` on rotating set ``set_index``."""
+def api_loop(
+    setup: AttentionSetup, plan: paged.DecodePlan, queries: jax.Array | None = None
+) -> TimedLoop:
+    """One call = the public ``paged.decode_attention`` on rotating set ``set_index``.
+
+    ``queries``: ``[num_sets, B, L, H, D]`` for several new tokens a request (default: the
+    setup's one-token ``[num_sets, B, H, D]``).
+    """
 
     def step(set_index, operands):
         queries, k_pages, v_pages, page_indptr, page_indices, last_page_len, plan = operands
@@ -163,7 +200,10 @@ def api_loop(setup: AttentionSetup, plan: paged.DecodePlan) -> TimedLoop:
             backend="pallas",
         )
 
-    return TimedLoop(step, setup.num_sets, _operands(setup, plan))
+    operands = _operands(setup, plan)
+    if queries is not None:
+        operands = (queries, *operands[1:])
+    return TimedLoop(step, setup.num_sets, operands)
 
 
 def kernel_loop(
@@ -177,7 +217,7 @@ def kernel_loop(
     """One call = the raw decode kernel with ``params`` (and the merge, if asked and needed)."""
 
     def step(set_index, operands):
-        queries, k_pages, v_pages, _, page_indices, _, plan = operands
+        queries, k_pages, v_pages, page_indptr, page_indices, last_page_len, plan = operands
         o, lse = paged_decode(
             queries[set_index],
             k_pages,
@@ -187,6 +227,8 @@ def kernel_loop(
             plan.work_page_start,
             plan.work_page_end,
             plan.work_last_page_len,
+            page_indptr=page_indptr[set_index],
+            last_page_len=last_page_len[set_index],
             layout="HND",
             sm_scale=setup.sm_scale,
             logits_soft_cap=None,
@@ -235,13 +277,15 @@ def _plan_fields(plan: paged.DecodePlan) -> dict[str, Any]:
     }
 
 
-def _timed_row(setup, options, ceiling_tbps, loop, arm, prefix, plan, iters=None, **extra):
+def _timed_row(
+    setup, options, ceiling_tbps, loop, arm, prefix, plan, iters=None, case=None, **extra
+):
     timing = options.time(
         loop, expected_us_per_call=expected_us(setup.kv_bytes_per_set, EXPECTED_TBPS), iters=iters
     )
     attribution = f"{prefix}{kernel_names(loop, options)}:{_splits_label(plan)}"
     return CaseResult.from_timing(
-        setup.case,
+        case or setup.case,
         arm,
         attribution,
         timing,
@@ -414,3 +458,181 @@ def summarize_sweeps(sweeps: dict[str, list[dict[str, Any]]]) -> list[str]:
 
 def _launch_label(entry: dict[str, Any]) -> str:
     return " ".join(f"{name}={entry[name]}" for name in LAUNCH_PARAMETERS if name in entry)
+
+
+# ----------------------------------------------------------------------------------------------
+# Several new tokens per request (speculative verification)
+
+
+def multi_token_case(batch: int, context: int, q_len: int) -> str:
+    """The report's name of a multi-token case, e.g. ``"B=64 ctx=4096 q_len=5"``."""
+    return f"{case_name(batch, context)} q_len={q_len}"
+
+
+def xla_gather_causal_attention(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    block_tables: jax.Array,
+    seq_lens: jax.Array,
+    *,
+    sm_scale: float,
+    output_dtype=None,
+) -> jax.Array:
+    """Attention of each request's last ``L`` tokens, causal among them, the obvious way in
+    ``jnp`` (the ``xla_gather`` arm of the multi-token cases; ``peers.xla_gather_attention``
+    with a query axis).
+
+    Args:
+      q: ``[B, L, H, D]``; query ``l`` of request ``b`` sits at position ``seq_lens[b] - L + l``.
+      k_pages, v_pages: head-major pools ``[KVH, num_pages, page_size, D]``.
+      block_tables: int32 ``[B, pages_per_sequence]``.
+      seq_lens: int32 ``[B]``, each at least ``L``.
+      sm_scale: the logit scale.
+      output_dtype: default q's dtype; float32 for a reference.
+
+    Returns:
+      ``[B, L, H, D]``.
+    """
+    batch, q_len, num_heads, head_dim = q.shape
+    num_kv_heads = k_pages.shape[0]
+    group = num_heads // num_kv_heads
+    # [KVH, B, pages_per_sequence, page_size, D] -> [KVH, B, tokens, D]
+    keys = k_pages[:, block_tables].reshape(num_kv_heads, batch, -1, head_dim)
+    values = v_pages[:, block_tables].reshape(num_kv_heads, batch, -1, head_dim)
+    grouped_q = q.reshape(batch, q_len, num_kv_heads, group, head_dim)
+    logits = jnp.einsum("blkgd,kbtd->blkgt", grouped_q, keys, preferred_element_type=jnp.float32)
+    logits = logits * sm_scale
+    key_position = jnp.arange(keys.shape[2], dtype=jnp.int32)
+    query_position = seq_lens[:, None] - q_len + jnp.arange(q_len, dtype=jnp.int32)  # [B, L]
+    visible = key_position[None, None, :] <= query_position[:, :, None]  # [B, L, tokens]
+    logits = jnp.where(visible[:, :, None, None, :], logits, -jnp.inf)
+    weights = jax.nn.softmax(logits, axis=-1)
+    output = jnp.einsum(
+        "blkgt,kbtd->blkgd",
+        weights.astype(values.dtype),
+        values,
+        preferred_element_type=jnp.float32,
+    )
+    return output.reshape(batch, q_len, num_heads, head_dim).astype(output_dtype or q.dtype)
+
+
+def multi_token_queries(setup: AttentionSetup, q_len: int) -> jax.Array:
+    """Standard normal ``[num_sets, B, L, H, D]`` queries in the pool's dtype (as the setup's)."""
+    shape = (setup.num_sets, setup.batch, q_len, setup.num_q_heads, setup.head_dim)
+    return jax.random.normal(jax.random.key(q_len), shape, setup.queries.dtype)
+
+
+def _xla_causal_loop(setup: AttentionSetup, queries: jax.Array) -> TimedLoop:
+    sm_scale = setup.sm_scale
+
+    def step(set_index, operands):
+        queries, k_pages, v_pages, block_tables, seq_lens = operands
+        return xla_gather_causal_attention(
+            queries[set_index],
+            k_pages,
+            v_pages,
+            block_tables[set_index],
+            seq_lens,
+            sm_scale=sm_scale,
+        )
+
+    k_pages, v_pages = setup.pool(peers.PEER_ATTENTION_LAYOUT)
+    operands = (queries, k_pages, v_pages, setup.block_tables, setup.seq_lens)
+    return TimedLoop(step, setup.num_sets, operands)
+
+
+def _causal_reference(setup: AttentionSetup, queries: jax.Array) -> np.ndarray:
+    """float32 ``[B, L, H, D]`` output of set 0, the XLA arm's function in float32."""
+    k_pages, v_pages = setup.pool(peers.PEER_ATTENTION_LAYOUT)
+    output = jax.jit(xla_gather_causal_attention, static_argnames=("sm_scale", "output_dtype"))(
+        queries[0],
+        k_pages,
+        v_pages,
+        setup.block_tables[0],
+        setup.seq_lens,
+        sm_scale=setup.sm_scale,
+        output_dtype=jnp.float32,
+    )
+    return np.asarray(output)
+
+
+def multi_token_results(
+    batch: int,
+    context: int,
+    q_lens: tuple[int, ...],
+    shape: dict[str, int],
+    options: RunOptions,
+    ceiling_tbps: float,
+    notes: list[str],
+) -> list[CaseResult]:
+    """The API and the XLA arm for each ``q_len`` on one (batch, context) pool; the first
+    ``q_len`` of ``q_lens`` is the one the others are compared with (``vs_q_len_1``)."""
+    num_sets = options.num_sets_for(kv_bytes_per_set(batch, context, **shape))
+    setup = make_attention_setup(
+        batch, context, **shape, layouts=("HND", peers.PEER_ATTENTION_LAYOUT), num_sets=num_sets
+    )
+    results: list[CaseResult] = []
+    base_us = None
+    try:
+        plan = plan_for(setup)  # one plan serves every q_len: plans do not depend on it
+        for q_len in q_lens:
+            case = multi_token_case(batch, context, q_len)
+            queries = multi_token_queries(setup, q_len)
+            try:
+                loop = api_loop(setup, plan, queries)
+                difference = peers.max_abs_difference(
+                    loop.output(0), _causal_reference(setup, queries)
+                )
+                if not difference <= DISAGREEMENT_TOLERANCE:
+                    notes.append(f"{case}: decodelab differs from xla_gather by {difference:.3g}")
+                api = _timed_row(
+                    setup,
+                    options,
+                    ceiling_tbps,
+                    loop,
+                    "decodelab",
+                    "paged.decode_attention:",
+                    plan,
+                    case=case,
+                    q_len=q_len,
+                    max_abs_difference_from_xla_gather=difference,
+                )
+                base_us = api.median_us if base_us is None else base_us
+                api.extra["vs_q_len_1"] = api.median_us / base_us
+                xla_timing = options.time(
+                    _xla_causal_loop(setup, queries),
+                    expected_us_per_call=expected_us(
+                        setup.kv_bytes_per_set, EXPECTED_XLA_GATHER_TBPS
+                    ),
+                )
+                xla = CaseResult.from_timing(
+                    case,
+                    "xla_gather",
+                    f"xla:gather+einsum+causal_softmax:q_len={q_len}",
+                    xla_timing,
+                    setup.kv_bytes_per_set,
+                    ceiling_tbps,
+                    q_len=q_len,
+                )
+                repeat = _timed_row(
+                    setup,
+                    options,
+                    ceiling_tbps,
+                    loop,
+                    repeat_arm("decodelab"),
+                    "paged.decode_attention:",
+                    plan,
+                    iters=api.extra["iters"],
+                    case=case,
+                    q_len=q_len,
+                )
+                rows = [api, xla, repeat]
+                results += rows
+                report.print_results(rows)
+            finally:
+                queries.delete()
+    finally:
+        gc.collect()
+        setup.delete()
+    return results
