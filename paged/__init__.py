@@ -8,6 +8,8 @@ Public API (names are part of the contract):
 - ``merge_state``, ``merge_states``: exact merging of partial attention states
 - ``RopeParams``, ``Llama3Scaling``, ``apply_rope``, ``inverse_frequencies``: rotary embedding
 - ``rope_append_kv`` (``backend=``): RoPE on new tokens' q and k, k and v written into pages
+- ``prefill_chunks``, ``PrefillChunk``, ``truncated_page_table``, ``new_token_positions``,
+  ``prefill_attention`` (``backend=``): chunked prefill against the paged cache
 """
 
 from paged.attention_reference import merge_state, merge_states
@@ -16,6 +18,13 @@ from paged.kv_cache import KVCache, append_kv, new_kv_cache
 from paged.page_table import PageTable, bucket_size, validate_page_table
 from paged.plan import DecodePlan, plan_decode
 from paged.pool import PagePool, PoolExhaustedError
+from paged.prefill import (
+    PrefillChunk,
+    new_token_positions,
+    prefill_attention,
+    prefill_chunks,
+    truncated_page_table,
+)
 from paged.rope import Llama3Scaling, RopeParams, apply_rope, inverse_frequencies
 from paged.rope_append import rope_append_kv
 
@@ -26,6 +35,7 @@ __all__ = [
     "PagePool",
     "PageTable",
     "PoolExhaustedError",
+    "PrefillChunk",
     "RopeParams",
     "append_kv",
     "apply_rope",
@@ -35,7 +45,11 @@ __all__ = [
     "merge_state",
     "merge_states",
     "new_kv_cache",
+    "new_token_positions",
     "plan_decode",
+    "prefill_attention",
+    "prefill_chunks",
     "rope_append_kv",
+    "truncated_page_table",
     "validate_page_table",
 ]
