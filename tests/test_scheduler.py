@@ -1,0 +1,755 @@
+"""The serving scheduler's bookkeeping, checked against a shadow engine that simulates the caches.
+
+``ShadowEngine`` plays the engine without a model. It keeps, for each pool (target and draft),
+what every page slot holds: the tuple of tokens whose keys and values were computed there,
+built the way a model builds them (the token fed at position ``p`` on top of whatever the cache
+holds at ``p - 1``). So a cache position is valid exactly when its tuple equals the request's
+true prefix, and a rewind off by one in either direction leaves a wrong tuple behind (too long:
+a rejected draft's entry stays; too short: the next step writes the last token one position
+early), which the checks below find; ``test_off_by_one_rewinds_are_caught`` makes sure they do.
+
+Checked on every step: each write goes to a page with reference count 1 that belongs to the
+writing request and to no other; every position a step reads holds the request's true prefix;
+the tables cover exactly the lengths the step needs; idle rows only touch the padding page.
+Checked between steps (the state machine's invariants): reference counts equal the holders,
+no page leaked, shared pages lie below every holder's cached length, slots and FIFO order.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+import numpy as np
+import pytest
+from hypothesis import event, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+
+import paged
+from serving.requests import Request, RequestOutput, SamplingParams
+from serving.scheduler import HostPageTable, Scheduler, build_page_table, pages_needed
+
+VOCAB = 6  # small, so prompts share prefixes and drafts hit stop tokens often
+
+
+# ----------------------------------------------------------------------------------------------
+# The shadow engine
+
+
+class ShadowEngine:
+    """Runs a scheduler's steps against simulated caches and checks every read and write.
+
+    ``check_contract`` also asserts the cache contract directly (a decode row feeds the last
+    token at ``len(tokens) - 1``); off, only the simulated cache contents can catch a bad
+    rewind.
+    """
+
+    def __init__(self, scheduler: Scheduler, *, check_contract: bool = True):
+        self.scheduler = scheduler
+        self.page_size = scheduler.page_size
+        self.check_contract = check_contract
+        self.caches = ("target", "draft") if scheduler.num_speculative else ("target",)
+        self.kv: dict[str, dict[tuple[int, int], tuple | None]] = {c: {} for c in self.caches}
+        self.requests: dict[object, Request] = {}
+        self.generated: dict[object, list[int]] = {}
+        self.outputs: dict[object, RequestOutput] = {}
+
+    # --- requests ------------------------------------------------------------------------
+
+    def submit(self, request: Request) -> None:
+        self.scheduler.submit(request)
+        self.requests[request.request_id] = request
+        self.generated[request.request_id] = []
+
+    def unfinished(self) -> set:
+        return set(self.requests) - set(self.outputs)
+
+    # --- the simulated caches ------------------------------------------------------------
+
+    def _slot(self, pages, position):
+        return pages[position // self.page_size], position % self.page_size
+
+    def _read(self, cache, pages, position):
+        if position // self.page_size >= len(pages):
+            return "beyond the request's pages"
+        return self.kv[cache].get(self._slot(pages, position))
+
+    def _write(self, cache, states, request_id, pages, position, token):
+        """What a model does at ``position``: keys and values of ``token`` over the cache's
+        prefix. Only the writing request may hold the page."""
+        page, slot = self._slot(pages, position)
+        state = states[request_id]
+        assert page == state.pages[position // self.page_size], "table disagrees with pages"
+        assert page != self.scheduler.padding_page, "a request writes the padding page"
+        assert self.scheduler.pool.ref_count(page) == 1, f"write to shared page {page}"
+        for other in states.values():
+            if other.request_id != request_id:
+                assert page not in other.pages, f"write to page {page} of {other.request_id!r}"
+        before = self._read(cache, pages, position - 1) if position else ()
+        self.kv[cache][(page, slot)] = None if before is None else (*before, token)
+
+    def check_prefix(self, cache, pages, tokens, length, what=""):
+        """Positions ``[0, length)`` hold the keys and values of ``tokens``' prefixes."""
+        for position in range(length):
+            held = self._read(cache, pages, position)
+            assert held == tuple(tokens[: position + 1]), (
+                f"{cache} cache {what} position {position} holds {held}, not the prefix "
+                f"{tuple(tokens[: position + 1])}"
+            )
+
+    def check_caches(self) -> None:
+        """Between steps: every running request's cache holds its true prefix up to its
+        cached length, and it holds exactly the pages it needs."""
+        n = self.scheduler.num_speculative
+        for state in self.scheduler.running():
+            for cache in self.caches:
+                self.check_prefix(cache, state.pages, state.token_ids, state.num_cached)
+            if state.num_cached < state.prefill_end:  # reserved up to its first decode step
+                want = pages_needed(state.prefill_end + 1 + n, self.page_size)
+            else:
+                want = pages_needed(state.num_cached, self.page_size)
+                if self.check_contract:
+                    assert state.num_cached == len(state.token_ids) - 1
+            assert len(state.pages) == want, f"{state.request_id!r} holds {len(state.pages)}"
+
+    # --- one step ----------------------------------------------------------------------------
+
+    def _check_row(self, table: HostPageTable, row: int, pages, length: int) -> None:
+        assert table.seq_lens()[row] == length
+        assert table.page_lists()[row] == list(pages[: pages_needed(length, self.page_size)])
+
+    def run(self, step, rng: np.random.Generator, accept=None):
+        """Runs ``step``; returns ``commit_step``'s arguments. ``accept`` fixes the accepted
+        counts per slot (default: random, 0 and n often)."""
+        scheduler, n = self.scheduler, self.scheduler.num_speculative
+        states = {state.request_id: state for state in scheduler.running()}
+        cached = {rid: state.num_cached for rid, state in states.items()}
+        prefilled = 0
+        for chunk in step.prefill:
+            state = states[chunk.request_id]
+            length = len(chunk.token_ids)
+            assert length & (length - 1) == 0 and length <= scheduler.prefill_chunk_size
+            assert chunk.start_position == cached[chunk.request_id], "chunks out of order"
+            end = chunk.start_position + length
+            assert end <= state.prefill_end
+            assert chunk.token_ids.tolist() == list(state.token_ids[chunk.start_position : end])
+            self._check_row(chunk.page_table, 0, state.pages, end)
+            for cache in self.caches:
+                self.check_prefix(cache, state.pages, state.token_ids, chunk.start_position)
+                for position in range(chunk.start_position, end):
+                    token = state.token_ids[position]
+                    self._write(cache, states, chunk.request_id, state.pages, position, token)
+            cached[chunk.request_id] = end
+            prefilled += length
+        assert prefilled <= scheduler.max_prefill_tokens
+
+        decode = step.decode
+        if decode is None:
+            assert all(cached[r] < s.prefill_end for r, s in states.items())
+            return None, None, None
+        batch = scheduler.parallel
+        drafts = rng.integers(0, VOCAB, size=(batch, n))
+        token_ids = np.full((batch, n + 1), -1)
+        accepted = np.zeros(batch, np.int64)
+        assert decode.num_speculative == n and len(decode.draft_page_tables) == (n + 1 if n else 0)
+        for slot in range(batch):
+            request_id = decode.request_ids[slot]
+            if request_id is None:
+                assert not decode.active[slot]
+                for j, table in enumerate((*decode.draft_page_tables, decode.page_table)):
+                    length = n + 1 if j == len(decode.draft_page_tables) else j + 1
+                    assert table.seq_lens()[slot] == length
+                    assert set(table.page_lists()[slot]) == {scheduler.padding_page}
+                continue
+            state = states[request_id]
+            position = int(decode.positions[slot])
+            assert decode.active[slot] and cached[request_id] >= state.prefill_end
+            assert position == cached[request_id], "decode position is not the cached length"
+            assert decode.token_ids[slot] == state.token_ids[-1]
+            assert decode.num_generated[slot] == len(self.generated[request_id])
+            assert decode.params[slot] == self.requests[request_id].params
+            if self.check_contract:
+                assert position == len(state.token_ids) - 1, "the cache contract is broken"
+            fed = [state.token_ids[-1], *drafts[slot].tolist()]
+            # Draft passes: j feeds fed[j] at position + j over a table of position + j + 1.
+            for j, table in enumerate(decode.draft_page_tables):
+                self._check_row(table, slot, state.pages, position + j + 1)
+                self._write("draft", states, request_id, state.pages, position + j, fed[j])
+            # Target: the n + 1 new tokens at once, reading the committed prefix below.
+            self._check_row(decode.page_table, slot, state.pages, position + n + 1)
+            self.check_prefix("target", state.pages, state.token_ids, position, "read")
+            for j in range(n + 1):
+                self._write("target", states, request_id, state.pages, position + j, fed[j])
+            # What the model conditions on when it predicts the next token: exactly the
+            # request's tokens (this alone exposes a cache one entry too short).
+            for cache in self.caches:
+                held = self._read(cache, state.pages, position)
+                assert held == tuple(state.token_ids), f"{cache} conditions on {held}"
+            count = int(
+                rng.choice([0, n, rng.integers(0, n + 1)]) if accept is None else accept[slot]
+            )
+            # The correction differs from the rejected draft, as in chain speculative sampling.
+            correction = int(rng.integers(0, VOCAB))
+            if count < n and correction == drafts[slot, count]:
+                correction = (correction + 1) % VOCAB
+            token_ids[slot, : count + 1] = [*drafts[slot, :count].tolist(), correction]
+            accepted[slot] = count
+        return token_ids, accepted, drafts
+
+    def commit(self, step, token_ids, accepted, drafts):
+        """Commits and checks what was kept against the shadow's own stop rule."""
+        n = self.scheduler.num_speculative
+        if step.decode is None:
+            output = self.scheduler.commit_step(step)
+        else:
+            output = self.scheduler.commit_step(
+                step, token_ids, accepted if n else None, draft_token_ids=drafts
+            )
+        expected_rows = {
+            rid for rid in (step.decode.request_ids if step.decode else ()) if rid is not None
+        }
+        assert set(output.new_token_ids) == expected_rows
+        finished = {out.request_id: out for out in output.finished}
+        for slot, rid in enumerate(step.decode.request_ids if step.decode else ()):
+            if rid is None:
+                continue
+            params = self.requests[rid].params
+            emitted = token_ids[slot, : accepted[slot] + 1].tolist()
+            kept, reason = [], None
+            for token in emitted:
+                kept.append(token)
+                if token in params.stop_token_ids:
+                    reason = "stop"
+                    break
+                if len(self.generated[rid]) + len(kept) == params.max_tokens:
+                    reason = "length"
+                    break
+            assert output.new_token_ids[rid] == tuple(kept)
+            self.generated[rid].extend(kept)
+            if reason is None:
+                assert rid not in finished
+            else:
+                out = finished.pop(rid)
+                assert out.finish_reason == reason
+                assert out.token_ids == tuple(self.generated[rid])
+                assert out.prompt_token_ids == self.requests[rid].prompt_token_ids
+                self.outputs[rid] = out
+        assert not finished, f"finished without decoding: {sorted(finished)}"
+        self.check_caches()
+        return output
+
+    def step(self, rng, accept=None):
+        step = self.scheduler.plan_step()
+        output = self.commit(step, *self.run(step, rng, accept))
+        return step, output
+
+    def drain(self, rng, max_steps: int = 5000) -> None:
+        """Steps until every request has finished."""
+        for _ in range(max_steps):
+            if not self.scheduler.has_unfinished:
+                break
+            self.step(rng)
+        assert not self.scheduler.has_unfinished, "requests left after max_steps"
+        assert not self.unfinished()
+        assert self.scheduler.pool.num_free == self.scheduler.usable_pages, "pages leaked"
+
+
+def check_pool(scheduler: Scheduler) -> None:
+    """Reference counts equal the holders (the padding page held once by the scheduler); every
+    page is free or held, never both; a shared page lies below each holder's cached length."""
+    running = scheduler.running()
+    holders = collections.Counter(page for state in running for page in state.pages)
+    holders[scheduler.padding_page] += 1
+    pool = scheduler.pool
+    assert [pool.ref_count(p) for p in range(pool.num_pages)] == [
+        holders[p] for p in range(pool.num_pages)
+    ]
+    assert pool.num_free + len(holders) == pool.num_pages
+    for state in running:
+        assert len(set(state.pages)) == len(state.pages)
+        for k, page in enumerate(state.pages):
+            if holders[page] > 1:
+                assert (k + 1) * scheduler.page_size <= state.num_cached, "shared, not computed"
+
+
+def request(request_id, prompt, max_tokens=8, stop=(), **params) -> Request:
+    return Request(
+        request_id, prompt, SamplingParams(max_tokens=max_tokens, stop_token_ids=stop, **params)
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# Validation
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("temperature", -0.5, "temperature must be finite and >= 0"),
+        ("temperature", float("inf"), "temperature must be finite"),
+        ("temperature", float("nan"), "temperature must not be NaN"),
+        ("temperature", "hot", "temperature must be a number"),
+        ("top_k", 0, "top_k must be >= 1"),
+        ("top_k", 2.5, "top_k must be an integer"),
+        ("top_k", True, "top_k must be an integer"),
+        ("top_p", 0.0, r"top_p must be in \(0, 1\]"),
+        ("top_p", 1.5, r"top_p must be in \(0, 1\]"),
+        ("min_p", -0.1, r"min_p must be in \[0, 1\]"),
+        ("min_p", 1.01, r"min_p must be in \[0, 1\]"),
+        ("seed", -1, r"seed must be in \[0, 2\*\*63\)"),
+        ("seed", 2**63, r"seed must be in"),
+        ("max_tokens", 0, "max_tokens must be >= 1"),
+        ("max_tokens", 3.0, "max_tokens must be an integer"),
+        ("stop_token_ids", [1, -2], r"stop_token_ids\[1\] must be a token id >= 0, got -2"),
+        ("stop_token_ids", 5, "stop_token_ids must be a sequence"),
+        ("stop_token_ids", "ab", "stop_token_ids must be a sequence"),
+    ],
+)
+def test_sampling_params_reject_bad_values(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**{field: value})
+
+
+def test_sampling_params_normalise_their_values():
+    params = SamplingParams(temperature=0, top_k=np.int64(5), stop_token_ids=[np.int32(2), 3])
+    assert params == SamplingParams(temperature=0.0, top_k=5, stop_token_ids=(2, 3))
+    assert type(params.top_k) is int and params.stop_token_ids == (2, 3)
+    hash(params)  # frozen and made of plain values: usable as a key
+
+
+@pytest.mark.parametrize(
+    ("request_id", "prompt", "params", "message"),
+    [
+        ("a", [], SamplingParams(), "prompt_token_ids must hold at least one token"),
+        ("a", [1, -1], SamplingParams(), r"prompt_token_ids\[1\] must be a token id >= 0"),
+        ("a", [1, 2.0], SamplingParams(), r"prompt_token_ids\[1\] must be an integer"),
+        (["unhashable"], [1], SamplingParams(), "request_id must be hashable"),
+        ("a", [1], {"max_tokens": 3}, "params must be a SamplingParams"),
+    ],
+)
+def test_requests_reject_bad_values(request_id, prompt, params, message):
+    with pytest.raises(ValueError, match=message):
+        Request(request_id, prompt, params)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"num_pages": 1}, "num_pages must be an integer >= 2, got 1"),
+        ({"page_size": 0}, "page_size must be an integer >= 1"),
+        ({"parallel": 0}, "parallel must be an integer >= 1"),
+        ({"num_speculative": -1}, "num_speculative must be an integer >= 0"),
+        ({"max_prefill_tokens": 0}, "max_prefill_tokens must be an integer >= 1"),
+        ({"prefill_chunk_size": 6}, "prefill_chunk_size must be a power of two, got 6"),
+        ({"parallel": 2.0}, "parallel must be an integer"),
+    ],
+)
+def test_scheduler_rejects_bad_arguments(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        Scheduler(**{"num_pages": 8, "page_size": 4, "parallel": 2, **kwargs})
+
+
+def test_a_request_that_can_never_fit_is_refused_at_submit():
+    # 4 usable pages of 4 tokens; n = 2. Footprint = prompt + max_tokens - 1 + n.
+    scheduler = Scheduler(num_pages=5, page_size=4, parallel=2, num_speculative=2)
+    with pytest.raises(
+        ValueError,
+        match=r"'big' can never fit: .* need up to 17 positions, 5 pages of 4, but the pool has 4",
+    ):
+        scheduler.submit(request("big", [1] * 10, max_tokens=6))
+    assert scheduler.num_waiting == 0 and not scheduler.has_unfinished
+    # 16 positions fit exactly, and the request runs to its end alone.
+    engine = ShadowEngine(scheduler)
+    engine.submit(request("fits", [1] * 10, max_tokens=5))
+    engine.drain(np.random.default_rng(0))
+    assert len(engine.outputs["fits"].token_ids) == 5
+
+
+def test_submit_rejects_duplicates_and_non_requests():
+    scheduler = Scheduler(num_pages=8, page_size=4, parallel=2)
+    scheduler.submit(request("a", [1, 2]))
+    with pytest.raises(ValueError, match="request_id 'a' is already queued or running"):
+        scheduler.submit(request("a", [3]))
+    with pytest.raises(ValueError, match=r"request must be a serving\.requests\.Request"):
+        scheduler.submit(("b", [1, 2]))
+
+
+def test_steps_must_be_committed_in_order_and_bad_outputs_change_nothing():
+    scheduler = Scheduler(num_pages=8, page_size=4, parallel=2, num_speculative=2)
+    scheduler.submit(request("a", [1, 2, 3]))
+    step = scheduler.plan_step()
+    with pytest.raises(RuntimeError, match="commit_step the previous step"):
+        scheduler.plan_step()
+    good = np.array([[4, 5, 0], [0, 0, 0]])
+    bad_calls = [
+        (
+            {"token_ids": good[:, :2], "num_accepted": [0, 0]},
+            r"token_ids must be integers of shape \[2, 3\]",
+        ),
+        ({"token_ids": good.astype(float), "num_accepted": [0, 0]}, "token_ids must be integers"),
+        ({"token_ids": good, "num_accepted": [3, 0]}, r"num_accepted\[0\]=3 is outside \[0, 2\]"),
+        ({"token_ids": good, "num_accepted": [0]}, r"num_accepted must be integers of shape \[2\]"),
+        ({"token_ids": [[4, -1, -1], [0, 0, 0]], "num_accepted": [1, 0]}, "a token id < 0"),
+        ({"num_accepted": [0, 0]}, "token_ids is required"),
+        (
+            {"token_ids": good, "num_accepted": [1, 0], "draft_token_ids": [[7, 7], [0, 0]]},
+            "are not the accepted drafts",
+        ),
+    ]
+    before = scheduler.running()
+    for kwargs, message in bad_calls:
+        with pytest.raises(ValueError, match=message):
+            scheduler.commit_step(step, **kwargs)
+        assert scheduler.running() == before
+    with pytest.raises(ValueError, match="not the outstanding step"):
+        scheduler.commit_step(dataclasses.replace(step), token_ids=good, num_accepted=[0, 0])
+    output = scheduler.commit_step(step, good, [1, 0], draft_token_ids=[[4, 9], [0, 0]])
+    assert output.new_token_ids == {"a": (4, 5)}
+    empty = Scheduler(num_pages=8, page_size=4, parallel=1)
+    idle = empty.plan_step()
+    assert idle.decode is None and idle.prefill == ()
+    with pytest.raises(ValueError, match="this step has no decode batch"):
+        empty.commit_step(idle, token_ids=[[1]])
+    empty.commit_step(idle)
+
+
+# ----------------------------------------------------------------------------------------------
+# Rewinds: exact lengths, both caches
+
+
+def speculative_scheduler(**kwargs) -> tuple[Scheduler, ShadowEngine]:
+    scheduler = Scheduler(
+        **{"num_pages": 16, "page_size": 4, "parallel": 2, "num_speculative": 3, **kwargs}
+    )
+    return scheduler, ShadowEngine(scheduler)
+
+
+def test_rewind_after_accepting_no_draft():
+    scheduler, engine = speculative_scheduler()
+    engine.submit(request("a", [1, 2, 3, 4, 5, 0], max_tokens=20))
+    step, _ = engine.step(np.random.default_rng(0), accept=[0, 0])
+    # Prefill wrote positions 0..4 (chunks 4 + 1); the step wrote 5..8, kept 5 and the correction.
+    assert [len(c.token_ids) for c in step.prefill] == [4, 1]
+    assert step.decode.positions[0] == 5 and step.decode.page_table.seq_lens()[0] == 9
+    (state,) = scheduler.running()
+    assert state.num_cached == 6 and len(state.token_ids) == 7
+    assert len(state.pages) == 2  # the page of positions 8..11 was freed
+    step, _ = engine.step(np.random.default_rng(1), accept=[0, 0])
+    assert step.decode.positions[0] == 6
+    assert [t.seq_lens()[0] for t in step.decode.draft_page_tables] == [7, 8, 9, 10]
+
+
+def test_rewind_after_accepting_every_draft():
+    scheduler, engine = speculative_scheduler()
+    engine.submit(request("a", [1, 2, 3, 4, 5, 0], max_tokens=20))
+    engine.step(np.random.default_rng(0), accept=[3, 0])
+    (state,) = scheduler.running()
+    # The fed token and three drafts are valid in both caches (the draft wrote d_3 too); the
+    # bonus token is the next one fed.
+    assert state.num_cached == 9 and len(state.token_ids) == 10
+    assert len(state.pages) == 3
+    step, _ = engine.step(np.random.default_rng(1), accept=[3, 0])
+    assert step.decode.positions[0] == 9
+    assert step.decode.draft_page_tables[0].seq_lens()[0] == 10  # the drafter is not starved
+
+
+def test_a_stop_token_in_the_middle_discards_what_follows():
+    scheduler, engine = speculative_scheduler()
+    engine.submit(request("a", [1, 2, 3], max_tokens=20, stop=(5,)))
+    step = scheduler.plan_step()
+    engine.run(step, np.random.default_rng(0))
+    output = scheduler.commit_step(
+        step,
+        [[1, 5, 2, 3], [-1, -1, -1, -1]],
+        [3, 0],
+        draft_token_ids=[[1, 5, 2], [0, 0, 0]],
+    )
+    assert output.new_token_ids == {"a": (1, 5)}
+    (finished,) = output.finished
+    assert finished.token_ids == (1, 5) and finished.finish_reason == "stop"
+    assert scheduler.pool.num_free == scheduler.usable_pages and scheduler.num_running == 0
+
+
+def test_max_tokens_cuts_a_speculative_step_short():
+    scheduler, engine = speculative_scheduler()
+    engine.submit(request("a", [1, 2, 3], max_tokens=2))
+    step = scheduler.plan_step()
+    engine.run(step, np.random.default_rng(0))
+    output = scheduler.commit_step(step, [[3, 3, 3, 4], [0, 0, 0, 0]], [3, 0])
+    assert output.finished[0].token_ids == (3, 3)
+    assert output.finished[0].finish_reason == "length"
+
+
+class _RewindTooFar(Scheduler):
+    @staticmethod
+    def _accepted_length(position, num_accepted):
+        return position + num_accepted  # drops the fed token's entry: the drafter restarts early
+
+
+class _RewindTooLittle(Scheduler):
+    @staticmethod
+    def _accepted_length(position, num_accepted):
+        return position + 2 + num_accepted  # keeps a rejected draft's entry
+
+
+@pytest.mark.parametrize("broken", [_RewindTooFar, _RewindTooLittle])
+@pytest.mark.parametrize("check_contract", [True, False])
+@pytest.mark.parametrize("accept", [0, 1, 3])
+def test_off_by_one_rewinds_are_caught(broken, check_contract, accept):
+    """A rewind one entry too far or too short fails the shadow's checks, for any accepted
+    count, and even without the direct check of the cache contract (the simulated contents
+    alone show it)."""
+    for cls, should_fail in ((Scheduler, False), (broken, True)):
+        scheduler = cls(num_pages=16, page_size=4, parallel=1, num_speculative=3)
+        engine = ShadowEngine(scheduler, check_contract=check_contract)
+        engine.submit(request("a", [1, 2, 3, 4, 5], max_tokens=12))
+        rng = np.random.default_rng(accept)
+        try:
+            for _ in range(3):
+                if scheduler.has_unfinished:
+                    engine.step(rng, accept=[accept])
+        except AssertionError:
+            assert should_fail
+            continue
+        assert not should_fail, f"{cls.__name__} went unnoticed"
+
+
+# ----------------------------------------------------------------------------------------------
+# Exhaustion, preemption, prefix sharing, chunks
+
+
+def test_an_exhausted_pool_queues_requests_instead_of_failing():
+    # 6 usable pages of 2 tokens: each request needs 3 pages at admission (prompt 5, n = 0).
+    scheduler = Scheduler(num_pages=7, page_size=2, parallel=4)
+    engine = ShadowEngine(scheduler)
+    for i in range(4):
+        engine.submit(request(i, [i, 1, 2, 3, 4], max_tokens=2))
+    step, _ = engine.step(np.random.default_rng(0))
+    assert step.admitted == (0, 1) and scheduler.waiting() == (2, 3)
+    engine.drain(np.random.default_rng(1))
+    assert sorted(engine.outputs) == [0, 1, 2, 3]
+
+
+def test_growth_preempts_the_newest_request_which_is_recomputed_later():
+    # 5 usable pages of 2 tokens; two requests of 3 prompt tokens take 2 pages each. When both
+    # need a third page, the newer one yields.
+    scheduler = Scheduler(num_pages=6, page_size=2, parallel=2)
+    engine = ShadowEngine(scheduler)
+    engine.submit(request("old", [1, 2, 3], max_tokens=6))
+    engine.submit(request("new", [2, 3, 4], max_tokens=6))
+    rng = np.random.default_rng(0)
+    preempted = []
+    while scheduler.has_unfinished:
+        step, _ = engine.step(rng)
+        preempted += step.preempted
+        check_pool(scheduler)
+    assert preempted and set(preempted) == {"new"}
+    assert engine.outputs["new"].num_preemptions == len(preempted)
+    assert engine.outputs["old"].num_preemptions == 0
+    assert all(len(out.token_ids) == 6 for out in engine.outputs.values())
+
+
+def test_full_prefix_pages_are_shared_once_computed_and_the_rest_is_private():
+    scheduler = Scheduler(num_pages=24, page_size=4, parallel=4, num_speculative=1)
+    engine = ShadowEngine(scheduler)
+    prompt = [1, 2, 3, 4, 5, 0, 1, 2, 3, 4]  # 10 tokens: prefill 9, full pages 0..3 and 4..7
+    engine.submit(request("a", prompt, max_tokens=4))
+    engine.submit(request("b", prompt, max_tokens=4))  # same prompt
+    engine.submit(request("c", [*prompt[:9], 5], max_tokens=4))  # differs in the last page
+    engine.submit(request("d", [9 % VOCAB, *prompt[1:]], max_tokens=4))  # differs at token 0
+    rng = np.random.default_rng(0)
+    step, _ = engine.step(rng)
+    # b waits one step for a's prefill of the shared pages, and d waits behind it (FIFO).
+    assert step.admitted == ("a",) and scheduler.waiting() == ("b", "c", "d")
+    step, _ = engine.step(rng)
+    assert step.admitted == ("b", "c", "d")
+    pages = {state.request_id: state.pages for state in scheduler.running()}
+    assert pages["b"][:2] == pages["a"][:2] == pages["c"][:2]
+    private = [set(pages[name][2:]) for name in "abc"]
+    assert all(private) and not (
+        private[0] & private[1] or private[0] & private[2] or private[1] & private[2]
+    )
+    assert not set(pages["d"]) & set(pages["a"])
+    # b and c start at position 8 (no re-prefill of the shared part); d prefills from 0.
+    starts = [(c.request_id, c.start_position) for c in step.prefill]
+    assert starts == [("b", 8), ("c", 8), ("d", 0), ("d", 8)]
+    assert scheduler.stats["shared_prefix_pages"] == 4
+    check_pool(scheduler)
+    engine.drain(rng)
+
+
+def test_the_page_holding_the_last_prompt_token_is_never_shared():
+    # 8 tokens, pages of 4: position 7 (the last token) is written by the first decode step, so
+    # only page 0 is a shareable prefix page.
+    scheduler = Scheduler(num_pages=16, page_size=4, parallel=2)
+    engine = ShadowEngine(scheduler)
+    prompt = [1, 2, 3, 4, 5, 0, 1, 2]
+    engine.submit(request("a", prompt, max_tokens=3))
+    rng = np.random.default_rng(0)
+    engine.step(rng)
+    engine.submit(request("b", prompt, max_tokens=3))
+    engine.step(rng)
+    pages = {state.request_id: state.pages for state in scheduler.running()}
+    assert pages["a"][0] == pages["b"][0] and pages["a"][1] != pages["b"][1]
+    engine.drain(rng)
+
+
+def test_prefix_pages_are_shared_only_among_live_requests():
+    scheduler = Scheduler(num_pages=16, page_size=2, parallel=2)
+    engine = ShadowEngine(scheduler)
+    prompt = [1, 2, 3, 4, 5]
+    engine.submit(request("a", prompt, max_tokens=1))
+    engine.drain(np.random.default_rng(0))
+    engine.submit(request("b", prompt, max_tokens=1))
+    engine.drain(np.random.default_rng(1))
+    assert scheduler.stats["shared_prefix_pages"] == 0  # a's pages left with a
+
+
+def test_prefill_chunks_are_powers_of_two_within_the_step_budget():
+    scheduler = Scheduler(
+        num_pages=64, page_size=4, parallel=2, max_prefill_tokens=12, prefill_chunk_size=8
+    )
+    engine = ShadowEngine(scheduler)
+    engine.submit(request("a", list(np.arange(38) % VOCAB), max_tokens=1))  # 37 to prefill
+    rng = np.random.default_rng(0)
+    lengths = []
+    while scheduler.has_unfinished:
+        step, _ = engine.step(rng)
+        lengths.append([len(c.token_ids) for c in step.prefill])
+        assert sum(lengths[-1]) <= 12
+    assert lengths == [[8, 4], [8, 4], [8, 4], [1]]
+
+
+def test_long_requests_and_every_table_passes_paged_validation():
+    """Requests of more pages than the slot grid starts with (16 columns), and every table of a
+    step accepted by ``paged.validate_page_table``."""
+    scheduler = Scheduler(num_pages=128, page_size=1, parallel=3, num_speculative=2)
+    engine = ShadowEngine(scheduler)
+    for i in range(3):
+        engine.submit(request(i, [i % VOCAB] * (20 + 10 * i), max_tokens=6))
+    rng = np.random.default_rng(0)
+    while scheduler.has_unfinished:
+        step, _ = engine.step(rng)
+        tables = [chunk.page_table for chunk in step.prefill]
+        if step.decode is not None:
+            tables += [step.decode.page_table, *step.decode.draft_page_tables]
+        for table in tables:
+            paged.validate_page_table(table.to_device(), scheduler.pool.num_pages)
+    assert sorted(engine.outputs) == [0, 1, 2]
+
+
+def test_host_page_tables_are_valid_paged_page_tables():
+    table = build_page_table([[3, 1, 7], [2], [0, 0]], np.array([9, 4, 1]), page_size=4)
+    device = table.to_device()
+    paged.validate_page_table(device, num_pool_pages=8)
+    expected = paged.PageTable.from_page_lists([[3, 1, 7], [2], [0]], [9, 4, 1], page_size=4)
+    for name in ("page_indptr", "page_indices", "last_page_len"):
+        np.testing.assert_array_equal(getattr(device, name), getattr(expected, name))
+    assert table.seq_lens().tolist() == [9, 4, 1] and table.page_lists()[0] == [3, 1, 7]
+
+
+# ----------------------------------------------------------------------------------------------
+# The state machine: random request mixes
+
+
+class SchedulerMachine(RuleBasedStateMachine):
+    """Random submissions (shared prefixes, stop tokens, prompts that can never fit) and random
+    speculative outcomes, on pools tiny enough to queue and preempt."""
+
+    @initialize(
+        page_size=st.sampled_from([1, 2, 4]),
+        pool_tokens=st.integers(6, 24),
+        parallel=st.integers(1, 4),
+        num_speculative=st.integers(0, 3),
+        max_prefill_tokens=st.integers(1, 8),
+        prefill_chunk_size=st.sampled_from([1, 2, 4]),
+        bases=st.lists(
+            st.lists(st.integers(0, VOCAB - 1), min_size=8, max_size=8), min_size=1, max_size=2
+        ),
+    )
+    def setup(
+        self,
+        page_size,
+        pool_tokens,
+        parallel,
+        num_speculative,
+        max_prefill_tokens,
+        prefill_chunk_size,
+        bases,
+    ):
+        # Pools of 6 to 24 tokens (plus the padding page) whatever the page size: requests of up to
+        # 12 prompt and 8 new tokens queue, wait and get preempted.
+        self.scheduler = Scheduler(
+            pool_tokens // page_size + 1,
+            page_size,
+            parallel,
+            num_speculative=num_speculative,
+            max_prefill_tokens=max_prefill_tokens,
+            prefill_chunk_size=prefill_chunk_size,
+        )
+        self.engine = ShadowEngine(self.scheduler)
+        self.bases = bases
+        self.next_id = 0
+
+    @rule(
+        base=st.integers(0, 1),
+        shared=st.integers(0, 8),
+        suffix=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=4),
+        max_tokens=st.integers(1, 8),
+        stop=st.lists(st.integers(0, VOCAB - 1), max_size=2),
+    )
+    def submit(self, base, shared, suffix, max_tokens, stop):
+        prompt = self.bases[base % len(self.bases)][:shared] + suffix
+        new = request(self.next_id, prompt, max_tokens=max_tokens, stop=stop)
+        self.next_id += 1
+        if (
+            self.scheduler.max_footprint_tokens(new)
+            > self.scheduler.usable_pages * self.scheduler.page_size
+        ):
+            with pytest.raises(ValueError, match="can never fit"):
+                self.scheduler.submit(new)
+            return
+        self.engine.submit(new)
+
+    @rule(seed=st.integers(0, 2**32 - 1), steps=st.integers(1, 4))
+    def step(self, seed, steps):
+        rng = np.random.default_rng(seed)
+        for _ in range(steps):
+            step, _ = self.engine.step(rng)
+            check_pool(self.scheduler)
+            if step.decode is not None and self.scheduler.num_speculative:
+                event("speculative step")
+
+    @invariant()
+    def pool_matches_the_holders(self):
+        check_pool(self.scheduler)
+
+    @invariant()
+    def slots_and_fifo_order(self):
+        running = self.scheduler.running()
+        slots = [state.slot for state in running]
+        assert len(set(slots)) == len(slots) and all(
+            0 <= s < self.scheduler.parallel for s in slots
+        )
+        waiting = self.scheduler.waiting()
+        if running and waiting:
+            assert max(state.request_id for state in running) < min(waiting), "not FIFO"
+
+    def teardown(self):
+        """Every request finishes and the pool returns to full."""
+        if hasattr(self, "engine"):
+            self.engine.drain(np.random.default_rng(0))
+            check_pool(self.scheduler)
+            for name, count in sorted(self.scheduler.stats.items()):
+                if count and name not in ("admitted", "finished"):
+                    event(name)
+            event(f"finished {min(self.scheduler.stats['finished'], 5)}+ requests")
+            event(f"rejected {min(self.next_id - len(self.engine.requests), 3)}+")
+
+
+TestSchedulerMachine = SchedulerMachine.TestCase
+# A run takes milliseconds, so ci affords 8x its default examples (about 5 s in all).
+TestSchedulerMachine.settings = settings(
+    max_examples=8 * settings.default.max_examples, stateful_step_count=40
+)
