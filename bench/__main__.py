@@ -60,6 +60,11 @@ def parse_arguments(argv: list[str]) -> argparse.Namespace:
         "grid: sampling), e.g. 256,32",
     )
     parser.add_argument(
+        "--q-len-only",
+        action="store_true",
+        help="decode suite: only the multi-token (q_len) cases, not the one-token grid and peers",
+    )
+    parser.add_argument(
         "--out",
         type=pathlib.Path,
         default=None,
@@ -113,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         repeats=repeats,
         tune=arguments.tune,
         batches=arguments.batches,
+        q_len_only=arguments.q_len_only,
     )
     command = shlex.join(["python", "-m", "bench", *argv])
 

@@ -40,6 +40,7 @@ class RunOptions:
       sweep_target_seconds: the same, for sweeps of a parameter (JAX's ``k_splits``).
       dry_run_calls: calls per timed program in a dry run (no calibration).
       batches: batch sizes to run instead of a suite's grid (``--batches``), or None.
+      q_len_only: the decode suite runs its multi-token cases only (``--q-len-only``).
     """
 
     quick: bool = False
@@ -50,6 +51,7 @@ class RunOptions:
     sweep_target_seconds: float = 0.05
     dry_run_calls: int = 4
     batches: tuple[int, ...] | None = None
+    q_len_only: bool = False
 
     @property
     def interpret(self) -> bool:

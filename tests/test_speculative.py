@@ -514,7 +514,7 @@ def test_greedy_verification_bad_input():
 # Backend choice and the compiled path
 
 
-def test_auto_keeps_the_reference_until_the_kernel_ran_on_a_gpu(monkeypatch):
+def test_auto_runs_the_kernel_on_a_gpu_unless_switched_off(monkeypatch):
     from kernels_pallas import platform
 
     calls = []
@@ -528,9 +528,10 @@ def test_auto_keeps_the_reference_until_the_kernel_ran_on_a_gpu(monkeypatch):
     monkeypatch.setattr(api, "interpret_mode", lambda: True)  # but still run on this CPU
     monkeypatch.setattr(spec_accept, "chain_speculative_sample", kernel)
     arguments = (jax.random.key(0), GOOD_DRAFT, GOOD_TOKENS, GOOD_TARGET)
+    monkeypatch.setattr(api, "AUTO_PICKS_KERNEL", False)  # the gate closed: the reference
     speculative.chain_speculative_sampling(*arguments)
-    assert calls == []  # AUTO_PICKS_KERNEL is False: "auto" is the reference
-    monkeypatch.setattr(api, "AUTO_PICKS_KERNEL", True)
+    assert calls == []
+    monkeypatch.setattr(api, "AUTO_PICKS_KERNEL", True)  # as committed, after the H200 checks
     speculative.chain_speculative_sampling(*arguments)
     assert calls == [1]
     monkeypatch.setenv("DECODELAB_BACKEND", "reference")  # the kill switch

@@ -102,6 +102,8 @@ def run(options: RunOptions, ceiling: CopyCeiling) -> SuiteOutput:
     grid = DRY_RUN_GRID if options.dry_run else QUICK_GRID if options.quick else ATTENTION_GRID
     if options.tune and not options.dry_run:
         grid = TUNE_CASES  # a tuning run times the tuned cases only
+    if options.q_len_only:
+        grid = ()
     for batch, context in grid:
         num_sets = options.num_sets_for(kv_bytes_per_set(batch, context, **shape))
         setup = make_attention_setup(
