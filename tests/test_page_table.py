@@ -267,9 +267,10 @@ BAD_DECODE_INPUTS = {
         dict(q=jnp.ones((3, 4, 16), jnp.float32)),
         "q has head_dim 16 but the cache has 8",
     ),
-    "q not 3-D": (
+    "q not 3-D or 4-D": (
         dict(q=jnp.ones((3, 32), jnp.float32)),
-        "q must have shape [batch, num_q_heads, head_dim], got (3, 32)",
+        "q must have shape [batch, num_q_heads, head_dim] or [batch, q_len, num_q_heads, "
+        "head_dim], got (3, 32)",
     ),
     "batch differs from the table": (
         dict(q=jnp.ones((2, 4, 8), jnp.float32)),

@@ -176,7 +176,7 @@ def _make_set(key, *, batch: int, num_drafts: int, vocab: int):
 
 
 def make_sets(batch: int, num_drafts: int, vocab: int, options: RunOptions) -> SpeculativeSets:
-    """Enough sets for a cold L2 (at most ``MAX_UNROLLED_SETS``; 2 in a dry run), sized from
+    """Enough sets for a cold L2 (at most ``MAX_UNROLLED_SETS``; 1 in a dry run), sized from
     the first set's expected bytes."""
     keys = jax.random.split(
         jax.random.key(SEED * 1000 + batch * 10 + num_drafts), MAX_UNROLLED_SETS
@@ -184,7 +184,7 @@ def make_sets(batch: int, num_drafts: int, vocab: int, options: RunOptions) -> S
     shapes = dict(batch=batch, num_drafts=num_drafts, vocab=vocab)
     first = _make_set(keys[0], **shapes)
     first_bytes = max(1, int(first[3][0]))
-    num_sets = 2 if options.dry_run else unrolled_num_sets(first_bytes)
+    num_sets = 1 if options.dry_run else unrolled_num_sets(first_bytes)
     made = [first] + [_make_set(keys[s], **shapes) for s in range(1, num_sets)]
     call_keys = jax.random.split(jax.random.key(SEED), num_sets)
     operands = [(t, d, ids, call_keys[s]) for s, (t, d, ids, _) in enumerate(made)]
