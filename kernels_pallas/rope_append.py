@@ -22,6 +22,21 @@ and stores k and v straight into their page slots. The pages are ``input_output_
 output pool: only the ``T`` new slots are written, in place, when the pool is donated (or is a
 loop carry); otherwise XLA copies the pool first.
 
+One launch a call, nothing around it. A decode step moves about 1.5 MiB here, so the call is
+bound by launches (a few microseconds each on an H200), not bytes: any XLA operation before the
+``pallas_call`` (a cast of the indices, each request's length from the table, a computed
+frequency table) is one more launch and can cost as much as the kernel. So the kernel reads the
+CSR table's own arrays, in whatever integer dtype they come, and derives each token's request
+length from ``page_indptr`` and ``last_page_len`` itself; the frequency table depends only on
+static parameters, so the public API passes it as a host (NumPy) constant, which a jitted
+program embeds as data. The lowered program is this one custom call and bitcast reshapes.
+
+One token a program. A block of tokens a program would amortize the per-program setup (five
+scalar loads and ``D/2`` cos and sin), but that setup is small beside the program's
+``(Hq + 2 Hkv) D`` element loads, and a decode step's 64 tokens already give fewer programs than
+an H200 has SMs (132): blocks of tokens would leave SMs idle for the same single launch. Blocks
+would pay off in long prefills only, which are not launch-bound.
+
 Byte floor: read q, k, v (``T (Hq + 2 Hkv) D`` elements) and positions, batch indices and one
 page-index entry a token; write q_rotated and the ``2 T Hkv D`` new KV elements. At batch 64,
 32 query heads, 8 KV heads, head_dim 128, bfloat16: 1.5 MiB, about 0.4 us at 4 TB/s, so
@@ -30,7 +45,7 @@ a decode step's call is bound by launch latency, which fusing three launches int
 Bad tables and indices under ``jit`` (the public API validates them only when concrete): a
 token whose request is outside the batch, whose position is negative or not below its request's
 length, or whose page lies outside the pool is not written at all (its q is still rotated).
-Every address is clamped into its array and every such store is masked: the kernel never reads
+Every address is clamped into its array and every such store is skipped: the kernel never reads
 or writes outside its arrays, and never writes a page the table does not give that token.
 
 Status: checked in interpret mode against float64 references; not yet compiled on a GPU.
@@ -58,11 +73,11 @@ def _pair_index(interleaved: bool, member: int, columns):
 
 
 def rope_append_kernel(
-    positions_ref,  # [T] int32
-    batch_indices_ref,  # [T] int32
-    seq_lens_ref,  # [B] int32, each request's length after the append
-    page_indptr_ref,  # [B + 1] int32
-    page_indices_ref,  # [num_indices] int32
+    positions_ref,  # [T] int (any integer dtype: cast here, not by an XLA op before the call)
+    batch_indices_ref,  # [T] int
+    last_page_len_ref,  # [B] int, each request's last page's tokens after the append
+    page_indptr_ref,  # [B + 1] int
+    page_indices_ref,  # [num_indices] int
     inv_freq_ref,  # [D/2] float32
     q_ref,  # [T, Hq, 2, D/2] | [T, Hq, D/2, 2] (rotate-half | interleaved), the whole array
     k_ref,  # [T, Hkv, 2, D/2] | [T, Hkv, D/2, 2]
@@ -84,30 +99,42 @@ def rope_append_kernel(
 ):
     del k_pages_in_ref, v_pages_in_ref
     token = pl.program_id(0)
-    batch = seq_lens_ref.shape[0]
+    batch = last_page_len_ref.shape[0]
     num_indices = page_indices_ref.shape[0]
     num_q_heads = q_ref.shape[1]
     num_kv_heads = k_ref.shape[1]
     half = inv_freq_ref.shape[0]
 
     # Where this token's k and v go, and whether they go anywhere (module docstring): every
-    # index is clamped into its array before it is used, and the stores are masked by `valid`.
-    position = positions_ref[token]
-    request = batch_indices_ref[token]
+    # index is clamped into its array before it is used, and the stores happen only if `valid`.
+    position = positions_ref[token].astype(jnp.int32)
+    request = batch_indices_ref[token].astype(jnp.int32)
     request_ok = (request >= 0) & (request < batch)
     request = jnp.clip(request, 0, batch - 1)
-    seq_len = seq_lens_ref[request]
+    # The request's length, as ``PageTable.seq_lens`` computes it, from its two table entries:
+    # computed here rather than by the caller, whose [B] computation would be a second launch.
+    first_entry = page_indptr_ref[request].astype(jnp.int32)
+    num_request_pages = page_indptr_ref[request + 1].astype(jnp.int32) - first_entry
+    last_len = last_page_len_ref[request].astype(jnp.int32)
+    seq_len = jnp.where(num_request_pages > 0, page_size * (num_request_pages - 1) + last_len, 0)
     valid = request_ok & (position >= 0) & (position < seq_len)
     position_in_table = jnp.clip(position, 0, jnp.maximum(seq_len - 1, 0))
-    entry = page_indptr_ref[request] + position_in_table // page_size
-    page = page_indices_ref[jnp.clip(entry, 0, num_indices - 1)]
+    entry = first_entry + position_in_table // page_size
+    page = page_indices_ref[jnp.clip(entry, 0, num_indices - 1)].astype(jnp.int32)
     valid = valid & (page >= 0) & (page < num_pages)
     page = jnp.clip(page, 0, num_pages - 1)
     slot = position_in_table % page_size
 
     columns = pl.ds(0, block_half)
     column_is_real = jnp.arange(block_half) < half
-    inv_freq = plgpu.load(inv_freq_ref.at[columns], mask=column_is_real, other=0.0)
+    # Masks only where a block is padded past its array (heads or D/2 not a power of two): an
+    # exact block needs none. Unmasked accesses are simpler code for Triton, and the interpreter
+    # runs them several times faster (4096 tokens on a CPU: 3 s instead of 19 s).
+    inv_freq = plgpu.load(
+        inv_freq_ref.at[columns],
+        mask=column_is_real if block_half > half else None,
+        other=0.0 if block_half > half else None,
+    )
     angles = position.astype(jnp.float32) * inv_freq  # [block_half], the float32 product
     cos = jnp.cos(angles)[None, :]
     sin = jnp.sin(angles)[None, :]
@@ -117,42 +144,50 @@ def rope_append_kernel(
         second = second.astype(jnp.float32)
         return first * cos - second * sin, second * cos + first * sin
 
-    def load_pair(ref, heads_mask, block_heads):
-        mask = heads_mask[:, None] & column_is_real[None, :]  # [block_heads, block_half]
+    def tile_mask(block_heads, num_heads):
+        """``[block_heads, block_half]``: the real heads and columns, or None if all are."""
+        if block_heads == num_heads and block_half == half:
+            return None
+        heads_are_real = jnp.arange(block_heads) < num_heads
+        return heads_are_real[:, None] & column_is_real[None, :]
+
+    def load_pair(ref, block_heads, mask):
         heads = pl.ds(0, block_heads)
         return tuple(
             plgpu.load(
                 ref.at[(token, heads, *_pair_index(interleaved, member, columns))],
                 mask=mask,
-                other=0.0,
+                other=None if mask is None else 0.0,
             )
             for member in (0, 1)
         )
 
     # q: every head, whatever the page table says.
-    q_heads_mask = jnp.arange(block_q_heads) < num_q_heads
-    q_mask = q_heads_mask[:, None] & column_is_real[None, :]
-    q_rotated = rotate(*load_pair(q_ref, q_heads_mask, block_q_heads))
+    q_mask = tile_mask(block_q_heads, num_q_heads)
+    q_rotated = rotate(*load_pair(q_ref, block_q_heads, q_mask))
     for member, values in enumerate(q_rotated):
         index = (token, pl.ds(0, block_q_heads), *_pair_index(interleaved, member, columns))
         plgpu.store(q_out_ref.at[index], values.astype(q_out_ref.dtype), mask=q_mask)
 
-    # k (rotated) and v (as is) into the token's page slot.
-    kv_heads_mask = jnp.arange(block_kv_heads) < num_kv_heads
-    kv_mask = kv_heads_mask[:, None] & column_is_real[None, :] & valid
-    k_rotated = rotate(*load_pair(k_ref, kv_heads_mask, block_kv_heads))
-    v_pair = load_pair(v_ref, kv_heads_mask, block_kv_heads)
+    # k (rotated) and v (as is) into the token's page slot, only for a valid token: a branch
+    # on one scalar, the same for the whole program, rather than a mask on every element.
+    kv_mask = tile_mask(block_kv_heads, num_kv_heads)
     kv_heads = pl.ds(0, block_kv_heads)
     if layout == "HND":
         slot_index = (page, kv_heads, slot)  # a [Hkv] column of [page_size] tiles
     else:
         slot_index = (page, slot, kv_heads)  # one token's heads, contiguous
-    for member in (0, 1):
-        index = (*slot_index, *_pair_index(interleaved, member, columns))
-        plgpu.store(
-            k_pages_ref.at[index], k_rotated[member].astype(k_pages_ref.dtype), mask=kv_mask
-        )
-        plgpu.store(v_pages_ref.at[index], v_pair[member].astype(v_pages_ref.dtype), mask=kv_mask)
+
+    @pl.when(valid)
+    def _store_kv():
+        k_rotated = rotate(*load_pair(k_ref, block_kv_heads, kv_mask))
+        v_pair = load_pair(v_ref, block_kv_heads, kv_mask)
+        for member in (0, 1):
+            index = (*slot_index, *_pair_index(interleaved, member, columns))
+            k_values = k_rotated[member].astype(k_pages_ref.dtype)
+            plgpu.store(k_pages_ref.at[index], k_values, mask=kv_mask)
+            v_values = v_pair[member].astype(v_pages_ref.dtype)
+            plgpu.store(v_pages_ref.at[index], v_values, mask=kv_mask)
 
 
 def pair_view(x: jax.Array, interleaved: bool) -> jax.Array:
@@ -170,7 +205,7 @@ def rope_append(
     positions: jax.Array,
     batch_indices: jax.Array,
     inv_freq: jax.Array,
-    seq_lens: jax.Array,
+    last_page_len: jax.Array,
     page_indptr: jax.Array,
     page_indices: jax.Array,
     k_pages: jax.Array,
@@ -186,10 +221,12 @@ def rope_append(
     Args:
       q: ``[T, Hq, D]``, ``D`` even.
       k, v: ``[T, Hkv, D]``.
-      positions, batch_indices: int32 ``[T]``.
-      inv_freq: float32 ``[D/2]`` (``paged.rope.inverse_frequencies``).
-      seq_lens: int32 ``[B]``, each request's length, new tokens included.
-      page_indptr: int32 ``[B + 1]``; page_indices: int32 ``[num_indices]`` (the CSR table).
+      positions, batch_indices: integer ``[T]`` (read and cast to int32 in the kernel).
+      inv_freq: float32 ``[D/2]`` (``paged.rope.inverse_frequencies``). Pass the host's NumPy
+        table: inside a jitted caller it is then a constant of the program, not a computation.
+      last_page_len: integer ``[B]``, the table's ``last_page_len`` after the append (each
+        request's length is derived from it and ``page_indptr`` in the kernel).
+      page_indptr: integer ``[B + 1]``; page_indices: integer ``[num_indices]`` (the CSR table).
       k_pages, v_pages: the pool, ``[P, Hkv, page_size, D]`` (``layout="HND"``) or
         ``[P, page_size, Hkv, D]`` (``"NHD"``).
       layout: ``"HND"`` or ``"NHD"``.
@@ -200,9 +237,24 @@ def rope_append(
     Returns:
       ``(q_rotated [T, Hq, D] in q's dtype, k_pages, v_pages)``, the pages in the pool's buffers
       (aliased) with the new tokens written.
+
+    Launches: exactly one. Every operand goes to the ``pallas_call`` as given (the only other
+    operations are reshapes that split or merge the last axis, which XLA lowers to bitcasts), so
+    a call inside a jitted program is one kernel; ``tests/test_rope_append.py`` checks the
+    lowered program for that.
     """
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
+    indices = {
+        "positions": positions,
+        "batch_indices": batch_indices,
+        "last_page_len": last_page_len,
+        "page_indptr": page_indptr,
+        "page_indices": page_indices,
+    }
+    for name, array in indices.items():
+        if not jnp.issubdtype(array.dtype, jnp.integer):
+            raise ValueError(f"{name} must be an integer array, got dtype {array.dtype}")
     if layout == "HND":
         num_pages, _, page_size, _ = k_pages.shape
     elif layout == "NHD":
@@ -210,10 +262,11 @@ def rope_append(
     else:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     pool_shape = k_pages.shape
+    # No cast or index arithmetic here: each would be an XLA kernel launched before this one.
     inputs = (
-        positions.astype(jnp.int32),
-        batch_indices.astype(jnp.int32),
-        seq_lens.astype(jnp.int32),
+        positions,
+        batch_indices,
+        last_page_len,
         page_indptr,
         page_indices,
         inv_freq.astype(jnp.float32),

@@ -118,8 +118,9 @@ def rope_append_kv(
         v,
         positions,
         batch_indices,
-        jnp.asarray(inverse_frequencies(cache.head_dim, rope)),
-        page_table.seq_lens(),
+        # A NumPy array (static parameters only): a constant of the program, not a computation.
+        inverse_frequencies(cache.head_dim, rope),
+        page_table.last_page_len,
         page_table.page_indptr,
         page_table.page_indices,
         cache.k_pages,

@@ -12,6 +12,7 @@ import io
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -519,7 +520,7 @@ def test_sampling_dry_run_times_every_decodelab_arm_beside_the_peers(tmp_path):
                     <= row["rounds_max"]
                     <= sampling_suite.DEFAULT_MAX_ROUNDS + 1
                 )
-                assert row["rounds_rows"] == 2 * batch  # every row of both rotating sets
+                assert row["rounds_rows"] == batch  # every row of the dry run's one set
                 assert row["vs_jax_sort_top_p"] > 0
     for case in document["cases"]:
         batch = int(case["case"].split("B=")[1])
@@ -681,10 +682,10 @@ def test_fused_ops_arms_lower_to_their_triton_kernels_for_an_h200(monkeypatch):
         return program.trace(loop.operands).lower(lowering_platforms=("cuda",)).as_text()
 
     tokens, hidden = 4096, 8192
-    num_sets = harness.num_rotating_sets(2 * tokens * hidden * 2)
-    pool = jax.ShapeDtypeStruct((num_sets * tokens, hidden), jnp.bfloat16)
+    num_sets = harness.unrolled_num_sets(2 * tokens * hidden * 2)
+    rows = [jax.ShapeDtypeStruct((tokens, hidden), jnp.bfloat16)] * num_sets
     weight = jax.ShapeDtypeStruct((hidden,), jnp.bfloat16)
-    norm_inputs = fused_ops_suite.NormInputs(tokens, hidden, num_sets, pool, pool, weight)
+    norm_inputs = fused_ops_suite.NormInputs(tokens, hidden, num_sets, rows, rows, weight)
     for arm in ("decodelab_kernel", "decodelab"):
         text = cuda_text(fused_ops_suite.norm_loop(norm_inputs, arm, interpret=False))
         assert peers.triton_kernel_names(text, "fused_add_rmsnorm") == [
@@ -693,8 +694,17 @@ def test_fused_ops_arms_lower_to_their_triton_kernels_for_an_h200(monkeypatch):
     xla_text = cuda_text(fused_ops_suite.norm_loop(norm_inputs, "xla_fused", interpret=False))
     assert "__gpu$xla.gpu.triton" not in xla_text
 
-    shape = fused_ops_suite.ROPE_SHAPE
-    num_sets = harness.num_rotating_sets(fused_ops_suite.rope_append_bytes(shape, 2))
+    rope_inputs = _rope_input_shapes(fused_ops_suite.ROPE_SHAPE)
+    text = cuda_text(fused_ops_suite.rope_loop(rope_inputs, "pallas"))
+    assert peers.triton_kernel_names(text, "rope_append") == ["rope_append_HND_half"]
+    assert "__gpu$xla.gpu.triton" not in cuda_text(
+        fused_ops_suite.rope_loop(rope_inputs, "reference")
+    )
+
+
+def _rope_input_shapes(shape):
+    """``RopeInputs`` of abstract arrays at ``shape`` (to lower programs without data)."""
+    num_sets = harness.unrolled_num_sets(fused_ops_suite.rope_append_bytes(shape, 2))
     pages = jax.ShapeDtypeStruct(
         (num_sets * shape.batch, shape.num_kv_heads, shape.page_size, shape.head_dim),
         jnp.bfloat16,
@@ -703,20 +713,111 @@ def test_fused_ops_arms_lower_to_their_triton_kernels_for_an_h200(monkeypatch):
     def array(*dims, dtype=jnp.int32):
         return jax.ShapeDtypeStruct(dims, dtype)
 
-    rope_inputs = fused_ops_suite.RopeInputs(
+    batch = shape.batch
+    table = (array(batch), array(batch), array(batch + 1), array(4096), array(batch))
+    return fused_ops_suite.RopeInputs(
         shape,
         num_sets,
-        array(shape.batch, shape.num_q_heads, shape.head_dim, dtype=jnp.bfloat16),
-        array(shape.batch, shape.num_kv_heads, shape.head_dim, dtype=jnp.bfloat16),
-        array(shape.batch, shape.num_kv_heads, shape.head_dim, dtype=jnp.bfloat16),
-        array(num_sets, shape.batch),
-        array(num_sets, shape.batch + 1),
-        array(num_sets, 4096),
-        array(num_sets, shape.batch),
+        array(batch, shape.num_q_heads, shape.head_dim, dtype=jnp.bfloat16),
+        array(batch, shape.num_kv_heads, shape.head_dim, dtype=jnp.bfloat16),
+        array(batch, shape.num_kv_heads, shape.head_dim, dtype=jnp.bfloat16),
+        [table] * num_sets,
         paged.KVCache(pages, pages, "HND"),
     )
-    text = cuda_text(fused_ops_suite.rope_loop(rope_inputs, "pallas"))
-    assert peers.triton_kernel_names(text, "rope_append") == ["rope_append_HND_half"]
-    assert "__gpu$xla.gpu.triton" not in cuda_text(
-        fused_ops_suite.rope_loop(rope_inputs, "reference")
-    )
+
+
+def _closed_region(lines: list[str], opening: int) -> list[str]:
+    """The lines of the region that ``lines[opening]`` opens, up to the ``}`` at its indent."""
+    indent = len(lines[opening]) - len(lines[opening].lstrip())
+    end = opening + 1
+    while not (
+        lines[end].lstrip().startswith("}") and len(lines[end]) - len(lines[end].lstrip()) == indent
+    ):
+        end += 1
+    return lines[opening + 1 : end]
+
+
+def _loop_body_operations(text: str) -> list[tuple[str, str]]:
+    """``(operation, line)`` for every statement of the body of the timed loop (the first
+    ``stablehlo.while`` of ``@main``), each call replaced by its function's statements: what
+    one loop iteration runs. A Triton custom call is named ``triton``."""
+    lines = text.splitlines()
+    functions = {}
+    for number, line in enumerate(lines):
+        match = re.match(r"\s*func\.func \w+ @(\w+)\(", line)
+        if match:
+            functions[match.group(1)] = _closed_region(lines, number)
+    main = functions["main"]
+    [do_line] = [number for number, line in enumerate(main) if line.strip() == "} do {"]
+
+    def statements(region):
+        for line in region:
+            match = re.match(r'\s*(?:%[^=]+= )?"?([a-z_]+(?:\.[a-z_]+)?)\b', line)
+            if not match:
+                continue
+            operation = match.group(1)
+            called = re.search(r"call @(\w+)\(", line)
+            if called:
+                yield from statements(functions[called.group(1)])
+            elif operation == "stablehlo.custom_call" and "__gpu$xla.gpu.triton" in line:
+                yield "triton", line
+            else:
+                yield operation, line
+
+    return list(statements(_closed_region(main, do_line)))
+
+
+# What a loop iteration may run beside the calls under test: a barrier and a bitcast reshape
+# emit no code, constants are data; scalar int32 arithmetic is the loop's counter (and the
+# norm kernel's row offset of 0, a constant).
+FREE_IN_LOOP = {"stablehlo.optimization_barrier", "stablehlo.reshape", "stablehlo.constant"}
+FREE_IN_LOOP |= {"stablehlo.return", "return"}
+
+
+def _launching(operations: list[tuple[str, str]]) -> list[str]:
+    """The operations that may launch a kernel, Triton calls aside."""
+    return [
+        line.strip()
+        for operation, line in operations
+        if operation not in FREE_IN_LOOP | {"triton"}
+        and not re.search(r"-> tensor<(1x)?i32>$|: tensor<(1x)?i32>$", line)
+    ]
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the Pallas Triton backend's
+def test_fused_ops_pallas_arms_run_their_kernel_and_nothing_else_in_the_loop(monkeypatch):
+    """One iteration of each Pallas arm's timed loop (two rounds over the R sets), lowered for
+    an H200 at the largest cases, runs 2 R Triton calls and no other operation that launches a
+    kernel: no slice of a set, no copy, no digest. So what is timed is the kernel (the public
+    API included). The XLA arms' iterations slice no set either."""
+    gpu_info = pytest.importorskip("jax._src.pallas.triton.gpu_info")
+    h200 = gpu_info._get_gpu_info_impl(gpu_info.GpuVersion.H200)
+    monkeypatch.setitem(gpu_info.registry, jax.devices()[0].device_kind, lambda: h200)
+    monkeypatch.setattr(fused_ops_suite.layers, "interpret_mode", lambda: False)
+    monkeypatch.setattr("paged.rope_append.interpret_mode", lambda: False)
+
+    def body(loop):
+        program = loop.program(2 * loop.num_sets)  # one loop iteration: two rounds
+        lowered = program.trace(loop.operands).lower(lowering_platforms=("cuda",))
+        return _loop_body_operations(lowered.as_text())
+
+    for tokens in (1, 4096):
+        hidden = 8192
+        num_sets = harness.unrolled_num_sets(2 * tokens * hidden * 2)
+        rows = [jax.ShapeDtypeStruct((tokens, hidden), jnp.bfloat16)] * num_sets
+        weight = jax.ShapeDtypeStruct((hidden,), jnp.bfloat16)
+        inputs = fused_ops_suite.NormInputs(tokens, hidden, num_sets, rows, rows, weight)
+        for arm in ("decodelab_kernel", "decodelab"):
+            operations = body(fused_ops_suite.norm_loop(inputs, arm, interpret=False))
+            assert [op for op, _ in operations].count("triton") == 2 * num_sets
+            assert _launching(operations) == []
+        xla = [op for op, _ in body(fused_ops_suite.norm_loop(inputs, "xla_fused", False))]
+        assert "triton" not in xla and "stablehlo.dynamic_slice" not in xla
+
+    rope_inputs = _rope_input_shapes(fused_ops_suite.ROPE_SHAPE)
+    operations = body(fused_ops_suite.rope_loop(rope_inputs, "pallas"))
+    assert [op for op, _ in operations].count("triton") == 2 * rope_inputs.num_sets
+    assert _launching(operations) == []
+    unfused = [op for op, _ in body(fused_ops_suite.rope_loop(rope_inputs, "reference"))]
+    assert "triton" not in unfused and "stablehlo.dynamic_slice" not in unfused
+    assert unfused.count("stablehlo.scatter") == 4 * rope_inputs.num_sets

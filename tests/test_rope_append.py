@@ -700,7 +700,7 @@ def test_kernel_lowers_to_triton_for_an_h200(monkeypatch):
                     array(tokens, dtype=jnp.int32),
                     array(tokens, dtype=jnp.int32),
                     array(head_dim // 2, dtype=jnp.float32),
-                    array(tokens, dtype=jnp.int32),
+                    array(tokens, dtype=jnp.int32),  # last_page_len: a request a token
                     array(tokens + 1, dtype=jnp.int32),
                     array(pages, dtype=jnp.int32),
                     pool,
@@ -717,6 +717,104 @@ def test_kernel_lowers_to_triton_for_an_h200(monkeypatch):
                     text,
                 )
                 assert aliases == [("1", "9"), ("2", "10")]
+
+
+# Operations of a lowered program that launch nothing: a reshape of a row-major array is a
+# bitcast, a constant is data in the executable, calls and returns are structure.
+FREE_OPERATIONS = {
+    "stablehlo.constant",
+    "stablehlo.reshape",
+    "call",
+    "func.call",
+    "return",
+    "stablehlo.return",
+}
+TRITON_CALL = "stablehlo.custom_call @__gpu$xla.gpu.triton"
+
+
+def lowered_operations(text: str) -> list[str]:
+    """The operation of every statement of a StableHLO module's text, in order (``func.func``
+    and ``module`` lines, which open regions, are not statements)."""
+    operations = []
+    for line in text.splitlines():
+        match = re.match(r'\s*(?:%[^=]+= )?"?([a-z_]+(?:\.[a-z_]+)?)\b', line)
+        if match and match.group(1) not in ("func.func", "module"):
+            operation = match.group(1)
+            if operation == "stablehlo.custom_call" and TRITON_CALL in line:
+                operation = TRITON_CALL
+            operations.append(operation)
+    return operations
+
+
+def _lower_public_path_for_cuda(backend, layout, interleaved):
+    """``paged.rope_append_kv`` at the benchmark's shape (64 decode tokens, 32 and 8 heads,
+    head_dim 128, pages of 16, bfloat16), jitted with the pool donated as an engine calls it,
+    lowered for a GPU: its StableHLO text."""
+    tokens, hq, hkv, head_dim, page_size, pages = 64, 32, 8, 128, 16, 4096
+
+    def array(*shape, dtype=jnp.int32):
+        return jax.ShapeDtypeStruct(shape, dtype)
+
+    def step(q, k, v, positions, batch, k_pages, v_pages, page_indptr, page_indices, last_len):
+        cache = paged.KVCache(k_pages, v_pages, layout)
+        table = paged.PageTable(page_indptr, page_indices, last_len, page_size)
+        rope = RopeParams(500000.0, interleaved, Llama3Scaling())
+        q_rotated, cache = paged.rope_append_kv(
+            q, k, v, positions, batch, cache, table, rope=rope, backend=backend
+        )
+        return q_rotated, cache.k_pages, cache.v_pages
+
+    pool = _pool(layout, pages, hkv, page_size, head_dim)
+    arguments = (
+        array(tokens, hq, head_dim, dtype=jnp.bfloat16),
+        array(tokens, hkv, head_dim, dtype=jnp.bfloat16),
+        array(tokens, hkv, head_dim, dtype=jnp.bfloat16),
+        array(tokens),
+        array(tokens),
+        pool,
+        pool,
+        array(tokens + 1),
+        array(64 * 260),
+        array(tokens),
+    )
+    traced = jax.jit(step, donate_argnums=(5, 6)).trace(*arguments)
+    return traced.lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the Pallas Triton backend's
+@pytest.mark.parametrize("layout,interleaved", [("HND", False), ("NHD", True)])
+def test_pallas_path_is_one_launch_and_nothing_else(monkeypatch, layout, interleaved):
+    """A call of the public Pallas path, lowered for an H200, is one Triton custom call and
+    nothing that launches a kernel: no cast, index arithmetic, gather, scatter, transpose or
+    copy of q, k, v, the table or the pool; only bitcast reshapes and the constant frequency
+    table. A decode step is launch-bound (about 1.5 MiB moved), so this is what makes the fused
+    path faster than the unfused one.
+
+    For comparison, at the same shape (HND, rotate-half, Llama 3.1 frequencies) the unfused
+    reference lowers to 163 StableHLO operations besides its 38 constants and calls: 3 gathers
+    (each request's length and page), 2 scatters into the pool, 2 cos and 2 sin, and the
+    rotation and index arithmetic around them (61 broadcasts, 20 compares, 12 adds, 11
+    converts, 11 multiplies, 11 selects, 6 slices, 6 ands, 5 subtracts, 4 concatenates, ...),
+    which XLA fuses into several kernels. Before the kernel took the table's arrays as they are,
+    the Pallas path had 13 operations besides its custom call, reshapes and constant (each
+    request's length from the table: 2 slices, 2 subtracts, a compare, a multiply, an add, a
+    select, 4 broadcasts, a convert), one more launch a call.
+    """
+    gpu_info = pytest.importorskip("jax._src.pallas.triton.gpu_info")
+    h200 = gpu_info._get_gpu_info_impl(gpu_info.GpuVersion.H200)
+    monkeypatch.setitem(gpu_info.registry, jax.devices()[0].device_kind, lambda: h200)
+    monkeypatch.setattr(rope_append_module, "interpret_mode", lambda: False)
+    text = _lower_public_path_for_cuda("pallas", layout, interleaved)
+    operations = lowered_operations(text)
+    assert operations.count(TRITON_CALL) == 1
+    name = f"rope_append_{layout}_{'interleaved' if interleaved else 'half'}"
+    assert re.findall(r'name = "(rope_append\w*)"', text) == [name]
+    launching = [op for op in operations if op not in FREE_OPERATIONS | {TRITON_CALL}]
+    assert launching == []
+
+    reference = lowered_operations(_lower_public_path_for_cuda("reference", layout, interleaved))
+    assert TRITON_CALL not in reference
+    assert reference.count("stablehlo.scatter") == 2 and reference.count("stablehlo.gather") == 3
 
 
 @pytest.mark.gpu

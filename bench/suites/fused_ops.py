@@ -1,50 +1,69 @@
 """The ``fused_ops`` suite: fused residual-add RMSNorm and fused RoPE + paged KV append, beside
 XLA's fusion of the unfused JAX expressions, in the same run.
 
-Cold L2 and dispatch amortized (``bench/harness.py``). Two differences from the attention and
-sampling suites, both because these operations write as many bytes as they read:
+Dispatch amortized, median of repeats (``bench/harness.py``), in a loop of its own
+(``ChainedCallsLoop``), because these operations write as many bytes as they read and a call
+of the small cases is bound by kernel launches, so anything around a call is timed as if it
+were the call:
 
-- Digest, not checksum. ``checksum_of`` sums every output element; here that would add a read
-  of outputs as large as the inputs, which XLA may fuse into its own kernel for free while a
-  custom call pays it in full. Instead every arm passes its outputs through
-  ``lax.optimization_barrier`` (so they are written to memory in full, as a model's layer
-  writes them; nothing can be narrowed away) and returns one row of each: the digest.
-- In-place state. RoPE + append updates the KV pool; a pool that a timed call reads but does
-  not own would be copied whole before every call. That loop (``CarriedLoop``) carries the pool
-  from call to call, as a serving loop does, so each arm writes only its new slots. The pool is
-  copied once into the loop's carry per timed program (0.7 GB read and written: about 0.3 ms,
-  0.3% of a 0.1 s program), alike for both arms.
+- Sets in turn, by static index. Each rotating set is arrays of its own, named statically in
+  the program (as ``timing.SetsInTurnLoop``): a set sliced out of a stacked pool by a traced
+  index is copied into a buffer of its own before a custom call (a Pallas kernel) can read it,
+  while XLA's fusion reads the slice in place, which made the norm's public API arm look
+  slower than it is (0.92x XLA while the kernel was 1.8x) and put small XLA operations before
+  every RoPE kernel. At most ``timing.MAX_UNROLLED_SETS`` sets (the program holds every call):
+  the small cases' sets fit in the L2 between visits, and ``bytes_between_visits`` in the JSON
+  says so.
+- State carried from call to call, as in a model. Each call's outputs are inputs of a later
+  call, so nothing is dead and nothing is loop-invariant (XLA would hoist a call on unchanging
+  inputs out of the loop), at no cost to any arm: no operation is added to a call. The norm
+  carries each set's ``(x, residual)``: ``normed`` becomes the set's next ``x`` and
+  ``new_residual`` its next residual, the residual stream of a layer stack whose sublayers are
+  the identity. RoPE + append carries the KV pool (each call writes its new slots, in place) and
+  q (``q_rotated`` becomes the next q, like a next layer's q; a rotation keeps its size).
+- Calls in a chain. Before every call, its set's inputs and the whole carried state pass
+  through one ``lax.optimization_barrier``: each call depends on the one before it (so none can
+  be hoisted, even one whose own inputs do not change, like RoPE's k and v), and XLA can neither
+  fuse one call's output into the next call's kernels (a model's matmul sits between them) nor
+  merge independent calls of different sets into one kernel. A barrier emits no code.
+- Two rounds an iteration. Writing an output into the buffer of an input of the same call is
+  in place only for a kernel that can (a Pallas call with ``input_output_aliases``; a scatter);
+  XLA's fused norm reads a whole row before writing it and would need a copy into the loop's
+  buffer. So an iteration runs two rounds: the first writes new buffers, the second writes
+  back into the loop's buffers, which the first round has finished reading: no arm copies.
+  An odd last round runs after the loop.
+- The carried state is copied into the loop once per timed program (its initial arrays stay
+  live): about 0.3 ms of a 0.1 s program at the largest case, alike for every arm. At the end,
+  one element of each carried array joins the checksum, after a barrier.
 
 Cases and arms:
 
 - ``fused_add_rmsnorm B=<tokens> hidden=<H>``, bfloat16, hidden 4096 and 8192, tokens 1, 64 and
-  4096 (``--quick``: 4096 tokens; dry run: hidden 96 and 128, tokens 1 and 5), eps 1e-5. The
-  rotating sets are consecutive ``[T, H]`` windows of one ``[R T, H]`` pool of x and one of
-  residual (R from ``options.num_sets_for`` the bytes of x and residual of a set); the weight
-  is one ``[H]`` vector. Bytes = ``norm_bytes``: read x, residual, weight; write normed and
-  new_residual. Arms: ``xla_fused`` (``serving.layers.fused_add_rmsnorm(backend="reference")``,
-  the plain JAX expression, on the set's window sliced out of the pool: XLA fuses the slice into
-  its kernels); ``decodelab_kernel`` (``kernels_pallas.norm.fused_add_rmsnorm`` reading the
-  set's window in place through ``row_offset``: the kernel's figure); ``decodelab`` (the public
-  ``serving.layers.fused_add_rmsnorm(backend="pallas")`` on the sliced window: a custom call
-  cannot read a slice in place, so XLA copies x's and residual's windows first, which a model's
-  layer, whose inputs are fresh activations, does not pay; it is reported so the cost of that
-  is visible, and is not the kernel's figure). ``decodelab_kernel (repeat)``: its noise level.
+  4096 (``--quick``: 4096 tokens; dry run: hidden 96 and 128, tokens 1 and 5), eps 1e-5. R sets
+  of ``[T, H]`` x and residual (R from ``options.unrolled_sets_for`` the bytes of x and
+  residual of a set); the weight is one ``[H]`` vector. Bytes = ``norm_bytes``: read x,
+  residual, weight; write normed and new_residual. Arms: ``xla_fused``
+  (``serving.layers.fused_add_rmsnorm(backend="reference")``, the plain JAX expression as XLA
+  fuses it); ``decodelab_kernel`` (``kernels_pallas.norm.fused_add_rmsnorm`` on the arrays);
+  ``decodelab`` (the public ``serving.layers.fused_add_rmsnorm(backend="pallas")``: what a model
+  gets). ``decodelab_kernel (repeat)``: its noise level.
 - ``rope_append B=64``: 32 query heads, 8 KV heads, head_dim 128, bfloat16, HND pool of pages of
   16 (dry run: B=4, 4 and 2 heads, head_dim 16, pages of 4), Llama 3.1 RoPE (theta 500000,
   factor 8). One new token a request (a decode step) at a position drawn in ``[0, 2048)``. The
-  rotating sets are the page tables and positions: each set's new tokens land in pages of their
-  own, so the written pages rotate through the pool (R from ``options.num_sets_for`` the bytes a
-  call writes). q, k and v are one set (0.75 MiB), as at a real call site right after the QKV
-  projection, read alike by both arms. Bytes = ``rope_append_bytes``: read q, k, v, write
-  q_rotated and the new k and v. Arms: ``decodelab`` (``paged.rope_append_kv(backend=
-  "pallas")``), ``jax_unfused`` (``backend="reference"``: rotate q and k, then scatter k and v
+  rotating sets are the page tables, positions and batch indices: each set's new tokens land in
+  pages of their own, so the written pages rotate through the pool (R from
+  ``options.unrolled_sets_for`` the bytes a call moves). k and v are one set (0.25 MiB) and q
+  is carried, as at a real call site right after the QKV projection, alike for both arms.
+  Bytes = ``rope_append_bytes``: read q, k, v, write q_rotated and the new k and v. Arms:
+  ``decodelab`` (``paged.rope_append_kv(backend="pallas")``: one Triton kernel a call and
+  nothing else), ``jax_unfused`` (``backend="reference"``: rotate q and k, then scatter k and v
   into the pages, as XLA fuses it). ``decodelab (repeat)``: its noise level.
 
 Every Pallas arm's attribution names the Triton kernel found in its lowered program
 (``interpret`` where none is compiled); a reference arm says ``xla`` once its program is checked
 to call no Triton kernel. Each of our rows records its largest difference from the XLA arm on
-set 0 (``max_abs_difference_from_xla``); a difference above ``DISAGREEMENT_TOLERANCE`` is noted.
+one call on set 0 (``max_abs_difference_from_xla``); a difference above
+``DISAGREEMENT_TOLERANCE`` is noted.
 
 Targets (issue 6), judged in the notes: ``fused_add_rmsnorm`` at 4096 tokens at 80% or more of
 the copy ceiling and at least as fast as ``xla_fused``; ``rope_append`` at least 1.5x
@@ -54,6 +73,7 @@ the copy ceiling and at least as fast as ``xla_fused``; ``rope_append`` at least
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gc
 from collections.abc import Callable
 from typing import Any
@@ -122,14 +142,16 @@ PEERS_FOR_RATIO = ("xla_fused", "jax_unfused")
 METHOD_NOTES = (
     "bytes: fused_add_rmsnorm = read x, residual, weight + write normed, new_residual; "
     "rope_append = read q, k, v + write q_rotated and the new k and v (index arrays not counted)",
-    "every arm's outputs pass an optimization barrier (written in full) and one row of each is "
-    "folded into the checksum, so no arm pays a read of all its outputs",
-    "fused_add_rmsnorm: `decodelab_kernel` reads its set's rows in place (row_offset); "
-    "`decodelab` (public API) gets the rows sliced out of the rotating pool, which XLA copies "
-    "for a custom call and a model's layer would not: the kernel's figure is `decodelab_kernel`",
-    "rope_append: one L2-resident set of q, k, v (as right after the QKV projection) for both "
-    "arms; page tables and positions rotate, so the written pages rotate through the pool; the "
-    "pool is carried from call to call and copied once per timed program, alike for both arms",
+    "loop: every set is arrays of its own, named statically (no slice is copied before a "
+    "custom call); each call's outputs are carried into a later call (norm: normed and "
+    "new_residual become the set's next x and residual; RoPE: the pool and q), and every call's "
+    "inputs pass an optimization barrier with the carried state, so calls are chained, none is "
+    "hoisted or fused with another, and no arm runs an operation the call itself does not",
+    "two rounds a loop iteration, so that no arm needs an in-place write to avoid a copy into "
+    "the loop's buffers; the carried state is copied into the loop once per timed program, "
+    "alike for every arm",
+    "at most 32 sets: for the small cases the sets stay in the L2 between visits "
+    "(bytes_between_visits), alike for every arm",
 )
 
 
@@ -164,10 +186,75 @@ def run(options: RunOptions, ceiling: CopyCeiling) -> SuiteOutput:
 # Shared pieces
 
 
-def digest(*outputs: jax.Array) -> tuple[jax.Array, ...]:
-    """The last row of each output, after a barrier that makes every output exist in full."""
-    outputs = lax.optimization_barrier(outputs)
-    return tuple(output[-1] for output in outputs)
+class ChainedCallsLoop(TimedLoop):
+    """Programs of chained calls over sets visited in turn, a state carried (module docstring).
+
+    ``call(set_index, set_operands, shared, state) -> state``: one call of an arm on set
+    ``set_index`` (a Python int), reading the set's arrays, arrays ``shared`` by every set, and
+    the carried ``state`` (a pytree of arrays), and returning the new state. Before every call,
+    ``(set_operands, shared, state)`` pass one ``lax.optimization_barrier``. A round calls every
+    set once, in order; a program of ``iters`` calls (a multiple of R, as ``harness.calls_for``
+    sizes them) runs ``iters / R`` rounds, two an iteration of its ``lax.fori_loop`` and an odd
+    last one after it. It returns the sum of one element of each array of the final state.
+
+    Args:
+      call: as above.
+      sets: R pytrees of arrays, one a set.
+      shared: a pytree of arrays every call reads.
+      state: the initial state (copied into the loop once per program run).
+    """
+
+    def __init__(self, call: Callable[..., Any], sets: list, shared: Any, state: Any):
+        super().__init__(step=None, num_sets=len(sets), operands=(list(sets), shared, state))
+        self.call = call
+
+    def _round(self, sets, shared, state):
+        for set_index, set_operands in enumerate(sets):
+            set_operands, shared_now, state = lax.optimization_barrier(
+                (set_operands, shared, state)
+            )
+            state = self.call(set_index, set_operands, shared_now, state)
+        return state
+
+    def run_rounds(self, operands, rounds: int):
+        """The state after ``rounds`` rounds from ``operands``' initial state (traceable)."""
+        sets, shared, state = operands
+        if rounds // 2:
+            state = lax.fori_loop(
+                0,
+                rounds // 2,
+                lambda _, state: self._round(sets, shared, self._round(sets, shared, state)),
+                state,
+            )
+        if rounds % 2:
+            state = self._round(sets, shared, state)
+        return state
+
+    def program(self, iters: int) -> Callable[[Any], jax.Array]:
+        if iters not in self._programs:
+            rounds, remainder = divmod(iters, self.num_sets)
+            if remainder or rounds < 1:
+                raise ValueError(f"iters={iters} is not a positive multiple of {self.num_sets}")
+
+            def loop_program(operands):
+                # The barrier keeps the last round whole: a slice of its outputs alone could be
+                # narrowed back into it.
+                state = lax.optimization_barrier(self.run_rounds(operands, rounds))
+                return checksum_of([leaf.reshape(-1)[0] for leaf in jax.tree.leaves(state)])
+
+            self._programs[iters] = jax.jit(loop_program)
+        return self._programs[iters]
+
+    def output(self, set_index: int = 0) -> Any:
+        """The state after one call on set ``set_index`` from the initial state (untimed)."""
+        sets, shared, state = self.operands
+        return jax.jit(lambda *operands: self.call(set_index, *operands))(
+            sets[set_index], shared, state
+        )
+
+    def lowered_text(self, iters: int | None = None) -> str:
+        """StableHLO of the program of two rounds: one loop iteration, every call in it."""
+        return self.program(iters or 2 * self.num_sets).lower(self.operands).as_text()
 
 
 def kernel_label(loop: TimedLoop, options: RunOptions, prefix: str) -> str:
@@ -255,16 +342,16 @@ class NormInputs:
     Attributes:
       tokens, hidden: each set is ``[tokens, hidden]``.
       num_sets: R.
-      x_pool, residual_pool: bfloat16 ``[R x tokens, hidden]``; set ``s`` is rows
-        ``[s T, (s + 1) T)``.
+      x_sets, residual_sets: R bfloat16 ``[tokens, hidden]`` arrays each, set ``s``'s initial
+        x and residual.
       weight: bfloat16 ``[hidden]``.
     """
 
     tokens: int
     hidden: int
     num_sets: int
-    x_pool: jax.Array
-    residual_pool: jax.Array
+    x_sets: list[jax.Array]
+    residual_sets: list[jax.Array]
     weight: jax.Array
 
     @property
@@ -275,82 +362,58 @@ class NormInputs:
     def bytes_per_call(self) -> int:
         return norm_bytes(self.tokens, self.hidden, jnp.dtype(DTYPE).itemsize)
 
-    def operands(self) -> tuple[jax.Array, jax.Array, jax.Array]:
-        return self.x_pool, self.residual_pool, self.weight
+    def state(self) -> tuple[tuple[jax.Array, jax.Array], ...]:
+        """The carried state: every set's ``(x, residual)``."""
+        return tuple(zip(self.x_sets, self.residual_sets, strict=True))
 
     def delete(self) -> None:
-        for array in self.operands():
+        for array in (*self.x_sets, *self.residual_sets, self.weight):
             array.delete()
 
 
 def make_norm_inputs(tokens: int, hidden: int, options: RunOptions) -> NormInputs:
-    """Random pools (activations of magnitude ~1, a residual stream ~4x larger, weights near 1)."""
-    num_sets = options.num_sets_for(2 * tokens * hidden * jnp.dtype(DTYPE).itemsize)
-    keys = jax.random.split(jax.random.key(SEED + hidden + tokens), 3)
-    shape = (num_sets * tokens, hidden)
-    x_pool = jax.random.normal(keys[0], shape, DTYPE)
-    residual_pool = (4 * jax.random.normal(keys[1], shape, jnp.float32)).astype(DTYPE)
-    weight = (1 + 0.1 * jax.random.normal(keys[2], (hidden,), jnp.float32)).astype(DTYPE)
-    return NormInputs(tokens, hidden, num_sets, x_pool, residual_pool, weight)
+    """Random sets (activations of magnitude ~1, a residual stream ~4x larger, weights near 1)."""
+    num_sets = options.unrolled_sets_for(2 * tokens * hidden * jnp.dtype(DTYPE).itemsize)
+    keys = jax.random.split(jax.random.key(SEED + hidden + tokens), 2 * num_sets + 1)
+    shape = (tokens, hidden)
+    x_sets = [jax.random.normal(key, shape, DTYPE) for key in keys[:num_sets]]
+    residual_sets = [
+        (4 * jax.random.normal(key, shape, jnp.float32)).astype(DTYPE)
+        for key in keys[num_sets : 2 * num_sets]
+    ]
+    weight = (1 + 0.1 * jax.random.normal(keys[-1], (hidden,), jnp.float32)).astype(DTYPE)
+    return NormInputs(tokens, hidden, num_sets, x_sets, residual_sets, weight)
 
 
-def _window(pool: jax.Array, set_index, tokens: int) -> jax.Array:
-    return lax.dynamic_slice_in_dim(pool, set_index * tokens, tokens)
+def norm_call(arm: str, x, residual, weight, interpret: bool):
+    """One call of ``arm``: ``(normed, new_residual)``."""
+    if arm == "decodelab_kernel":
+        return norm_kernels.fused_add_rmsnorm(x, residual, weight, EPS, interpret=interpret)
+    backend = "reference" if arm == "xla_fused" else "pallas"
+    return layers.fused_add_rmsnorm(x, residual, weight, EPS, backend=backend)
 
 
-def norm_loop(inputs: NormInputs, arm: str, interpret: bool) -> TimedLoop:
-    """One call of ``arm`` on set ``set_index`` (module docstring), returning its digest."""
-    tokens = inputs.tokens
+def norm_loop(inputs: NormInputs, arm: str, interpret: bool) -> ChainedCallsLoop:
+    """Calls of ``arm``, each on its set's carried ``(x, residual)``, whose outputs become the
+    set's next ``(x, residual)`` (module docstring)."""
 
-    def step(set_index, operands):
-        x_pool, residual_pool, weight = operands
-        if arm == "decodelab_kernel":
-            outputs = norm_kernels.fused_add_rmsnorm(
-                x_pool,
-                residual_pool,
-                weight,
-                EPS,
-                row_offset=set_index * tokens,
-                num_rows=tokens,
-                interpret=interpret,
-            )
-        else:
-            backend = "reference" if arm == "xla_fused" else "pallas"
-            outputs = layers.fused_add_rmsnorm(
-                _window(x_pool, set_index, tokens),
-                _window(residual_pool, set_index, tokens),
-                weight,
-                EPS,
-                backend=backend,
-            )
-        return digest(*outputs)
+    def call(set_index, set_operands, weight, state):
+        del set_operands  # a set is its carried state
+        x, residual = state[set_index]
+        outputs = tuple(norm_call(arm, x, residual, weight, interpret))
+        return (*state[:set_index], outputs, *state[set_index + 1 :])
 
-    return TimedLoop(step, inputs.num_sets, inputs.operands())
+    return ChainedCallsLoop(call, [()] * inputs.num_sets, inputs.weight, inputs.state())
 
 
 def norm_outputs_of_set_zero(inputs: NormInputs, arm: str, interpret: bool):
-    """Every output element of ``arm`` on set 0 (untimed), to compare arms."""
-
-    def call(x_pool, residual_pool, weight):
-        if arm == "decodelab_kernel":
-            return norm_kernels.fused_add_rmsnorm(
-                x_pool,
-                residual_pool,
-                weight,
-                EPS,
-                row_offset=0,
-                num_rows=inputs.tokens,
-                interpret=interpret,
-            )
-        backend = "reference" if arm == "xla_fused" else "pallas"
-        x, residual = x_pool[: inputs.tokens], residual_pool[: inputs.tokens]
-        return layers.fused_add_rmsnorm(x, residual, weight, EPS, backend=backend)
-
-    return jax.jit(call)(*inputs.operands())
+    """Every output element of one call of ``arm`` on set 0 (untimed), to compare arms."""
+    call = jax.jit(lambda x, residual, weight: norm_call(arm, x, residual, weight, interpret))
+    return call(inputs.x_sets[0], inputs.residual_sets[0], inputs.weight)
 
 
 NORM_ARMS = (
-    ("decodelab_kernel", "kernels_pallas.norm.fused_add_rmsnorm(row_offset)"),
+    ("decodelab_kernel", "kernels_pallas.norm.fused_add_rmsnorm"),
     ("decodelab", "serving.layers.fused_add_rmsnorm(backend=pallas)"),
 )
 
@@ -441,45 +504,6 @@ def norm_target_notes(tokens: int, hidden: int, rows: list[CaseResult]) -> list[
 # RoPE + paged KV append
 
 
-class CarriedLoop(TimedLoop):
-    """A ``TimedLoop`` whose step also updates a state carried from call to call (the KV pool).
-
-    ``step(set_index, operands, state) -> (result, state)``. The program is
-    ``lax.fori_loop(0, iters, body, (checksum, state))`` with the same rotation and checksum as
-    ``TimedLoop``; the final state's first element joins the checksum, so no update is dead. The
-    state passed in is copied into the loop's carry once per program run.
-    """
-
-    def __init__(self, step: Callable[..., Any], num_sets: int, operands: Any, state: Any):
-        super().__init__(step, num_sets, (operands, state))
-        self._carried_programs: dict[int, Callable[[Any], jax.Array]] = {}
-
-    def _call_step(self, set_index, operands):
-        inputs, state = operands
-        result, _ = self.step(set_index, inputs, state)
-        return result
-
-    def program(self, iters: int) -> Callable[[Any], jax.Array]:
-        if iters not in self._carried_programs:
-            num_sets = self.num_sets
-
-            def loop_program(operands):
-                inputs, state = operands
-
-                def body(call_index, carry):
-                    checksum, state = carry
-                    set_index = lax.rem(call_index, jnp.int32(num_sets))
-                    result, state = self.step(set_index, inputs, state)
-                    return checksum + checksum_of(result), state
-
-                checksum, state = lax.fori_loop(0, iters, body, (jnp.float32(0), state))
-                first_elements = [leaf.reshape(-1)[0] for leaf in jax.tree.leaves(state)]
-                return checksum + checksum_of(first_elements)
-
-            self._carried_programs[iters] = jax.jit(loop_program)
-        return self._carried_programs[iters]
-
-
 def rope_append_bytes(shape: RopeShape, itemsize: int) -> int:
     """Read q, k, v; write q_rotated and the new k and v (index arrays not counted).
 
@@ -498,10 +522,11 @@ class RopeInputs:
     Attributes:
       shape: the case's sizes.
       num_sets: R.
-      q, k, v: one set of new tokens, ``[B, Hq, D]`` and ``[B, Hkv, D]`` bfloat16.
-      positions: int32 ``[R, B]``, request b's new token's position in set r.
-      page_indptr, page_indices, last_page_len: ``[R, ...]``, set r's page table.
-      cache: the HND pool (the loop's carried state).
+      q: ``[B, Hq, D]`` bfloat16, the initial q (carried: each call's q_rotated is the next q).
+      k, v: ``[B, Hkv, D]`` bfloat16, read by every call.
+      sets: R tuples ``(positions [B], batch_indices [B], page_indptr [B + 1], page_indices
+        [num_indices], last_page_len [B])``, int32: set r's new tokens and page table.
+      cache: the HND pool (carried).
     """
 
     shape: RopeShape
@@ -509,10 +534,7 @@ class RopeInputs:
     q: jax.Array
     k: jax.Array
     v: jax.Array
-    positions: jax.Array
-    page_indptr: jax.Array
-    page_indices: jax.Array
-    last_page_len: jax.Array
+    sets: list[tuple[jax.Array, ...]]
     cache: paged.KVCache
 
     @property
@@ -523,19 +545,12 @@ class RopeInputs:
     def bytes_per_call(self) -> int:
         return rope_append_bytes(self.shape, jnp.dtype(DTYPE).itemsize)
 
-    def operands(self):
-        return (
-            self.q,
-            self.k,
-            self.v,
-            self.positions,
-            self.page_indptr,
-            self.page_indices,
-            self.last_page_len,
-        )
+    def state(self) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """The carried state: ``(k_pages, v_pages, q)``."""
+        return self.cache.k_pages, self.cache.v_pages, self.q
 
     def delete(self) -> None:
-        for array in (*self.operands(), self.cache.k_pages, self.cache.v_pages):
+        for array in (*self.state(), self.k, self.v, *jax.tree.leaves(self.sets)):
             array.delete()
 
 
@@ -543,20 +558,24 @@ def make_rope_inputs(shape: RopeShape, options: RunOptions) -> RopeInputs:
     """Page tables whose new tokens' pages are distinct across every set and request; the
     earlier pages of a request (never touched by an append) are drawn from the whole pool."""
     batch, page_size = shape.batch, shape.page_size
-    num_sets = options.num_sets_for(rope_append_bytes(shape, jnp.dtype(DTYPE).itemsize))
+    num_sets = options.unrolled_sets_for(rope_append_bytes(shape, jnp.dtype(DTYPE).itemsize))
     num_pages = num_sets * batch
     rng = np.random.default_rng(SEED)
-    positions = rng.integers(0, shape.max_position, size=(num_sets, batch))
+    positions = rng.integers(0, shape.max_position, size=(num_sets, batch)).astype(np.int32)
     pages_per_request = positions // page_size + 1  # the new token's page is the last one
     last_pages = rng.permutation(num_pages).reshape(num_sets, batch)
     num_indices = int(pages_per_request.sum(axis=1).max())
-    page_indptr = np.zeros((num_sets, batch + 1), np.int32)
-    page_indptr[:, 1:] = np.cumsum(pages_per_request, axis=1)
-    page_indices = rng.integers(0, num_pages, size=(num_sets, num_indices)).astype(np.int32)
+    sets = []
     for s in range(num_sets):
-        page_indices[s, page_indptr[s, 1:] - 1] = last_pages[s]
-        page_indices[s, page_indptr[s, -1] :] = 0  # padding past the table holds 0
-    last_page_len = (positions % page_size + 1).astype(np.int32)
+        page_indptr = np.zeros(batch + 1, np.int32)
+        page_indptr[1:] = np.cumsum(pages_per_request[s])
+        page_indices = rng.integers(0, num_pages, size=num_indices).astype(np.int32)
+        page_indices[page_indptr[1:] - 1] = last_pages[s]
+        page_indices[page_indptr[-1] :] = 0  # padding past the table holds 0
+        last_page_len = (positions[s] % page_size + 1).astype(np.int32)
+        batch_indices = np.arange(batch, dtype=np.int32)
+        arrays = (positions[s], batch_indices, page_indptr, page_indices, last_page_len)
+        sets.append(tuple(jnp.asarray(array) for array in arrays))
     keys = jax.random.split(jax.random.key(SEED), 5)
     pool_shape = (num_pages, shape.num_kv_heads, page_size, shape.head_dim)
     cache = paged.KVCache(
@@ -568,50 +587,38 @@ def make_rope_inputs(shape: RopeShape, options: RunOptions) -> RopeInputs:
     kv_shape = (batch, shape.num_kv_heads, shape.head_dim)
     k = jax.random.normal(keys[3], kv_shape, DTYPE)
     v = jax.random.normal(keys[4], kv_shape, DTYPE)
-    return RopeInputs(
-        shape,
-        num_sets,
-        q,
-        k,
-        v,
-        jnp.asarray(positions, jnp.int32),
-        jnp.asarray(page_indptr),
-        jnp.asarray(page_indices),
-        jnp.asarray(last_page_len),
-        cache,
+    return RopeInputs(shape, num_sets, q, k, v, sets, cache)
+
+
+def rope_call(shape: RopeShape, backend: str, set_operands, k, v, state):
+    """One call of ``paged.rope_append_kv(backend=backend)`` on a set: the new state
+    ``(k_pages, v_pages, q_rotated)``."""
+    positions, batch_indices, page_indptr, page_indices, last_page_len = set_operands
+    k_pages, v_pages, q = state
+    table = paged.PageTable(page_indptr, page_indices, last_page_len, shape.page_size)
+    cache = paged.KVCache(k_pages, v_pages, "HND")
+    q_rotated, cache = paged.rope_append_kv(
+        q, k, v, positions, batch_indices, cache, table, rope=ROPE, backend=backend
     )
+    return cache.k_pages, cache.v_pages, q_rotated
 
 
-def _rope_call(inputs: RopeInputs, backend: str, set_index, operands, cache):
-    q, k, v, positions, page_indptr, page_indices, last_page_len = operands
-    table = paged.PageTable(
-        page_indptr[set_index],
-        page_indices[set_index],
-        last_page_len[set_index],
-        inputs.shape.page_size,
-    )
-    batch_indices = jnp.arange(inputs.shape.batch, dtype=jnp.int32)
-    return paged.rope_append_kv(
-        q, k, v, positions[set_index], batch_indices, cache, table, rope=ROPE, backend=backend
-    )
+def rope_loop(inputs: RopeInputs, backend: str) -> ChainedCallsLoop:
+    """Calls of ``paged.rope_append_kv(backend=backend)``, one a set in turn, the pool and q
+    carried (module docstring)."""
 
+    def call(set_index, set_operands, shared, state):
+        del set_index  # the set's arrays are set_operands
+        return rope_call(inputs.shape, backend, set_operands, *shared, state)
 
-def rope_loop(inputs: RopeInputs, backend: str) -> CarriedLoop:
-    """One call = ``paged.rope_append_kv(backend=backend)`` on set ``set_index``, the pool
-    carried."""
-
-    def step(set_index, operands, cache):
-        q_rotated, cache = _rope_call(inputs, backend, set_index, operands, cache)
-        return digest(q_rotated), cache
-
-    return CarriedLoop(step, inputs.num_sets, inputs.operands(), inputs.cache)
+    return ChainedCallsLoop(call, inputs.sets, (inputs.k, inputs.v), inputs.state())
 
 
 def rope_outputs_of_set_zero(inputs: RopeInputs, backend: str):
     """q_rotated and the pool after one call on set 0 (untimed), to compare arms."""
-    call = jax.jit(lambda operands, cache: _rope_call(inputs, backend, 0, operands, cache))
-    q_rotated, cache = call(inputs.operands(), inputs.cache)
-    return q_rotated, cache.k_pages, cache.v_pages
+    call = jax.jit(functools.partial(rope_call, inputs.shape, backend))
+    k_pages, v_pages, q_rotated = call(inputs.sets[0], inputs.k, inputs.v, inputs.state())
+    return q_rotated, k_pages, v_pages
 
 
 def rope_case_results(
