@@ -1,114 +1,161 @@
-"""The end-to-end demonstration behind ``make demo``.
+"""The demonstration behind ``make demo``: the trained byte-level pair through the engine.
 
-Today: a ragged batch of requests gets pages from a ``PagePool`` (scattered, since earlier
-requests come and go), their keys and values are appended into a paged ``KVCache``, and one
-decode step of attention runs through the public ``paged.decode_attention``. The result is
-checked against dense attention in float64 over the same tokens, gathered on the host.
+Several prompts (more than there are slots, so continuous batching admits them as others
+finish) are decoded with top-p sampling and speculative decoding by the tiny target and draft
+of ``serving/weights/``, then once more without speculation. It prints the generated text, the
+measured acceptance against the formula's prediction, tokens per second, where a step's time
+goes (host against device), and which backend ran each operation. It ends with ``OK`` when
+every request finished and both pools came back full.
+
+The prediction: with drafts accepted independently at rate ``alpha``, a verification step
+emits ``(1 - alpha^(n + 1)) / (1 - alpha)`` tokens on average. ``alpha`` is measured (accepted
+drafts over drafts tested, every position pooled), so the comparison tests independence across
+positions, not the rate itself; the per-position rates show how far from constant it is.
+
+Also here, shared with the command line: loading the pair and the byte-level text codec (a
+token is a byte; output bytes that are not valid UTF-8 print as U+FFFD).
 """
 
 from __future__ import annotations
 
+import pathlib
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-import paged
-from kernels_pallas.platform import resolve_backend
+from serving.engine import Engine
+from serving.model import load_model
+from serving.requests import Request, SamplingParams
 
-SEQ_LENS = (1, 16, 17, 100, 0, 300)  # one token, a full page, a page plus one, long, empty
-NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE, NUM_POOL_PAGES = 8, 2, 64, 16, 64
-
-
-def dense_attention_float64(q, keys_per_request, values_per_request, sm_scale):
-    """Per request: softmax(q k^T * scale) v in float64, GQA by repeating KV heads."""
-    outputs = []
-    group = q.shape[1] // NUM_KV_HEADS
-    for b, (k, v) in enumerate(zip(keys_per_request, values_per_request, strict=True)):
-        if k.shape[0] == 0:
-            outputs.append(np.zeros(q.shape[1:]))
-            continue
-        k = np.repeat(k, group, axis=1)  # [T, H, D]
-        v = np.repeat(v, group, axis=1)
-        logits = np.einsum("hd,thd->ht", q[b], k) * sm_scale
-        weights = np.exp(logits - logits.max(axis=1, keepdims=True))
-        weights /= weights.sum(axis=1, keepdims=True)
-        outputs.append(np.einsum("ht,thd->hd", weights, v))
-    return np.stack(outputs)
+WEIGHTS = pathlib.Path(__file__).parent / "weights"
+PROMPTS = (
+    "def fibonacci(n):\n    ",
+    "import os\nimport sys\n\n\ndef main(",
+    "class Stack:\n    def __init__(self):\n        ",
+    "    for line in lines:\n        if ",
+    "# Copyright ",
+    "    raise ValueError(",
+)
+# The pair's held-out expectation at temperature 1 without filters (serving/weights/README.md).
+OFFLINE_ALPHA = 0.851
 
 
-def run_demo(seed: int = 0, backend: str = "auto") -> int:
-    rng = np.random.default_rng(seed)
-    print(f"decodelab demo on {jax.default_backend()} ({jax.devices()[0].device_kind})")
+def load_tiny_pair(directory=WEIGHTS):
+    """``(target, draft)``, each ``(ModelConfig, params)``, from ``serving/weights/``."""
+    directory = pathlib.Path(directory)
+    return load_model(directory / "target"), load_model(directory / "draft")
 
-    # Pages come from a pool in which earlier requests have come and gone, so they scatter.
-    pool = paged.PagePool(NUM_POOL_PAGES)
-    churn = pool.allocate(NUM_POOL_PAGES // 2)
-    pool.free(churn[::2])
-    pages_needed = [-(-n // PAGE_SIZE) for n in SEQ_LENS]
-    page_lists = [pool.allocate(n) for n in pages_needed]
-    table = paged.PageTable.from_page_lists(page_lists, SEQ_LENS, PAGE_SIZE)
-    print(f"\nrequests' lengths     {list(SEQ_LENS)}")
-    print(f"page_indptr           {table.page_indptr.tolist()}")
-    used = int(table.page_indptr[-1])
-    print(
-        f"page_indices          {table.page_indices[:used].tolist()} "
-        f"(+{table.page_indices.shape[0] - used} padding)"
-    )
-    print(f"last_page_len         {table.last_page_len.tolist()}")
-    print(f"pool pages free       {pool.num_free} of {NUM_POOL_PAGES}")
 
-    # Append every request's tokens (a prefill, one token per row) into the cache.
-    dtype = jnp.bfloat16
-    cache = paged.new_kv_cache(NUM_POOL_PAGES, PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM, dtype)
-    batch_indices = np.concatenate([np.full(n, b) for b, n in enumerate(SEQ_LENS)]).astype(np.int32)
-    positions = np.concatenate([np.arange(n) for n in SEQ_LENS]).astype(np.int32)
-    total = len(positions)
-    k_new = rng.standard_normal((total, NUM_KV_HEADS, HEAD_DIM)).astype(np.float32)
-    v_new = rng.standard_normal((total, NUM_KV_HEADS, HEAD_DIM)).astype(np.float32)
-    cache = paged.append_kv(
-        cache,
-        table,
-        jnp.asarray(k_new, dtype),
-        jnp.asarray(v_new, dtype),
-        jnp.asarray(batch_indices),
-        jnp.asarray(positions),
-    )
+def encode_text(text: str) -> list[int]:
+    """The byte-level tokens of ``text`` (UTF-8)."""
+    return list(text.encode("utf-8"))
 
-    q = jnp.asarray(rng.standard_normal((len(SEQ_LENS), NUM_Q_HEADS, HEAD_DIM)), dtype)
-    chosen = resolve_backend(backend)
-    decode = jax.jit(
-        lambda q, cache, table: paged.decode_attention(
-            q, cache, table, return_lse=True, backend=backend
-        )
-    )
-    out, lse = decode(q, cache, table)
-    out.block_until_ready()
+
+def decode_tokens(tokens) -> str:
+    """Bytes back to text; invalid UTF-8 (a tiny model's output can be) becomes U+FFFD."""
+    return bytes(int(t) for t in tokens).decode("utf-8", errors="replace")
+
+
+def _run(engine: Engine, requests: list[Request]) -> tuple[list, list, float]:
+    """Generates; returns the outputs, the per-step stats and the wall time."""
+    steps = []
     start = time.perf_counter()
-    out, lse = decode(q, cache, table)
-    out.block_until_ready()
-    elapsed_us = (time.perf_counter() - start) * 1e6
+    outputs = engine.generate(requests, progress_callback=lambda out: steps.append(out.stats))
+    return outputs, steps, time.perf_counter() - start
 
-    # Oracle: the bf16-rounded keys/values each request wrote, in order, attended in float64.
-    k_rounded = np.asarray(jnp.asarray(k_new, dtype).astype(jnp.float32), np.float64)
-    v_rounded = np.asarray(jnp.asarray(v_new, dtype).astype(jnp.float32), np.float64)
-    starts = np.concatenate([[0], np.cumsum(SEQ_LENS)])
-    keys = [k_rounded[starts[b] : starts[b + 1]] for b in range(len(SEQ_LENS))]
-    values = [v_rounded[starts[b] : starts[b + 1]] for b in range(len(SEQ_LENS))]
-    q64 = np.asarray(q.astype(jnp.float32), np.float64)
-    expected = dense_attention_float64(q64, keys, values, 1.0 / np.sqrt(HEAD_DIM))
-    got = np.asarray(out.astype(jnp.float32), np.float64)
-    error = np.linalg.norm(got - expected) / np.linalg.norm(expected)
-    empty = [b for b, n in enumerate(SEQ_LENS) if n == 0]
 
-    print(f"\ndecode_attention backend: {chosen}  (requested {backend!r})")
-    print(f"output {tuple(out.shape)} {out.dtype}, one call {elapsed_us:.0f} us (host clock)")
-    print(f"relative L2 error vs dense float64 attention: {error:.2e} (bfloat16 bound 1e-2)")
-    print(
-        f"empty request(s) {empty}: output all zero = {bool(np.all(got[empty] == 0))}, "
-        f"lse = {np.asarray(lse)[empty, 0].tolist()}"
+def _speed_line(label: str, outputs, steps, wall_s: float) -> str:
+    tokens = sum(len(out.token_ids) for out in outputs)
+    warm = [s for s in steps if not s.compiled]
+    warm_s = sum(s.total_s for s in warm)
+    warm_tokens = sum(s.num_emitted for s in warm)
+    return (
+        f"{label:<13} {tokens} tokens in {len(steps)} steps, {wall_s:.1f} s wall "
+        f"(compiling included); {warm_tokens / warm_s:.0f} tokens/s over the "
+        f"{len(warm)} steps that compiled nothing"
     )
-    ok = error < 1e-2 and bool(np.all(np.isfinite(got)))
+
+
+def run_demo(
+    *,
+    backend: str = "auto",
+    seed: int = 0,
+    max_tokens: int = 160,
+    num_speculative: int = 4,
+    parallel: int = 4,
+    temperature: float = 0.8,
+    top_p: float = 0.9,
+) -> int:
+    """Runs the demonstration; returns the exit status (0 when everything checked out)."""
+    print(f"decodelab serving demo on {jax.default_backend()} ({jax.devices()[0].device_kind})")
+    target, draft = load_tiny_pair()
+    print(
+        f"target {target[0].num_layers} layers x {target[0].hidden}, draft "
+        f"{draft[0].num_layers} layers x {draft[0].hidden}, bytes as tokens; "
+        f"{len(PROMPTS)} prompts on {parallel} slots, n={num_speculative} drafts, "
+        f"temperature {temperature}, top-p {top_p}, {max_tokens} tokens each"
+    )
+
+    def requests(prefix: str) -> list[Request]:
+        params = [
+            SamplingParams(
+                temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed + i
+            )
+            for i in range(len(PROMPTS))
+        ]
+        return [
+            Request(f"{prefix}-{i}", encode_text(prompt), p)
+            for i, (prompt, p) in enumerate(zip(PROMPTS, params, strict=True))
+        ]
+
+    pages = -(-(max(map(len, PROMPTS)) + max_tokens + num_speculative) // 16)
+    options = dict(num_pages=parallel * pages + 1, page_size=16, parallel=parallel)
+    options.update(backend=backend, prefill_chunk_size=64)
+    speculative = Engine(target, draft, num_speculative=num_speculative, **options)
+    outputs, steps, wall_s = _run(speculative, requests("spec"))
+    for prompt, output in zip(PROMPTS, outputs, strict=True):
+        print(f"\n--- {output.request_id} ({len(output.token_ids)} tokens) ---")
+        print(prompt + decode_tokens(output.token_ids))
+
+    stats = speculative.acceptance
+    rates = ", ".join(f"{rate:.3f}" for rate in stats.rate_at())
+    print(f"\nacceptance over {stats.rows} verification rows, per draft position: {rates}")
+    print(
+        f"alpha (accepted / tested, pooled) {stats.alpha:.3f}; the pair's held-out "
+        f"expectation at temperature 1, no filter: {OFFLINE_ALPHA}"
+    )
+    print(
+        f"tokens per verification step: predicted (1 - alpha^{num_speculative + 1}) / "
+        f"(1 - alpha) = {stats.predicted_tokens_per_step:.3f}, measured "
+        f"{stats.measured_tokens_per_step:.3f}"
+    )
+
+    plain = Engine(target, None, **options)
+    plain_outputs, plain_steps, plain_wall_s = _run(plain, requests("plain"))
+    print()
+    print(_speed_line("speculative", outputs, steps, wall_s))
+    print(_speed_line("plain", plain_outputs, plain_steps, plain_wall_s))
+    warm = [s for s in steps if not s.compiled and s.num_decode_rows]
+    print(
+        f"per speculative step (medians of {len(warm)}): host "
+        f"{1e3 * np.median([s.host_s for s in warm]):.2f} ms (scheduling, tables, plans), "
+        f"device {1e3 * np.median([s.decode_s for s in warm]):.2f} ms (one jitted program)"
+    )
+
+    print(f"\nwhich backend ran each operation (backend={backend!r}):")
+    for op, implementation in speculative.backend_report().items():
+        print(f"  {op:<40} {implementation}")
+    for op, implementation in plain.backend_report().items():
+        if op.startswith("decode: sampling"):
+            print(f"  {'plain ' + op:<40} {implementation}")
+
+    finished = len(outputs) == len(plain_outputs) == len(PROMPTS)
+    full = all(
+        engine.scheduler.pool.num_free == engine.scheduler.usable_pages
+        for engine in (speculative, plain)
+    )
+    print(f"\nall requests finished: {finished}; page pools back to full: {full}")
+    ok = finished and full
     print("OK" if ok else "FAILED")
     return 0 if ok else 1

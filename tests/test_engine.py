@@ -1,0 +1,265 @@
+"""The engine end to end on the trained tiny pair (``serving/weights/``), on the CPU.
+
+- Token parity at temperature 0: the reference backend and the Pallas kernels (interpreted on
+  a CPU), with and without speculation, generate the same tokens.
+- A request's tokens depend on its seed alone: not on its slot, its neighbours, or being
+  preempted and recomputed.
+- Speculative decoding at temperature 1 with top-p keeps the target's distribution: the first
+  two emitted tokens against their exact joint distribution, computed from the target's dense
+  forward (calibrated bound below), with and without speculation.
+- Every request finishes and both pools return to full, also through preemption.
+
+Shapes are shared between tests (slots, pool, prompt lengths) so that compiled programs are
+reused: the engine's programs are module-level ``jax.jit`` functions.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import speculative
+from serving import engine as engine_lib
+from serving.demo import encode_text, load_tiny_pair
+from serving.engine import Engine
+from serving.model import forward_dense
+from serving.requests import Request, SamplingParams
+
+PAGE_SIZE = 16
+# 3 usable pages (page 0 pads): two requests of 17 or more positions do not fit together,
+# so the scheduler preempts and recomputes in most tests.
+NUM_PAGES = 4
+PARALLEL = 2
+# Prompts of 9 bytes: every prefill is one chunk of 8 tokens (one compiled prefill program).
+PROMPTS = ("def main(", "import os", "class Foo", "    retur", "# Licence")
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return load_tiny_pair()
+
+
+def _engine(pair, *, num_speculative=0, backend="reference", **options):
+    target, draft = pair
+    options = dict(num_pages=NUM_PAGES, page_size=PAGE_SIZE, parallel=PARALLEL) | options
+    return Engine(target, draft, num_speculative=num_speculative, backend=backend, **options)
+
+
+def _tokens(outputs) -> list[tuple[int, ...]]:
+    return [output.token_ids for output in outputs]
+
+
+# ----------------------------------------------------------------------------------------------
+# Parity across backends and with speculation
+
+
+def test_temperature_zero_tokens_agree_across_backends_and_speculation(pair):
+    """Greedy tokens are the same for the reference and the Pallas kernels, with and without
+    speculation (greedy speculation must reproduce plain greedy decoding exactly; a rewind off
+    by one either way, or drafts fed at the wrong positions, changes them). With float32 models
+    a flip would need two logits within float32 rounding of each other: the bound is 0 flips
+    in the 3 x 8 tokens here (measured: 0)."""
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    requests = lambda: [Request(i, encode_text(p), params) for i, p in enumerate(PROMPTS[:3])]
+    baseline = _tokens(_engine(pair).generate(requests()))
+    flips = {}
+    for backend in ("reference", "pallas"):
+        for n in (0, 2):
+            if (backend, n) == ("reference", 0):
+                continue
+            engine = _engine(pair, num_speculative=n, backend=backend)
+            got = _tokens(engine.generate(requests()))
+            flips[backend, n] = sum(
+                a != b
+                for row, base in zip(got, baseline, strict=True)
+                for a, b in zip(row, base, strict=True)
+            )
+            if backend == "pallas":
+                report = engine.backend_report()
+                assert report["decode: attention"].startswith("pallas: paged_decode")
+                sampler = "decode: draft sampling" if n else "decode: sampling"
+                assert report[sampler].startswith("pallas:")
+    assert all(count == 0 for count in flips.values()), f"tokens differ from the baseline: {flips}"
+
+
+def test_one_hot_chain_sampling_is_greedy_verification():
+    """The engine's temperature-0 rows go through chain speculative sampling with one-hot p
+    and q (module docstring of ``serving.engine``): that must be ``chain_greedy_verify``."""
+    rng = np.random.default_rng(0)
+    batch, n, vocab = 64, 3, 12
+    # Coarse logits give exact ties (the lowest index wins on both paths).
+    target_logits = jnp.asarray(rng.integers(0, 4, (batch, n + 1, vocab)), jnp.float32)
+    noise = rng.integers(0, 2, (batch, n, vocab)) * (rng.random((batch, 1, 1)) < 0.5)
+    draft_logits = target_logits[:, :n] + jnp.asarray(noise, jnp.float32)
+    drafts = jnp.argmax(draft_logits, axis=-1).astype(jnp.int32)
+    q = speculative.sampling_distribution(draft_logits, temperature=0.0, top_p=0.5)
+    p = speculative.sampling_distribution(target_logits, temperature=0.0, top_k=3)
+    for backend in ("reference", "pallas"):
+        sampled = speculative.chain_speculative_sampling(
+            jax.random.split(jax.random.key(1), batch), q, drafts, p, backend=backend
+        )
+        greedy = speculative.chain_greedy_verify(drafts, target_logits)
+        np.testing.assert_array_equal(np.asarray(sampled[0]), np.asarray(greedy[0]))
+        np.testing.assert_array_equal(np.asarray(sampled[1]), np.asarray(greedy[1]))
+    assert 0 < int(greedy[1].sum()) < batch * n  # both accepts and rejects were exercised
+
+
+# ----------------------------------------------------------------------------------------------
+# A request's randomness is its own
+
+
+@pytest.mark.parametrize("num_speculative", [0, 2])
+def test_tokens_do_not_depend_on_slot_neighbours_or_preemption(pair, num_speculative):
+    """Each request (its own seed and parameters, one greedy) alone in slot 0, then the three
+    together on two slots in the 3-page pool: the last one starts later in another slot, next to
+    other requests, and is preempted (its pages freed, its tokens recomputed) when the older one
+    grows. The same tokens every time."""
+    requests = [
+        Request("greedy", encode_text(PROMPTS[1]), SamplingParams(temperature=0, max_tokens=5)),
+        Request(
+            "top-k", encode_text(PROMPTS[2]), SamplingParams(0.7, top_k=20, seed=9, max_tokens=16)
+        ),
+        Request("mine", encode_text(PROMPTS[0]), SamplingParams(top_p=0.9, seed=5, max_tokens=12)),
+    ]
+    alone = [_engine(pair, num_speculative=num_speculative).generate([r])[0] for r in requests]
+    engine = _engine(pair, num_speculative=num_speculative)
+    together = engine.generate(requests)
+    assert _tokens(together) == _tokens(alone)
+    assert together[-1].num_preemptions > 0 and engine.scheduler.stats["preempted"] > 0
+    assert engine.scheduler.pool.num_free == engine.scheduler.usable_pages
+    timing = engine.timings["mine"]
+    assert timing.submitted_s <= timing.token_s[0] and len(timing.token_s) == 12
+
+
+def test_engine_finishes_every_request_and_returns_every_page(pair):
+    """A mix of lengths, stop tokens, greedy and sampled rows and a shared prompt prefix
+    (two full pages) through speculation: all finish, with the right lengths, and the pool is
+    full again."""
+    shared = "x = 1\n" * 6  # 36 bytes: two full pages shared
+    requests = [
+        Request("a", encode_text(shared + "y"), SamplingParams(top_p=0.8, seed=1, max_tokens=9)),
+        Request("b", encode_text(shared + "z"), SamplingParams(temperature=0, max_tokens=3)),
+        Request(
+            "c",
+            encode_text(PROMPTS[3]),
+            SamplingParams(seed=3, max_tokens=20, stop_token_ids=[10, 32]),
+        ),
+        Request("d", encode_text(PROMPTS[4]), SamplingParams(min_p=0.1, seed=4, max_tokens=1)),
+    ]
+    engine = _engine(pair, num_speculative=3, num_pages=16)
+    outputs = engine.generate(requests)
+    assert [out.request_id for out in outputs] == ["a", "b", "c", "d"]
+    for request, output in zip(requests, outputs, strict=True):
+        params = request.params
+        if output.finish_reason == "length":
+            assert len(output.token_ids) == params.max_tokens
+        else:
+            assert output.token_ids[-1] in params.stop_token_ids
+            assert not set(output.token_ids[:-1]) & set(params.stop_token_ids)
+    assert engine.scheduler.stats["shared_prefix_pages"] >= 2
+    assert engine.scheduler.pool.num_free == engine.scheduler.usable_pages
+    assert not engine.has_unfinished
+    stats = engine.acceptance
+    assert stats.rows > 0 and 0 <= stats.alpha <= 1
+    assert 1 <= stats.measured_tokens_per_step <= 4
+
+
+def test_request_keys_use_every_bit_of_the_seed():
+    """Seeds above 2**32 give their own keys (JAX without x64 would drop the high bits)."""
+    np.testing.assert_array_equal(
+        engine_lib.request_key_data(7), np.asarray(jax.random.key_data(jax.random.key(7)))
+    )
+    assert not np.array_equal(
+        engine_lib.request_key_data(5), engine_lib.request_key_data(5 + 2**40)
+    )
+
+
+def test_bad_engine_arguments_are_named(pair):
+    target, draft = pair
+    with pytest.raises(ValueError, match="num_speculative=2 needs a draft"):
+        Engine(target, None, num_pages=8, page_size=16, parallel=1, num_speculative=2)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        Engine(target, num_pages=8, page_size=16, parallel=1, backend="cuda")
+    with pytest.raises(ValueError, match="num_speculative must be in"):
+        Engine(target, draft, num_pages=8, page_size=16, parallel=1, num_speculative=16)
+    engine = Engine(target, num_pages=8, page_size=16, parallel=1, backend="reference")
+    with pytest.raises(ValueError, match="prompt token 300 outside the vocabulary"):
+        engine.submit(Request("a", [1, 300]))
+    with pytest.raises(ValueError, match="can never fit"):
+        engine.submit(Request("b", [1] * 200, SamplingParams(max_tokens=8)))
+
+
+# ----------------------------------------------------------------------------------------------
+# Speculative decoding keeps the target's distribution
+
+# Bretagnolle-Huber-Carol: P(||p_hat - p||_1 >= t) <= 2^k exp(-N t^2 / 2) for k categories and
+# N draws. With k = 20 (the 19 likeliest token pairs and the rest lumped) and ALPHA = 1e-6, a
+# correct engine fails a check with probability at most 1e-6 (two checks: 2e-6 for the test).
+# N = 8192 speculative draws: t = 0.082, so a deviation of total variation 0.05 on those
+# categories (L1 0.1) fails with probability near one; N = 4096 plain draws: t = 0.116.
+ALPHA = 1e-6
+NUM_CATEGORIES = 20
+STAT_PROMPT = "import os\nimport "  # 17 bytes: one full page, shared by every request
+STAT_PARAMS = dict(temperature=1.0, top_p=0.9)
+
+
+def _bhc_threshold(num_draws: int) -> float:
+    return math.sqrt(2 * (NUM_CATEGORIES * math.log(2) + math.log(1 / ALPHA)) / num_draws)
+
+
+def _exact_first_two(target) -> np.ndarray:
+    """float64[V, V]: P(first token, second token) under the target with ``STAT_PARAMS``."""
+    config, params = target
+    forward = jax.jit(lambda tokens: forward_dense(params, config, tokens, backend="reference"))
+    prompt = encode_text(STAT_PROMPT)
+    logits = forward(jnp.array([prompt]))[:, -1]
+    first = np.asarray(speculative.sampling_distribution(logits, **STAT_PARAMS), np.float64)[0]
+    support = np.flatnonzero(first > 0)
+    logits = forward(jnp.array([[*prompt, int(t)] for t in support]))[:, -1]
+    second = np.asarray(speculative.sampling_distribution(logits, **STAT_PARAMS), np.float64)
+    joint = np.zeros((config.vocab_size, config.vocab_size))
+    joint[support] = first[support, None] * second
+    return joint / joint.sum()
+
+
+def _assert_pairs_drawn_from(pairs: np.ndarray, joint: np.ndarray) -> None:
+    vocab = joint.shape[0]
+    index = pairs[:, 0] * vocab + pairs[:, 1]
+    flat = joint.ravel()
+    impossible = flat[index] == 0
+    assert not impossible.any(), f"pairs of probability 0 drawn: {pairs[impossible][:5].tolist()}"
+    frequencies = np.bincount(index, minlength=flat.size) / index.size
+    common = np.argsort(-flat)[: NUM_CATEGORIES - 1]
+    observed = np.append(frequencies[common], 1 - frequencies[common].sum())
+    expected = np.append(flat[common], 1 - flat[common].sum())
+    distance = np.abs(observed - expected).sum()
+    threshold = _bhc_threshold(index.size)
+    assert distance < threshold, f"L1 distance {distance:.4f} >= {threshold:.4f}"
+
+
+@pytest.mark.parametrize("num_speculative, num_draws", [(2, 8192), (0, 4096)])
+def test_first_two_tokens_follow_the_targets_distribution(pair, num_speculative, num_draws):
+    """Requests that differ only in their seed; their first two tokens against the exact
+    joint distribution (with speculation: both the path where the first step emits two tokens
+    or more and the one where the first draft is rejected)."""
+    joint = _exact_first_two(pair[0])
+    parallel = 16
+    engine = _engine(
+        pair,
+        num_speculative=num_speculative,
+        parallel=parallel,
+        num_pages=2 * parallel + 2,
+    )
+    requests = [
+        Request(i, encode_text(STAT_PROMPT), SamplingParams(**STAT_PARAMS, max_tokens=2, seed=i))
+        for i in range(num_draws)
+    ]
+    pairs = np.array(_tokens(engine.generate(requests)))
+    _assert_pairs_drawn_from(pairs, joint)
+    if num_speculative:
+        rates = engine.acceptance.rate_at()
+        assert 0.3 < rates[0] < 0.99  # both branches of the first verification were taken
