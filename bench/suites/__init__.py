@@ -45,6 +45,7 @@ SUITES = {
     "sampling": "bench.suites.sampling",
     "fused_ops": "bench.suites.fused_ops",
     "speculative": "bench.suites.speculative",
+    "serving": "bench.suites.serving",
 }
 
 

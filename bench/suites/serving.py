@@ -1,0 +1,869 @@
+"""The ``serving`` suite: the standard serving scenarios through ``serving.Engine``, the kill
+switch (every op its pure-JAX reference) against the default (every kernel ``"auto"`` picks), in
+the same run (issue 7, "Speed (H200): the standard serving scenarios").
+
+Model: random weights with Llama-3-8B layer shapes (``serving.model.llama3_8b_like``: hidden 4096,
+32 query and 8 KV heads of 128, MLP 14336, vocabulary 128256), ``NUM_LAYERS`` = 4 layers instead
+of 32, bfloat16; pages of 16 tokens, HND pools; every request samples at temperature 1 with top-k
+50 and top-p 0.9 (the standard grid's filters), its own seed, no stop token (so it generates
+exactly ``max_tokens``). With 4 layers the step reads 1.75 GB of layer weights and 1.05 GB of
+``lm_head``: the output projection and the sampling weigh about 8x more in the step than in the
+32-layer model, and attention's share is the share of 4 layers (it scales with the layers, as
+the rest of the layers does).
+
+Scenarios (``SCENARIOS``; ``--quick``: the first two):
+
+- ``single B=1 ctx=512``: one request, 128 new tokens.
+- ``batch B=4 ctx=512``: four requests at once, 128 new tokens each.
+- ``long B=1 ctx=16384`` and ``long B=1 ctx=32768``: one request, 64 new tokens; the cache is
+  built by chunked prefill (chunks of 512 through the reference attention: the kernel takes
+  runs of at most 16 queries, ``serving.engine.MAX_KERNEL_QUERY_TOKENS``).
+- ``shared_prefix B=32 ctx=4096``: 32 requests whose prompts share their first 4096 tokens
+  (256 full pages, shared read-only by the scheduler) and differ in a 32-token tail; 64 new
+  tokens each.
+
+``ctx`` counts the tokens in the cache when decoding starts: a prompt has ``ctx + 1`` tokens
+(``ctx + 32 + 1`` with the shared-prefix tail), since the scheduler prefills all but the last
+token and the first decode step feeds it. Prefills are then whole chunks of 512, one program a
+table bucket, instead of a tail of 9 chunk lengths (256 + 128 + ... + 1), each a compilation.
+``max_prefill_tokens`` covers every prompt of a scenario, so all prefill runs in the first step
+(the shared-prefix requests after the first wait one step for the prefix's pages) and every
+later step is pure decode. One pool size serves every scenario (``pool_pages``, sized for the
+largest without counting on sharing), so programs compiled for one scenario serve the next.
+
+Arms, each a fresh engine per scenario, one after the other (``ARMS``):
+
+- ``reference``: ``Engine(backend="auto")`` with ``DECODELAB_BACKEND=reference`` set while the
+  engine is built, run, reported and timed: the kill switch turns every ``"auto"`` into the
+  pure-JAX reference (``kernels_pallas/platform.py``), the explicit ``backend=`` argument of an
+  op included. The engine's programs cache on ``backend="auto"`` like the default's, so the jit
+  caches are cleared (``jax.clear_caches``) before each arm: otherwise the second arm would run
+  the first arm's compiled programs.
+- ``decodelab``: the default, ``Engine(backend="auto")``: on a GPU the paged-decode kernel and
+  the dual-pivot sampling kernel (the norm and RoPE + append kernels stay off until checked on
+  a GPU, ``serving/layers.py``, ``paged/rope_append.py``); in a dry run on the CPU "auto" is
+  the reference, so the dry run passes ``backend="pallas"`` (every kernel, interpreted) to
+  exercise the kernel path.
+
+``attribution`` is what ``Engine.backend_report()`` reads off the traced programs: the kernel
+names each op calls, or ``reference``. Two arms that ran the same code have the same
+attribution and the report is refused (``bench.report.check_distinguishable``).
+
+Each (scenario, arm) runs the scenario twice on fresh engines of the same shapes: the first run
+compiles every program (prefill chunks, decode steps of each table bucket and split plan), the
+second is measured; it is run again (at most ``MAX_MEASURED_RUNS`` runs) while one of its steps
+still compiled (``StepStats.compiled``: the first kernel trace of a process may import a module
+that registers a JAX option, which changes the tracing context and misses the cache once).
+``compiled_steps`` in the JSON counts the measured run's steps that compiled (0 expected; a
+note says so otherwise: those figures include compilation).
+
+Figures of a row (``extra``):
+
+- ``tokens_per_s``: tokens emitted by decode-only steps (steps that ran no prefill) over those
+  steps' wall time (``StepStats.total_s``: host planning, inputs, the decode program until its
+  tokens reach the host, commit).
+- ``itl_p50_ms``, ``itl_p99_ms``: inter-token latency, gaps between consecutive tokens of each
+  request (``Engine.timings``), all requests pooled.
+- ``ttft_ms`` (median over requests) and ``ttft_max_ms``: submission to first token; all
+  requests are submitted together, so this includes the prefill of every prompt admitted
+  before it.
+- ``host_us_per_step``: median ``StepStats.host_s`` of the decode-only steps.
+- ``median_us``, ``min_us``, ``max_us``: a decode-only step's wall time (``total_s``); ``bytes``
+  what a decode step must move: every weight once (layers, final norm, ``lm_head``; the
+  embedding's ``B`` rows) plus the K and V of every request's context at the middle step;
+  ``achieved_tbps`` = bytes / median step.
+
+Where a step's time goes (``attention_fraction``, ``sampling_fraction``, ``rest_fraction`` of the
+median wall step; ``device_step_us``; ``host_and_dispatch_fraction`` = wall step minus device
+step, a part of the rest). Method, ablation at the call site: the decode step of the middle
+decode-only step (its inputs captured from the measured run, the engine's caches as they are)
+runs ``N`` times inside one jitted ``lax.fori_loop`` (the engine's ``decode_step``, each step
+fed the tokens the previous one sampled and its key folded one step further, so nothing is
+loop-invariant; the caches are carried and donated, so the KV writes happen in place), host
+clock around the program, median of the repeats: ``device_step_us``. The same loop is compiled
+twice more, with ``paged.decode_attention`` replaced by ``o = q`` (same shape and dtype; the
+RoPE + append still writes the cache) and with sampling (``tempered_probs`` + the filtered
+sampler) replaced by an arg max of the logits (one read of them, so that ``lm_head`` is not
+removed as dead code). Attention's time is full minus no-attention, sampling's full minus
+no-sampling, the rest what is left of the wall step. The step's weights (2.8 GB) keep the L2
+cold between two visits of any KV page.
+
+Splitting a run: ``DECODELAB_SERVING_SCENARIOS=single,batch`` (kinds, comma-separated) runs
+only those scenarios; give each part its own ``--out``, as reports of one suite and day share
+a file name.
+
+Op level against the call site (``attention_op_us``, ``sampling_op_us``): the same ops alone
+at the step's shapes, ``bench.harness`` method (rotating sets for a cold L2, dispatch amortized
+in one jitted loop): ``paged.decode_attention`` on a batch of ``B`` requests of the step's mean
+context (``bench.attention_inputs``, ``page_indices`` padded to the engine's bucket, the engine's
+split plan), and tempered softmax + ``sampling.filtered_sample`` on float32 logits ``[B, V]``.
+The notes compare each op's speedup (reference / default) alone with the same op's speedup at
+the call site (``attention_callsite_us`` = (full - no-attention) / layers), and the step's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gc
+import math
+import os
+import statistics
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+import paged
+import sampling
+from bench.attention_inputs import make_attention_setup
+from bench.harness import CaseResult, CopyCeiling, RunOptions, TimedLoop, expected_us
+from bench.suites import SuiteOutput
+from kernels_pallas.platform import KILL_SWITCH_VARIABLE, resolve_backend
+from serving import engine as engine_lib
+from serving import model as model_lib
+from serving.requests import Request, SamplingParams
+
+NUM_LAYERS = 4
+PAGE_SIZE = 16
+PREFILL_CHUNK = 512
+TEMPERATURE, TOP_K, TOP_P = 1.0, 50, 0.9
+SEED = 7
+ARMS = ("reference", "decodelab")  # the report's arm names; reference first (the ratio's base)
+# Seconds a timed step loop should last (its calls are sized from the engine's step time).
+LOOP_TARGET_SECONDS = 0.2
+MAX_LOOP_CALLS = 256
+# Split a run across commands: a comma-separated list of scenario kinds (``Scenario.kind``).
+SCENARIOS_VARIABLE = "DECODELAB_SERVING_SCENARIOS"
+MAX_MEASURED_RUNS = 3
+# Priors (TB/s, floor us) for sizing the op-level programs (a prior 4x off costs one more
+# compilation): the reference attention reads every padded slot once per request; sort-based
+# top-k/top-p is about 0.12 ms a row at vocab 128256 (benchmarking.md).
+ATTENTION_PRIOR = {"pallas": (1.0, 10.0), "reference": (0.1, 30.0)}
+SAMPLING_PRIOR = {"pallas": (0.5, 20.0), "reference": (0.02, 100.0)}
+LOGITS_SCALE = 3.0  # the sampling suites' logits scale for the op-level sampler
+
+
+@dataclasses.dataclass(frozen=True)
+class Scenario:
+    """One serving scenario.
+
+    Attributes:
+      kind: ``single``, ``batch``, ``long``, ``shared_prefix``.
+      num_requests: clients, submitted together; also the engine's ``parallel`` (outside a dry
+        run).
+      context: tokens cached when decoding starts (shared prefix included).
+      new_tokens: ``max_tokens`` of every request.
+      shared_prefix: leading tokens every prompt shares (0: independent prompts).
+      tail: tokens after the shared prefix, each request its own.
+    """
+
+    kind: str
+    num_requests: int
+    context: int
+    new_tokens: int
+    shared_prefix: int = 0
+    tail: int = 0
+
+    @property
+    def case(self) -> str:
+        return f"{self.kind} B={self.num_requests} ctx={self.context}"
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.context + self.tail + 1
+
+    @property
+    def total_prompt_tokens(self) -> int:
+        return self.num_requests * self.prompt_tokens
+
+
+SCENARIOS = (
+    Scenario("single", 1, 512, 128),
+    Scenario("batch", 4, 512, 128),
+    Scenario("long", 1, 16384, 64),
+    Scenario("long", 1, 32768, 64),
+    Scenario("shared_prefix", 32, 4096, 64, shared_prefix=4096, tail=32),
+)
+QUICK_SCENARIOS = SCENARIOS[:2]
+# Dry run: every kind at toy sizes. One decode batch size (DRY_RUN_PARALLEL) and one page-table
+# bucket for all, and prefill chunks longer than the kernel's 16 queries, so that each arm
+# compiles each program once (interpreted kernels take seconds each to compile on a CPU).
+DRY_RUN_SCENARIOS = (
+    Scenario("single", 1, 32, 5),
+    Scenario("batch", 2, 32, 5),
+    Scenario("long", 1, 64, 4),
+    Scenario("long", 1, 128, 4),
+    Scenario("shared_prefix", 2, 64, 4, shared_prefix=64, tail=32),
+)
+DRY_RUN_PARALLEL = 2
+DRY_RUN_PREFILL_CHUNK = 32
+DRY_RUN_OP_CONTEXT = 48  # one op-level shape for every dry-run scenario: one compilation
+
+
+def scenarios_for(options: RunOptions) -> tuple[Scenario, ...]:
+    """The scenarios of this run (module docstring), filtered by ``DECODELAB_SERVING_SCENARIOS``
+    when set (e.g. ``single,batch``).
+
+    Raises:
+      ValueError: for a kind in the variable that no scenario has.
+    """
+    if options.dry_run:
+        chosen = DRY_RUN_SCENARIOS
+    elif options.quick:
+        chosen = QUICK_SCENARIOS
+    else:
+        chosen = SCENARIOS
+    wanted = os.environ.get(SCENARIOS_VARIABLE, "").strip()
+    if wanted:
+        kinds = {kind.strip() for kind in wanted.split(",") if kind.strip()}
+        unknown = kinds - {scenario.kind for scenario in SCENARIOS}
+        if unknown:
+            raise ValueError(f"{SCENARIOS_VARIABLE} names unknown kinds {sorted(unknown)}")
+        chosen = tuple(scenario for scenario in chosen if scenario.kind in kinds)
+    return chosen
+
+
+def model_config(options: RunOptions) -> model_lib.ModelConfig:
+    """Llama-3-8B layer shapes with ``NUM_LAYERS`` layers; the dry run's tiny target, 1 layer."""
+    if options.dry_run:
+        return dataclasses.replace(model_lib.TINY_TARGET, num_layers=1)
+    return model_lib.llama3_8b_like(NUM_LAYERS, "bfloat16")
+
+
+def pool_pages(scenarios: tuple[Scenario, ...], page_size: int) -> int:
+    """One pool size for every scenario: the largest scenario's pages if nothing were shared
+    (every request's whole footprint), plus the padding page, rounded up to 1024 pages."""
+    needed = max(
+        scenario.num_requests * -(-(scenario.prompt_tokens + scenario.new_tokens) // page_size)
+        for scenario in scenarios
+    )
+    return -(-(needed + 1) // 1024) * 1024
+
+
+# ----------------------------------------------------------------------------------------------
+# The arms
+
+
+@dataclasses.dataclass(frozen=True)
+class Arm:
+    """An arm: its report name, the engine's ``backend=``, and whether the kill switch is set."""
+
+    name: str
+    backend: str
+    kill_switch: bool
+
+
+def arms_for(options: RunOptions) -> tuple[Arm, ...]:
+    default_backend = "pallas" if options.interpret else "auto"
+    return (Arm("reference", "auto", True), Arm("decodelab", default_backend, False))
+
+
+@contextlib.contextmanager
+def arm_environment(arm: Arm) -> Iterator[None]:
+    """Sets (or clears) the kill switch for the arm's block and clears JAX's caches on entry,
+    so that no program compiled under the other arm's switch is reused."""
+    saved = os.environ.get(KILL_SWITCH_VARIABLE)
+    if arm.kill_switch:
+        os.environ[KILL_SWITCH_VARIABLE] = "reference"
+    else:
+        os.environ.pop(KILL_SWITCH_VARIABLE, None)
+    jax.clear_caches()
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(KILL_SWITCH_VARIABLE, None)
+        else:
+            os.environ[KILL_SWITCH_VARIABLE] = saved
+        jax.clear_caches()
+
+
+def attribution_of(backends: dict[str, str]) -> str:
+    """A one-line summary of ``Engine.backend_report()``: ``program: op=implementation``."""
+    return "; ".join(f"{key}={value}" for key, value in sorted(backends.items()))
+
+
+# ----------------------------------------------------------------------------------------------
+# Requests and one engine run
+
+
+def make_prompts(scenario: Scenario, vocab: int) -> list[list[int]]:
+    """Random prompts (the same for both arms): independent ones, or one shared prefix and a
+    private tail each."""
+    rng = np.random.default_rng(SEED * 1000 + scenario.context + scenario.num_requests)
+    if scenario.shared_prefix:
+        prefix = rng.integers(0, vocab, scenario.shared_prefix).tolist()
+        return [
+            prefix + rng.integers(0, vocab, scenario.prompt_tokens - len(prefix)).tolist()
+            for _ in range(scenario.num_requests)
+        ]
+    return [
+        rng.integers(0, vocab, scenario.prompt_tokens).tolist()
+        for _ in range(scenario.num_requests)
+    ]
+
+
+def make_requests(scenario: Scenario, prompts: list[list[int]], tag: str) -> list[Request]:
+    return [
+        Request(
+            f"{tag}-{index}",
+            prompt,
+            SamplingParams(
+                temperature=TEMPERATURE,
+                top_k=TOP_K,
+                top_p=TOP_P,
+                seed=SEED + index,
+                max_tokens=scenario.new_tokens,
+            ),
+        )
+        for index, prompt in enumerate(prompts)
+    ]
+
+
+@dataclasses.dataclass
+class MeasuredRun:
+    """What one measured engine run left: the engine (its caches), the requests, its steps,
+    the decode inputs of every step with all requests decoding, and the steps they belong to."""
+
+    engine: engine_lib.Engine
+    requests: list[Request]
+    stats: list[engine_lib.StepStats]
+    captured: list[tuple[int, engine_lib.DecodeInputs]]
+
+
+def new_engine(model, scenario: Scenario, arm: Arm, num_pages: int, options: RunOptions):
+    parallel = DRY_RUN_PARALLEL if options.dry_run else scenario.num_requests
+    chunk = DRY_RUN_PREFILL_CHUNK if options.dry_run else PREFILL_CHUNK
+    return engine_lib.Engine(
+        model,
+        num_pages=num_pages,
+        page_size=PAGE_SIZE,
+        parallel=parallel,
+        backend=arm.backend,
+        max_prefill_tokens=max(chunk, scenario.total_prompt_tokens),
+        prefill_chunk_size=chunk,
+        seed=SEED,
+    )
+
+
+def measured_run(model, scenario, arm, num_pages, options, prompts) -> MeasuredRun:
+    """The measured run, run again (at most ``MAX_MEASURED_RUNS`` runs) while one of its steps
+    compiled (module docstring)."""
+    for attempt in range(MAX_MEASURED_RUNS):
+        engine = new_engine(model, scenario, arm, num_pages, options)
+        run = run_engine(engine, make_requests(scenario, prompts, f"run{attempt}"), capture=True)
+        if not any(s.compiled for s in run.stats) or attempt == MAX_MEASURED_RUNS - 1:
+            return run
+        engine = run = None
+        gc.collect()
+    raise AssertionError("unreachable")
+
+
+def run_engine(engine, requests: list[Request], capture: bool) -> MeasuredRun:
+    """Submits ``requests`` together and steps until all finish; with ``capture``, keeps the
+    decode inputs of steps in which every request decodes."""
+    captured: list[tuple[int, engine_lib.DecodeInputs]] = []
+    stats: list[engine_lib.StepStats] = []
+    run_decode = engine._run_decode
+
+    def recording_run_decode(inputs):
+        captured.append((len(stats), inputs))
+        return run_decode(inputs)
+
+    if capture:
+        engine._run_decode = recording_run_decode
+    for request in requests:
+        engine.submit(request)
+    while engine.has_unfinished:
+        stats.append(engine.step().stats)
+    engine._run_decode = run_decode
+    full = [(i, inputs) for i, inputs in captured if stats[i].num_decode_rows == len(requests)]
+    return MeasuredRun(engine, requests, stats, full)
+
+
+# ----------------------------------------------------------------------------------------------
+# The step loop (ablation at the call site)
+
+
+@contextlib.contextmanager
+def ablated(variant: str) -> Iterator[None]:
+    """While tracing: ``no_attention`` makes ``paged.decode_attention`` return its query;
+    ``no_sampling`` makes sampling an arg max of the logits; ``full`` changes nothing."""
+    if variant == "full":
+        yield
+        return
+    if variant == "no_attention":
+        targets = [(paged, "decode_attention", lambda q, cache, table, **_: q)]
+    elif variant == "no_sampling":
+        targets = [
+            (engine_lib, "tempered_probs", lambda logits, temperature: logits),
+            (
+                sampling,
+                "filtered_sample",
+                lambda key, probs, **_: jnp.argmax(probs, axis=-1).astype(jnp.int32),
+            ),
+        ]
+    else:
+        raise ValueError(f"unknown variant {variant!r}")
+    saved = [(module, name, getattr(module, name)) for module, name, _ in targets]
+    try:
+        for module, name, replacement in targets:
+            setattr(module, name, replacement)
+        yield
+    finally:
+        for module, name, original in saved:
+            setattr(module, name, original)
+
+
+def _decode_loop(params, caches, inputs, *, config, backend, variant, num_calls):
+    """``num_calls`` decode steps in one ``fori_loop``, each fed the previous step's tokens;
+    returns the caches and a checksum of every token."""
+    with ablated(variant):
+
+        def body(call_index, carry):
+            caches, tokens, checksum = carry
+            step_inputs = inputs._replace(
+                token_ids=tokens, num_generated=inputs.num_generated + call_index
+            )
+            result, caches, _ = engine_lib.decode_step(
+                params,
+                None,
+                caches,
+                None,
+                step_inputs,
+                target_config=config,
+                draft_config=None,
+                num_speculative=0,
+                backend=backend,
+            )
+            tokens = result.token_ids[:, 0]
+            return caches, tokens, checksum + jnp.sum(tokens.astype(jnp.float32))
+
+        carry = (caches, jnp.asarray(inputs.token_ids), jnp.float32(0))
+        caches, _, checksum = lax.fori_loop(0, num_calls, body, carry)
+    return caches, checksum
+
+
+_decode_loop_jit = jax.jit(
+    _decode_loop,
+    static_argnames=("config", "backend", "variant", "num_calls"),
+    donate_argnames=("caches",),
+)
+
+
+def time_step_variants(
+    run: MeasuredRun, step_s: float, options: RunOptions
+) -> dict[str, list[float]]:
+    """Per-step device microseconds of each variant (``repeats`` samples), on the middle
+    captured step's inputs and the engine's caches (carried from program to program)."""
+    engine = run.engine
+    _, inputs = run.captured[len(run.captured) // 2]
+    inputs = jax.device_put(inputs)
+    if options.dry_run:
+        num_calls = options.dry_run_calls
+    else:
+        num_calls = int(min(MAX_LOOP_CALLS, max(4, round(LOOP_TARGET_SECONDS / step_s))))
+    caches = engine.target_caches
+    engine.target_caches = None  # donated to the loops below
+    static = dict(config=engine.target_config, backend=engine.backend, num_calls=num_calls)
+    samples: dict[str, list[float]] = {}
+    for variant in ("full", "no_attention", "no_sampling"):
+        times = []
+        for repeat in range(2 + options.repeats):  # two untimed runs: compilation, fast path
+            begin = time.perf_counter()
+            caches, checksum = _decode_loop_jit(
+                engine.target_params, caches, inputs, variant=variant, **static
+            )
+            checksum.block_until_ready()
+            if repeat >= 2:
+                times.append((time.perf_counter() - begin) / num_calls * 1e6)
+        samples[variant] = times
+    engine.target_caches = caches
+    samples["num_calls"] = [num_calls]
+    return samples
+
+
+# ----------------------------------------------------------------------------------------------
+# The ops alone at the step's shapes
+
+
+def attention_op_us(
+    config, batch: int, context: int, bucket: int, backend: str, options: RunOptions
+) -> float:
+    """``paged.decode_attention`` alone: ``B`` requests of ``context`` tokens, rotating sets,
+    ``page_indices`` padded to ``bucket`` entries as the engine pads them."""
+    shape = dict(
+        num_q_heads=config.num_q_heads,
+        num_kv_heads=config.num_kv_heads,
+        head_dim=config.head_dim,
+        page_size=PAGE_SIZE,
+    )
+    kv_bytes = 2 * batch * context * config.num_kv_heads * config.head_dim * 2
+    setup = make_attention_setup(
+        batch,
+        context,
+        **shape,
+        dtype=config.jnp_dtype,
+        num_sets=options.num_sets_for(kv_bytes),
+    )
+    try:
+        nnz = setup.page_indices.shape[1]
+        padded = jnp.pad(setup.page_indices, ((0, 0), (0, max(bucket, nnz) - nnz)))
+
+        def table(page_indptr, page_indices, last_page_len, set_index):
+            return paged.PageTable(
+                page_indptr=page_indptr[set_index],
+                page_indices=page_indices[set_index],
+                last_page_len=last_page_len[set_index],
+                page_size=PAGE_SIZE,
+            )
+
+        plan = None
+        if resolve_backend(backend) == "pallas":
+            first = table(setup.page_indptr, padded, setup.last_page_len, 0)
+            plan = paged.plan_decode(
+                first, config.num_q_heads, config.num_kv_heads, config.head_dim
+            )
+
+        def step(set_index, operands):
+            queries, k_pages, v_pages, page_indptr, page_indices, last_page_len, plan = operands
+            return paged.decode_attention(
+                queries[set_index],
+                paged.KVCache(k_pages, v_pages, "HND"),
+                table(page_indptr, page_indices, last_page_len, set_index),
+                plan=plan,
+                backend=backend,
+            )
+
+        k_pages, v_pages = setup.pool("HND")
+        operands = (
+            setup.queries,
+            k_pages,
+            v_pages,
+            setup.page_indptr,
+            padded,
+            setup.last_page_len,
+            plan,
+        )
+        loop = TimedLoop(step, setup.num_sets, operands)
+        prior = expected_us(kv_bytes, *ATTENTION_PRIOR[resolve_backend(backend)])
+        timing = options.time(loop, expected_us_per_call=prior)
+        return timing.median_us
+    finally:
+        setup.delete()
+        gc.collect()
+
+
+def sampling_op_us(vocab: int, batch: int, backend: str, options: RunOptions) -> float:
+    """Tempered softmax + ``sampling.filtered_sample`` (the engine's parameters) alone on
+    float32 logits ``[B, V]``, rotating sets."""
+    num_sets = options.num_sets_for(batch * vocab * 4)
+    logits = LOGITS_SCALE * jax.random.normal(
+        jax.random.key(SEED), (num_sets, batch, vocab), jnp.float32
+    )
+    keys = jax.random.key_data(jax.random.split(jax.random.key(SEED + 1), batch))
+    temperature = jnp.full((batch,), TEMPERATURE, jnp.float32)
+    top_k = jnp.full((batch,), TOP_K, jnp.int32)
+    top_p = jnp.full((batch,), TOP_P, jnp.float32)
+    min_p = jnp.zeros((batch,), jnp.float32)
+
+    def step(set_index, operands):
+        logits, key_data, temperature, top_k, top_p, min_p = operands
+        keys = engine_lib.step_keys(key_data, jnp.full((batch,), set_index, jnp.int32))
+        probs = engine_lib.tempered_probs(logits[set_index], temperature)
+        return sampling.filtered_sample(
+            keys, probs, top_k=top_k, top_p=top_p, min_p=min_p, backend=backend
+        )
+
+    operands = (logits, keys, temperature, top_k, top_p, min_p)
+    try:
+        loop = TimedLoop(step, num_sets, operands)
+        prior = expected_us(batch * vocab * 4, *SAMPLING_PRIOR[resolve_backend(backend)])
+        timing = options.time(loop, expected_us_per_call=prior)
+        return timing.median_us
+    finally:
+        logits.delete()
+        gc.collect()
+
+
+# ----------------------------------------------------------------------------------------------
+# Figures of a run
+
+
+def weight_bytes(config: model_lib.ModelConfig, batch: int) -> int:
+    """Bytes of the weights a decode step reads once: every layer, the final norm and
+    ``lm_head``; of the embedding only the ``B`` rows fed."""
+    shapes = model_lib.param_shapes(config)
+    itemsize = config.jnp_dtype.itemsize
+    total = 0
+    for layer in shapes["layers"]:
+        total += sum(math.prod(shape) for shape in layer.values())
+    total += math.prod(shapes["final_norm"]) + math.prod(shapes["lm_head"])
+    total += batch * config.hidden
+    return total * itemsize
+
+
+def kv_bytes(config: model_lib.ModelConfig, context_tokens: int) -> int:
+    """K and V bytes of ``context_tokens`` tokens in every layer."""
+    per_token = 2 * config.num_kv_heads * config.head_dim * config.jnp_dtype.itemsize
+    return context_tokens * per_token * config.num_layers
+
+
+def _percentile_ms(values: np.ndarray, q: float) -> float:
+    return float(np.percentile(values, q) * 1e3) if values.size else float("nan")
+
+
+def request_figures(engine, requests: list[Request]) -> dict[str, float]:
+    timings = [engine.timings[request.request_id] for request in requests]
+    gaps = np.concatenate([timing.inter_token_s() for timing in timings])
+    ttfts = [timing.time_to_first_token_s for timing in timings]
+    return {
+        "itl_p50_ms": _percentile_ms(gaps, 50),
+        "itl_p99_ms": _percentile_ms(gaps, 99),
+        "ttft_ms": statistics.median(ttfts) * 1e3,
+        "ttft_max_ms": max(ttfts) * 1e3,
+    }
+
+
+def run_case(
+    model, scenario: Scenario, arm: Arm, num_pages: int, options: RunOptions, ops: dict
+) -> tuple[CaseResult, list[str]]:
+    """Both runs of one (scenario, arm) and its timings; returns the row and its notes."""
+    config = model[0]
+    notes: list[str] = []
+    prompts = make_prompts(scenario, config.vocab_size)
+    # The warm-up run: every program of the scenario is compiled here.
+    warm = new_engine(model, scenario, arm, num_pages, options)
+    run_engine(warm, make_requests(scenario, prompts, "warm"), capture=False)
+    del warm
+    gc.collect()
+
+    run = measured_run(model, scenario, arm, num_pages, options, prompts)
+    engine, requests = run.engine, run.requests
+    backends = engine.backend_report()
+    decode_steps = [s for s in run.stats if s.num_prefill_chunks == 0 and s.num_decode_rows]
+    compiled = sum(s.compiled for s in run.stats)
+    if compiled:
+        notes.append(
+            f"{scenario.case} `{arm.name}`: {compiled} measured step(s) compiled a program; "
+            "their times include compilation"
+        )
+    timed_steps = [s for s in decode_steps if not s.compiled] or decode_steps
+    wall = [s.total_s for s in timed_steps]
+    step_s = statistics.median(wall)
+    tokens_per_s = sum(s.num_emitted for s in timed_steps) / sum(wall)
+    figures = request_figures(engine, requests)
+
+    # Where the step's time goes: the step loop and its ablations.
+    _, middle_inputs = run.captured[len(run.captured) // 2]
+    table = middle_inputs.page_table
+    counts = np.diff(np.asarray(table.page_indptr))
+    lengths = np.where(counts > 0, PAGE_SIZE * (counts - 1) + np.asarray(table.last_page_len), 0)[
+        : scenario.num_requests
+    ]
+    bucket = int(np.asarray(table.page_indices).shape[0])
+    samples = time_step_variants(run, step_s, options)
+    device = {key: statistics.median(value) for key, value in samples.items()}
+    full_us = device["full"]
+    attention_us = max(0.0, full_us - device["no_attention"])
+    sampling_us = max(0.0, full_us - device["no_sampling"])
+    step_us = step_s * 1e6
+    num_bytes = weight_bytes(config, scenario.num_requests) + kv_bytes(config, int(lengths.sum()))
+
+    # The same ops alone at the step's shapes (memoized: dry-run scenarios share one shape).
+    context = DRY_RUN_OP_CONTEXT if options.dry_run else max(1, round(float(lengths.mean())))
+    op_batch = DRY_RUN_PARALLEL if options.dry_run else scenario.num_requests
+    key = ("attention", arm.name, op_batch, context, bucket)
+    if key not in ops:
+        ops[key] = attention_op_us(config, op_batch, context, bucket, arm.backend, options)
+    attention_op = ops[key]
+    key = ("sampling", arm.name, op_batch)
+    if key not in ops:
+        ops[key] = sampling_op_us(config.vocab_size, op_batch, arm.backend, options)
+    sampling_op = ops[key]
+
+    shared = int(engine.scheduler.stats.get("shared_prefix_pages", 0))
+    extra: dict[str, Any] = {
+        "tokens_per_s": tokens_per_s,
+        **figures,
+        "host_us_per_step": statistics.median(s.host_s for s in timed_steps) * 1e6,
+        "device_step_us": full_us,
+        "attention_fraction": attention_us / step_us,
+        "sampling_fraction": sampling_us / step_us,
+        "rest_fraction": 1.0 - (attention_us + sampling_us) / step_us,
+        "host_and_dispatch_fraction": max(0.0, step_us - full_us) / step_us,
+        "attention_callsite_us": attention_us / config.num_layers,
+        "sampling_callsite_us": sampling_us,
+        "attention_op_us": attention_op,
+        "sampling_op_us": sampling_op,
+        "step_no_attention_us": device["no_attention"],
+        "step_no_sampling_us": device["no_sampling"],
+        "step_loop_samples_us": samples["full"],
+        "step_loop_calls": samples["num_calls"][0],
+        "decode_steps": len(timed_steps),
+        "compiled_steps": compiled,
+        "num_layers": config.num_layers,
+        "prompt_tokens": scenario.prompt_tokens,
+        "new_tokens": scenario.new_tokens,
+        "num_requests": scenario.num_requests,
+        "parallel": engine.parallel,
+        "shared_prefix_pages": shared,
+        "kill_switch": arm.kill_switch,
+        "engine_backend": arm.backend,
+        "samples_us": [s * 1e6 for s in wall],
+    }
+    if scenario.shared_prefix and not shared:
+        notes.append(f"{scenario.case} `{arm.name}`: no prefix page was shared")
+    if arm.kill_switch:
+        ran = {op: impl for op, impl in backends.items() if impl != "reference"}
+        if ran:
+            notes.append(f"{scenario.case}: the kill switch did not reach {sorted(ran)}")
+    elif backends.get("decode: attention", "reference") == "reference":
+        notes.append(f"{scenario.case}: the default ran no attention kernel in decode")
+    row = CaseResult(
+        case=scenario.case,
+        arm=arm.name,
+        attribution=attribution_of(backends),
+        median_us=step_us,
+        min_us=min(wall) * 1e6,
+        max_us=max(wall) * 1e6,
+        bytes=int(num_bytes),
+        achieved_tbps=num_bytes / step_s / 1e12,
+        fraction_of_ceiling=0.0,  # set by the caller, who knows the ceiling
+        extra=extra,
+    )
+    engine.target_caches = None
+    del engine, run
+    gc.collect()
+    return row, notes
+
+
+# ----------------------------------------------------------------------------------------------
+# Notes comparing the arms
+
+
+def comparison_notes(rows: list[CaseResult]) -> list[str]:
+    """Per scenario: whether the default beats the reference (tokens/s, ITL, TTFT), and where an
+    op's speedup alone shrinks at the call site; then issue 7's target over every scenario."""
+    notes = []
+    by_case: dict[str, dict[str, CaseResult]] = {}
+    for row in rows:
+        by_case.setdefault(row.case, {})[row.arm] = row
+    verdicts = []
+    for case, arms in by_case.items():
+        ours, theirs = arms.get("decodelab"), arms.get("reference")
+        if ours is None or theirs is None:
+            notes.append(f"{case}: only {sorted(arms)} measured, no comparison")
+            verdicts.append((case, None))
+            continue
+        speedup = ours.extra["tokens_per_s"] / theirs.extra["tokens_per_s"]
+        faster = speedup > 1.0
+        verdicts.append((case, faster))
+        notes.append(
+            f"{case}: the default decodes at {speedup:.2f}x the reference's tokens/s "
+            f"({ours.extra['tokens_per_s']:.1f} vs {theirs.extra['tokens_per_s']:.1f}; "
+            f"{'faster' if faster else 'NOT faster'}); ITL p50 "
+            f"{theirs.extra['itl_p50_ms'] / ours.extra['itl_p50_ms']:.2f}x, p99 "
+            f"{theirs.extra['itl_p99_ms'] / ours.extra['itl_p99_ms']:.2f}x, TTFT "
+            f"{theirs.extra['ttft_ms'] / ours.extra['ttft_ms']:.2f}x (prefill chunks over 16 "
+            "tokens run the reference attention in both arms)"
+        )
+        for op in ("attention", "sampling"):
+            op_speedup = _ratio(theirs.extra[f"{op}_op_us"], ours.extra[f"{op}_op_us"])
+            site_speedup = _ratio(
+                theirs.extra[f"{op}_callsite_us"], ours.extra[f"{op}_callsite_us"]
+            )
+            ours.extra[f"{op}_op_speedup"] = op_speedup
+            ours.extra[f"{op}_callsite_speedup"] = site_speedup
+            if op_speedup > 1.0 and site_speedup < op_speedup:
+                notes.append(
+                    f"{case}: {op} alone is {op_speedup:.2f}x faster in the default, "
+                    f"{site_speedup:.2f}x at the call site (the step with it removed, "
+                    f"{(1 - site_speedup / op_speedup):.0%} of the op-level speedup lost); "
+                    f"the whole step {speedup:.2f}x, as {op} is "
+                    f"{theirs.extra[f'{op}_fraction']:.0%} of the reference's step"
+                )
+        ours.extra["vs_reference_tokens_per_s"] = speedup
+    measured = [faster for _, faster in verdicts if faster is not None]
+    slower = [case for case, faster in verdicts if faster is False]
+    met = bool(measured) and all(measured) and len(measured) == len(verdicts)
+    notes.append(
+        "target (issue 7) the default faster in every scenario: "
+        + ("met" if met else "not met")
+        + (f" (not faster: {', '.join(slower)})" if slower else "")
+    )
+    return notes
+
+
+def _ratio(numerator: float, denominator: float) -> float:
+    return numerator / denominator if denominator > 0 else float("inf")
+
+
+# ----------------------------------------------------------------------------------------------
+# The suite
+
+
+def run(options: RunOptions, ceiling: CopyCeiling) -> SuiteOutput:
+    """Runs every scenario under each arm (module docstring)."""
+    scenarios = scenarios_for(options)
+    config = model_config(options)
+    params = model_lib.init_params(config, jax.random.key(SEED))
+    model = (config, params)
+    num_pages = pool_pages(scenarios, PAGE_SIZE)
+    notes = [
+        f"model: random weights, {config.num_layers} layers (Llama 3 8B has 32) of hidden "
+        f"{config.hidden}, "
+        f"{config.num_q_heads}/{config.num_kv_heads} heads of {config.head_dim}, MLP "
+        f"{config.intermediate}, vocabulary {config.vocab_size}, {config.dtype}; pages of "
+        f"{PAGE_SIZE}, a pool of {num_pages} pages; sampling temperature {TEMPERATURE}, top-k "
+        f"{TOP_K}, top-p {TOP_P}",
+        "median_us: wall time of a decode-only step (host + decode program until its tokens "
+        "reach the host); bytes: every weight once + the K and V of every request's context; "
+        "fractions: attention and sampling from ablations of the step (module docstring of "
+        "bench/suites/serving.py), the rest is what is left of the wall step",
+        "timing: tokens/s, ITL, TTFT and the rows' step times are the host clock around the "
+        "engine's steps (what a client sees, after a warm-up run that compiled every program); "
+        "device_step_us and the ablations are N decode steps in one jitted fori_loop, host "
+        "clock around the program, median of the repeats; attention_op_us and sampling_op_us "
+        "follow the timing method above",
+        "arms: `reference` = DECODELAB_BACKEND=reference (the kill switch), `decodelab` = "
+        f"the default (Engine backend={arms_for(options)[1].backend!r})",
+    ]
+    rows: list[CaseResult] = []
+    ops: dict = {}
+    for arm in arms_for(options):
+        with arm_environment(arm):
+            for scenario in scenarios:
+                try:
+                    row, case_notes = run_case(model, scenario, arm, num_pages, options, ops)
+                except Exception as error:  # one failing case must not lose the others
+                    notes.append(
+                        f"{scenario.case} `{arm.name}` failed: {type(error).__name__}: "
+                        f"{str(error)[:300]}"
+                    )
+                    continue
+                row.fraction_of_ceiling = row.achieved_tbps / ceiling.tbps
+                rows.append(row)
+                notes += case_notes
+                _print_row(row)
+    order = {scenario.case: index for index, scenario in enumerate(scenarios)}
+    rows.sort(key=lambda row: (order[row.case], ARMS.index(row.arm)))
+    notes += comparison_notes(rows)
+    return SuiteOutput(results=rows, notes=notes, peers_for_ratio=("reference",))
+
+
+def _print_row(row: CaseResult) -> None:
+    extra = row.extra
+    print(
+        f"{row.case:<30} {row.arm:<10} {extra['tokens_per_s']:9.1f} tok/s  ITL p50 "
+        f"{extra['itl_p50_ms']:7.2f} ms p99 {extra['itl_p99_ms']:7.2f} ms  TTFT "
+        f"{extra['ttft_ms']:8.1f} ms  host {extra['host_us_per_step']:7.1f} us  attention "
+        f"{extra['attention_fraction']:.0%} sampling {extra['sampling_fraction']:.0%} rest "
+        f"{extra['rest_fraction']:.0%}",
+        flush=True,
+    )
