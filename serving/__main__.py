@@ -210,7 +210,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "demo":
         from serving.demo import run_demo
 
-        return run_demo(backend=args.backend, seed=args.seed, max_tokens=args.max_tokens)
+        try:
+            return run_demo(backend=args.backend, seed=args.seed, max_tokens=args.max_tokens)
+        except ValueError as error:
+            print(f"error: {error}", file=sys.stderr)
+            return 2
     if args.command == "paged-demo":
         from serving.paged_demo import run_paged_demo
 

@@ -150,7 +150,11 @@ def run_demo(
         if op.startswith("decode: sampling"):
             print(f"  {'plain ' + op:<40} {implementation}")
 
-    finished = len(outputs) == len(plain_outputs) == len(PROMPTS)
+    # No stop tokens here: every request must end by length, with exactly max_tokens tokens.
+    finished = all(
+        output.finish_reason == "length" and len(output.token_ids) == max_tokens
+        for output in (*outputs, *plain_outputs)
+    ) and len(outputs) == len(plain_outputs) == len(PROMPTS)
     full = all(
         engine.scheduler.pool.num_free == engine.scheduler.usable_pages
         for engine in (speculative, plain)

@@ -18,9 +18,11 @@ lengths (the scheduler's rule), one program per length and table bucket.
 
 Sampling: every request draws from its own key
 ----------------------------------------------
-A request's key is ``jax.random.key(seed)`` (its ``SamplingParams.seed``, or for a request
-without one ``seed = engine seed * 2**32 + its submission number``; seeds use all 64 bits, as
-``jax.random.key`` does with x64 on). Step keys are ``fold_in(request_key, num_generated)``:
+A request's key is ``jax.random.key(seed)`` for its ``SamplingParams.seed`` (all 64 bits, as
+``jax.random.key`` does with x64 on). A request without a seed gets
+``fold_in(fold_in(key(engine seed), SEEDLESS_DOMAIN), its submission number)``: a key derived
+in a domain of its own, so the k-th seedless request never draws the stream of a request given
+``seed=k`` (``fold_in`` keys are Threefry blocks of the engine key, never a ``key(seed)``). Step keys are ``fold_in(request_key, num_generated)``:
 the tokens a request has generated so far, not the step number or its slot, so its tokens do
 not depend on its neighbours, its slot or when it was admitted. The samplers get ``B`` keys,
 row ``b`` its own (``sampling/api.py``).
@@ -618,8 +620,10 @@ class Engine:
         number = next(self._submitted)
         seed = request.params.seed
         if seed is None:
-            seed = self.seed * 2**32 + number
-        self._key_data[request.request_id] = request_key_data(seed)
+            key_data = seedless_key_data(self.seed, number)
+        else:
+            key_data = request_key_data(seed)
+        self._key_data[request.request_id] = key_data
         self.timings[request.request_id] = RequestTiming(time.perf_counter())
 
     @property
@@ -642,8 +646,8 @@ class Engine:
         prefill_start = time.perf_counter()
         for chunk in step.prefill:
             self._run_prefill_chunk(chunk)
-        if step.prefill:
-            jax.block_until_ready(self.target_caches)
+        if step.prefill:  # both models prefill: wait for both, or the draft's lands in decode_s
+            jax.block_until_ready((self.target_caches, self.draft_caches))
         prefill_s = time.perf_counter() - prefill_start
 
         decode_s = 0.0
@@ -869,6 +873,18 @@ class Engine:
 
 # ----------------------------------------------------------------------------------------------
 # Helpers
+
+
+# fold_in tag of the keys of requests without a seed (any constant works; it names the domain).
+SEEDLESS_DOMAIN = 0x5EED
+
+
+def seedless_key_data(engine_seed: int, number: int) -> np.ndarray:
+    """uint32[2]: the key of the ``number``-th request submitted without a seed (module
+    docstring): ``fold_in(fold_in(key(engine_seed), SEEDLESS_DOMAIN), number)``."""
+    key = jax.random.wrap_key_data(jnp.asarray(request_key_data(engine_seed), jnp.uint32))
+    key = jax.random.fold_in(jax.random.fold_in(key, SEEDLESS_DOMAIN), number)
+    return np.asarray(jax.random.key_data(key), np.uint32)
 
 
 def request_key_data(seed: int) -> np.ndarray:

@@ -178,6 +178,17 @@ def test_request_keys_use_every_bit_of_the_seed():
     )
 
 
+def test_seedless_requests_never_draw_a_seeded_requests_stream():
+    """The k-th request without a seed once used seed ``engine_seed * 2**32 + k``: the very key
+    of a request given ``seed=k`` (engine seed 0). Seedless keys now come from their own
+    ``fold_in`` domain; they differ from every small seed's key and from each other."""
+    seeded = {tuple(engine_lib.request_key_data(seed)) for seed in range(256)}
+    seedless = [tuple(engine_lib.seedless_key_data(0, number)) for number in range(256)]
+    assert not seeded & set(seedless)
+    assert len(set(seedless)) == len(seedless)
+    assert tuple(engine_lib.seedless_key_data(1, 0)) != seedless[0]  # the engine seed counts
+
+
 def test_bad_engine_arguments_are_named(pair):
     target, draft = pair
     with pytest.raises(ValueError, match="num_speculative=2 needs a draft"):

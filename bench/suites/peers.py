@@ -611,7 +611,11 @@ def sampling_results(
         return jax.random.categorical(jax.random.fold_in(key, round_index), logits, axis=-1)
 
     def read_only_call(logits, round_index):
-        return logits  # the loop's checksum sums it: one read of the set
+        # The loop's checksum sums it: one read of the set. The barrier ties the set to the
+        # round; without it the sum of a fixed set is loop-invariant and XLA hoists it out of
+        # the timed loop (seen on the CPU), timing nothing.
+        logits, _ = lax.optimization_barrier((logits, round_index))
+        return logits
 
     def row(case, arm, attribution, timing, **extra):
         result = CaseResult.from_timing(

@@ -156,7 +156,9 @@ class Scenario:
       kind: ``single``, ``batch``, ``long``, ``shared_prefix``.
       num_requests: clients, submitted together; also the engine's ``parallel`` (outside a dry
         run).
-      context: tokens cached when decoding starts (shared prefix included).
+      context: the case's nominal context: the prompt length before the one token the
+        scheduler leaves to the first decode step, and before a shared-prefix request's own
+        ``tail`` (so ``shared_prefix ctx=4096`` caches 4096 + tail tokens).
       new_tokens: ``max_tokens`` of every request.
       shared_prefix: leading tokens every prompt shares (0: independent prompts).
       tail: tokens after the shared prefix, each request its own.
