@@ -4,6 +4,10 @@
 #   bash bench/run_on_gpu.sh tests tune memcheck     # check, then sweep parameters
 #   bash bench/run_on_gpu.sh decode peers demo        # the committed reports
 #   bash bench/run_on_gpu.sh sampling-tests sampling  # the sampling kernels, compiled and timed
+#   bash bench/run_on_gpu.sh fused_ops serving-quick      # what the 2026-12-01 session left unmeasured
+#   bash bench/run_on_gpu.sh sampling-32 speculative serving-a serving-b
+# A suite writes its report only when it ends: a stage killed by the 600 s limit of one device
+# command leaves nothing, so every stage below fits in one command (the slow ones are split).
 # Logs and reports go to $OUT (the device tool's output folder) when it is set. The copy of the
 # tree on the GPU host has no .git: pass DECODELAB_COMMIT=$(git rev-parse --short HEAD) so that
 # reports name the commit they measured.
@@ -37,6 +41,21 @@ for stage in "$@"; do
         | grep -v '^  tune' ;;
     demo)
       python3 -m serving demo 2>&1 | tee "$out/demo.log" ;;
+    fused_ops|speculative)
+      timeout 500 python3 -m bench "$stage" --out "$out/$stage" 2>&1 | tee "$out/$stage.log" \
+        | grep -E '^note|wrote' ;;
+    sampling-32)  # batch 32 alone: 17 rotating sets a program, about 4 minutes
+      timeout 500 python3 -m bench sampling --batches 32 --out "$out/sampling-32" 2>&1 \
+        | tee "$out/sampling-32.log" | grep -E '^note|wrote' ;;
+    serving-quick)
+      timeout 300 python3 -m bench serving --quick --out "$out/serving-quick" 2>&1 \
+        | tee "$out/serving-quick.log" | grep -E '^note|wrote' ;;
+    serving-a)
+      DECODELAB_SERVING_SCENARIOS=single,batch,shared_prefix timeout 550 python3 -m bench \
+        serving --out "$out/serving-a" 2>&1 | tee "$out/serving-a.log" | grep -E '^note|wrote' ;;
+    serving-b)
+      DECODELAB_SERVING_SCENARIOS=long timeout 550 python3 -m bench serving \
+        --out "$out/serving-b" 2>&1 | tee "$out/serving-b.log" | grep -E '^note|wrote' ;;
     *) echo "unknown stage $stage" ;;
   esac
 done
