@@ -539,9 +539,7 @@ def _xla_causal_loop(setup: AttentionSetup, queries: jax.Array) -> TimedLoop:
             sm_scale=sm_scale,
         )
 
-    k_pages, v_pages = setup.pool(peers.PEER_ATTENTION_LAYOUT)
-    operands = (queries, k_pages, v_pages, setup.block_tables, setup.seq_lens)
-    return TimedLoop(step, setup.num_sets, operands)
+    return TimedLoop(step, setup.num_sets, peers.attention_operands(setup, queries))
 
 
 def _causal_reference(setup: AttentionSetup, queries: jax.Array) -> np.ndarray:

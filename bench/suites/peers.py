@@ -277,7 +277,9 @@ def peer_attention_results(
     return results
 
 
-def _attention_operands(setup: AttentionSetup, queries: jax.Array) -> tuple[jax.Array, ...]:
+def attention_operands(setup: AttentionSetup, queries: jax.Array) -> tuple[jax.Array, ...]:
+    """``(queries, k_pages, v_pages, block_tables, seq_lens)`` of the peers' layout: what an XLA
+    gather arm's loop takes (also the decode suite's multi-token XLA arm)."""
     k_pages, v_pages = setup.pool(PEER_ATTENTION_LAYOUT)
     return (queries, k_pages, v_pages, setup.block_tables, setup.seq_lens)
 
@@ -296,7 +298,7 @@ def _xla_gather_loop(setup: AttentionSetup) -> TimedLoop:
             sm_scale=sm_scale,
         )
 
-    return TimedLoop(step, setup.num_sets, _attention_operands(setup, setup.queries))
+    return TimedLoop(step, setup.num_sets, attention_operands(setup, setup.queries))
 
 
 def _xla_gather_result(
@@ -373,7 +375,7 @@ def _jax_pallas_loop(setup, scaled_queries, k_splits, options) -> tuple[TimedLoo
             interpret=options.interpret,
         )
 
-    operands = _attention_operands(setup, scaled_queries)
+    operands = attention_operands(setup, scaled_queries)
     return TimedLoop(step, setup.num_sets, operands), compute_block
 
 
