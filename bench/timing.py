@@ -394,6 +394,10 @@ class SetsInTurnLoop(TimedLoop):
     ``fori_loop`` runs it on set 0, 1, ..., R - 1, so a program of ``iters`` calls (a multiple
     of R, as ``harness.calls_for`` sizes them) runs ``iters / R`` rounds. Each result is folded
     into the carried checksum, as in ``TimedLoop``.
+
+    A call must depend on ``round_index`` (a key folded with it, or the set passed through
+    ``lax.optimization_barrier`` together with it): every set is a fixed array, so a call that
+    ignores the round is loop-invariant, and XLA hoists it out of the loop and times nothing.
     """
 
     def __init__(self, call, operands: list):
