@@ -835,18 +835,5 @@ def test_benchmark_shape_on_gpu(layout):
         dtype=jnp.bfloat16,
         num_pool_pages=64 * 260,
     )
-    q, k, v, positions, batch, cache, table, page_lists = case
     for interleaved in (False, True):
-        rope = RopeParams(500000.0, interleaved, Llama3Scaling())
-        q_rotated, new_cache = paged.rope_append_kv(
-            q,
-            k,
-            v,
-            jnp.asarray(positions),
-            jnp.asarray(batch),
-            cache,
-            table,
-            rope=rope,
-            backend="pallas",
-        )
-        check_append(q, k, v, positions, batch, cache, page_lists, rope, q_rotated, new_cache)
+        kernel_append_matches_oracle(*case, RopeParams(500000.0, interleaved, Llama3Scaling()))

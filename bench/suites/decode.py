@@ -525,23 +525,6 @@ def multi_token_queries(setup: AttentionSetup, q_len: int) -> jax.Array:
     return jax.random.normal(jax.random.key(q_len), shape, setup.queries.dtype)
 
 
-def _xla_causal_loop(setup: AttentionSetup, queries: jax.Array) -> TimedLoop:
-    sm_scale = setup.sm_scale
-
-    def step(set_index, operands):
-        queries, k_pages, v_pages, block_tables, seq_lens = operands
-        return xla_gather_causal_attention(
-            queries[set_index],
-            k_pages,
-            v_pages,
-            block_tables[set_index],
-            seq_lens,
-            sm_scale=sm_scale,
-        )
-
-    return TimedLoop(step, setup.num_sets, peers.attention_operands(setup, queries))
-
-
 def _causal_reference(setup: AttentionSetup, queries: jax.Array) -> np.ndarray:
     """float32 ``[B, L, H, D]`` output of set 0, the XLA arm's function in float32."""
     k_pages, v_pages = setup.pool(peers.PEER_ATTENTION_LAYOUT)
@@ -601,7 +584,7 @@ def multi_token_results(
                 base_us = api.median_us if base_us is None else base_us
                 api.extra["vs_q_len_1"] = api.median_us / base_us
                 xla_timing = options.time(
-                    _xla_causal_loop(setup, queries),
+                    peers.xla_gather_loop(setup, queries, xla_gather_causal_attention),
                     expected_us_per_call=expected_us(
                         setup.kv_bytes_per_set, EXPECTED_XLA_GATHER_TBPS
                     ),

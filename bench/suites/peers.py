@@ -249,7 +249,7 @@ def peer_attention_results(
         raise ValueError(f"unknown peer arms {sorted(unknown)}; known: {PEER_ATTENTION_ARMS}")
     results: list[CaseResult] = []
     reference = reference_output(setup)
-    xla_loop = _xla_gather_loop(setup)
+    xla_loop = xla_gather_loop(setup)
     xla_expected_us = expected_us(setup.kv_bytes_per_set, EXPECTED_XLA_GATHER_TBPS)
     if "xla_gather" in arms:
         xla_timing = options.time(xla_loop, expected_us_per_call=xla_expected_us)
@@ -284,12 +284,18 @@ def attention_operands(setup: AttentionSetup, queries: jax.Array) -> tuple[jax.A
     return (queries, k_pages, v_pages, setup.block_tables, setup.seq_lens)
 
 
-def _xla_gather_loop(setup: AttentionSetup) -> TimedLoop:
+def xla_gather_loop(
+    setup: AttentionSetup, queries: jax.Array | None = None, attention=None
+) -> TimedLoop:
+    """One call = ``attention`` (default ``xla_gather_attention``) of set ``set_index``'s
+    queries over the peers' pool; the decode suite passes its causal multi-token variant and
+    ``[R, B, L, H, D]`` queries."""
     sm_scale = setup.sm_scale
+    attention = attention or xla_gather_attention
 
     def step(set_index, operands):
         queries, k_pages, v_pages, block_tables, seq_lens = operands
-        return xla_gather_attention(
+        return attention(
             queries[set_index],
             k_pages,
             v_pages,
@@ -298,7 +304,8 @@ def _xla_gather_loop(setup: AttentionSetup) -> TimedLoop:
             sm_scale=sm_scale,
         )
 
-    return TimedLoop(step, setup.num_sets, attention_operands(setup, setup.queries))
+    queries = setup.queries if queries is None else queries
+    return TimedLoop(step, setup.num_sets, attention_operands(setup, queries))
 
 
 def _xla_gather_result(
