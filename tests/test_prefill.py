@@ -16,6 +16,7 @@ import pytest
 
 import paged
 from serving import model
+from tests.test_model import CONFIG as TINY_CONFIG
 
 CHUNKING_TOLERANCE = 1e-6
 PAGE_SIZE = 4
@@ -89,15 +90,7 @@ def test_prefill_attention_independent_of_chunk_size():
 
 
 def test_model_prefill_independent_of_chunk_size():
-    config = model.ModelConfig(
-        vocab_size=64,
-        hidden=32,
-        num_layers=2,
-        num_q_heads=4,
-        num_kv_heads=2,
-        head_dim=8,
-        intermediate=48,
-    )
+    config = TINY_CONFIG  # the model tests' config (RoPE scaling in all three bands)
     params = model.init_params(config, jax.random.key(1))
     prompt_len = 7
     table = shared_prefix_table(prefix_len=0, prompt_len=prompt_len, batch=2)

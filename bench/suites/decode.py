@@ -498,11 +498,8 @@ def xla_gather_causal_attention(
     """
     batch, q_len, num_heads, head_dim = q.shape
     num_kv_heads = k_pages.shape[0]
-    group = num_heads // num_kv_heads
-    # [KVH, B, pages_per_sequence, page_size, D] -> [KVH, B, tokens, D]
-    keys = k_pages[:, block_tables].reshape(num_kv_heads, batch, -1, head_dim)
-    values = v_pages[:, block_tables].reshape(num_kv_heads, batch, -1, head_dim)
-    grouped_q = q.reshape(batch, q_len, num_kv_heads, group, head_dim)
+    keys, values = peers.gathered_kv(k_pages, v_pages, block_tables)
+    grouped_q = q.reshape(batch, q_len, num_kv_heads, num_heads // num_kv_heads, head_dim)
     logits = jnp.einsum("blkgd,kbtd->blkgt", grouped_q, keys, preferred_element_type=jnp.float32)
     logits = logits * sm_scale
     key_position = jnp.arange(keys.shape[2], dtype=jnp.int32)

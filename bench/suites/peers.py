@@ -142,6 +142,18 @@ def error_summary(error: Exception) -> str:
 # Paged decode attention
 
 
+def gathered_kv(
+    k_pages: jax.Array, v_pages: jax.Array, block_tables: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """Every request's keys and values in order, by one gather of its pages:
+    ``[KVH, num_pages, page_size, D]`` pools and ``[B, pages_per_sequence]`` tables give
+    ``[KVH, B, pages_per_sequence * page_size, D]`` each."""
+    num_kv_heads, batch, head_dim = k_pages.shape[0], block_tables.shape[0], k_pages.shape[-1]
+    keys = k_pages[:, block_tables].reshape(num_kv_heads, batch, -1, head_dim)
+    values = v_pages[:, block_tables].reshape(num_kv_heads, batch, -1, head_dim)
+    return keys, values
+
+
 def xla_gather_attention(
     q: jax.Array,
     k_pages: jax.Array,
@@ -167,11 +179,8 @@ def xla_gather_attention(
     """
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_pages.shape[0]
-    group = num_heads // num_kv_heads
-    # [KVH, B, pages_per_sequence, page_size, D] -> [KVH, B, tokens, D]
-    keys = k_pages[:, block_tables].reshape(num_kv_heads, batch, -1, head_dim)
-    values = v_pages[:, block_tables].reshape(num_kv_heads, batch, -1, head_dim)
-    grouped_q = q.reshape(batch, num_kv_heads, group, head_dim)
+    keys, values = gathered_kv(k_pages, v_pages, block_tables)
+    grouped_q = q.reshape(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
     logits = jnp.einsum("bkgd,kbtd->bkgt", grouped_q, keys, preferred_element_type=jnp.float32)
     logits = logits * sm_scale
     token_positions = jnp.arange(keys.shape[2], dtype=jnp.int32)
