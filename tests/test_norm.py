@@ -221,13 +221,21 @@ def _calls_pallas(function, *args) -> bool:
     return "pallas_call" in str(jax.make_jaxpr(function)(*args))
 
 
-def test_auto_keeps_the_reference_until_checked_on_a_gpu(monkeypatch):
+def test_auto_picks_the_kernel_on_a_gpu_only(monkeypatch):
+    """The kernels were checked and timed on the H200, so "auto" runs them there; on a CPU (and
+    under the kill switch) it keeps the reference."""
     x, residual, weight = make_inputs(1, (2, 64), jnp.float32)
-    assert not layers.NORM_KERNEL_CHECKED_ON_GPU
-    assert not _calls_pallas(lambda *a: layers.fused_add_rmsnorm(*a), x, residual, weight)
+    assert layers.NORM_KERNEL_CHECKED_ON_GPU
     assert _calls_pallas(
         lambda *a: layers.fused_add_rmsnorm(*a, backend="pallas"), x, residual, weight
     )
+    monkeypatch.setattr(platform, "on_gpu", lambda: False)
+    assert not _calls_pallas(lambda *a: layers.fused_add_rmsnorm(*a), x, residual, weight)
+    monkeypatch.setattr(platform, "on_gpu", lambda: True)
+    assert _calls_pallas(lambda *a: layers.fused_add_rmsnorm(*a), x, residual, weight)
+    assert _calls_pallas(lambda *a: layers.rmsnorm(*a), x, weight)
+    monkeypatch.setenv(platform.KILL_SWITCH_VARIABLE, "reference")
+    assert not _calls_pallas(lambda *a: layers.fused_add_rmsnorm(*a), x, residual, weight)
     monkeypatch.setenv(platform.KILL_SWITCH_VARIABLE, "fast")
     with pytest.raises(ValueError, match="DECODELAB_BACKEND"):
         layers.rmsnorm(x, weight)
