@@ -39,9 +39,9 @@ Arms, each a fresh engine per scenario, one after the other (``ARMS``):
   op included. The engine's programs cache on ``backend="auto"`` like the default's, so the jit
   caches are cleared (``jax.clear_caches``) before each arm: otherwise the second arm would run
   the first arm's compiled programs.
-- ``decodelab``: the default, ``Engine(backend="auto")``: on a GPU the paged-decode kernel and
-  the dual-pivot sampling kernel (the norm and RoPE + append kernels stay off until checked on
-  a GPU, ``serving/layers.py``, ``paged/rope_append.py``); in a dry run on the CPU "auto" is
+- ``decodelab``: the default, ``Engine(backend="auto")``: on a GPU the paged-decode, norm,
+  RoPE + append and dual-pivot sampling kernels (and the acceptance kernel when speculating;
+  Gumbel-max keeps XLA's reference, ``sampling.api.AUTO_PICKS_KERNEL``); in a dry run on the CPU "auto" is
   the reference, so the dry run passes ``backend="pallas"`` (every kernel, interpreted) to
   exercise the kernel path.
 
