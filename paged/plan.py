@@ -40,6 +40,9 @@ from paged.page_table import PageTable, bucket_size
 class DecodePlan:
     """Work items for one decode step (a pytree; ``write_final`` and ``launch`` are static).
 
+    ``plan_decode`` fills the arrays with host NumPy arrays (the jitted step that takes the plan
+    transfers them with its other inputs); ``traced_default_plan`` with traced arrays.
+
     Attributes:
       work_request: int32[W], each item's request; -1 for padding.
       work_page_start, work_page_end: int32[W], the item's range in ``page_indices``.
@@ -199,8 +202,11 @@ def plan_decode(
         raise ValueError(f"num_work_items={size} is smaller than the {real} work items needed")
     padding = size - real
 
+    # Host NumPy arrays, not device arrays: a jitted step transfers them with its other inputs,
+    # whereas jnp.asarray here ran eager device ops, seven a plan, every step (on the H200 the
+    # serving suite measured 2.1 to 2.8 ms of host time a step with them, 0.2 ms without).
     def padded(values, fill):
-        return jnp.asarray(np.array(values + [fill] * padding, np.int32))
+        return np.array(values + [fill] * padding, np.int32)
 
     launch = tuning.kernel_parameters(head_dim, num_q_heads // num_kv_heads, write_final, chunk)
 
@@ -209,9 +215,9 @@ def plan_decode(
         work_page_start=padded(starts, 0),
         work_page_end=padded(ends, 0),
         work_last_page_len=padded(last_lens, 0),
-        merge_indptr=jnp.asarray(np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)),
-        chunk_pages=jnp.asarray(chunk, jnp.int32),
-        num_work_items=jnp.asarray(real, jnp.int32),
+        merge_indptr=np.concatenate([[0], np.cumsum(counts)]).astype(np.int32),
+        chunk_pages=np.asarray(chunk, np.int32),
+        num_work_items=np.asarray(real, np.int32),
         write_final=write_final,
         launch=tuple(sorted(launch.items())),
     )

@@ -324,8 +324,8 @@ def test_invalid_tables_under_jit_stay_inside_the_arrays():
     broken_plan = paged.plan_decode(table, q.shape[1], NUM_KV_HEADS, 64)
     broken_plan = dataclasses.replace(
         broken_plan,
-        work_request=broken_plan.work_request.at[0].set(7),  # a request outside the batch
-        work_page_end=broken_plan.work_page_end.at[1].set(10_000),  # past page_indices
+        work_request=jnp.asarray(broken_plan.work_request).at[0].set(7),  # outside the batch
+        work_page_end=jnp.asarray(broken_plan.work_page_end).at[1].set(10_000),  # past the pages
     )
     decode_with = jax.jit(
         lambda q, c, t, p: paged.decode_attention(q, c, t, plan=p, backend="pallas")
