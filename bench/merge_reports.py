@@ -1,0 +1,99 @@
+"""Merge the reports of one suite run in parts (separate processes) into one report.
+
+Why: a suite writes its report only when its process ends, and one GPU command may run at most
+600 s, so a long suite is run as several processes, each on a subset of its cases
+(``DECODELAB_SERVING_SCENARIOS``, ``--batches``). This puts their rows back into one report.
+
+What it keeps honest: every row stays exactly as measured (its ``fraction_of_ceiling`` against
+the copy ceiling of its own process); parts must be the same suite on the same GPU, driver, jax
+version and commit, and no (case, arm) may appear twice. The merged report's ceiling is the
+highest of the parts' (its ``ceiling_detail`` lists each part's), its command lists each part's,
+and notes are kept in order without repeats.
+
+Usage:
+  python -m bench.merge_reports OUT_DIR part1.json part2.json ...
+
+writes ``OUT_DIR/<date>-<suite>.md`` and ``.json`` (the date of the parts).
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import sys
+from typing import Any
+
+from bench.records import CASE_FIELDS, CaseResult
+from bench.report import check_distinguishable, render_markdown
+
+SAME_IN_EVERY_PART = ("suite", "date", "gpu", "driver", "jax_version", "commit", "timing_method")
+
+
+def case_result(case: dict[str, Any]) -> CaseResult:
+    """The ``CaseResult`` of one case's JSON object (the inverse of ``CaseResult.to_json``)."""
+    fixed = {name: case[name] for name in CASE_FIELDS}
+    extra = {key: value for key, value in case.items() if key not in CASE_FIELDS}
+    return CaseResult(**fixed, extra=extra)
+
+
+def merge(parts: list[dict[str, Any]]) -> tuple[dict[str, Any], list[CaseResult]]:
+    """The merged report object and its rows.
+
+    Raises:
+      ValueError: no part, parts that differ in a field of ``SAME_IN_EVERY_PART``, or a
+        (case, arm) present in two parts.
+    """
+    if not parts:
+        raise ValueError("merge needs at least one report")
+    for field in SAME_IN_EVERY_PART:
+        values = {part[field] for part in parts}
+        if len(values) > 1:
+            raise ValueError(f"the parts differ in {field}: {sorted(values)}")
+    seen: set[tuple[str, str]] = set()
+    results: list[CaseResult] = []
+    for part in parts:
+        for case in part["cases"]:
+            key = (case["case"], case["arm"])
+            if key in seen:
+                raise ValueError(f"case {key[0]!r} arm {key[1]!r} appears in two parts")
+            seen.add(key)
+            results.append(case_result(case))
+    check_distinguishable(results)
+    notes: list[str] = []
+    for part in parts:
+        notes += [note for note in part["notes"] if note not in notes]
+    ceilings = [part["ceiling_tbps"] for part in parts]
+    merged = {field: parts[0][field] for field in SAME_IN_EVERY_PART}
+    merged |= {
+        "command": " ; ".join(part["command"] for part in parts),
+        "ceiling_tbps": max(ceilings),
+        "cases": [result.to_json() for result in results],
+        "ceiling_detail": {
+            f"part_{index}_tbps": ceiling for index, ceiling in enumerate(ceilings, start=1)
+        },
+        "notes": [
+            f"merged from {len(parts)} processes (bench/merge_reports.py); each row's share of "
+            "the ceiling is against its own process's copy ceiling (ceiling_detail lists them)",
+            *notes,
+        ],
+    }
+    return merged, results
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) < 2:
+        print(__doc__.strip().splitlines()[-3], file=sys.stderr)
+        return 2
+    out_dir = pathlib.Path(argv[0])
+    parts = [json.loads(pathlib.Path(path).read_text()) for path in argv[1:]]
+    merged, results = merge(parts)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = out_dir / f"{merged['date']}-{merged['suite']}"
+    stem.with_suffix(".json").write_text(json.dumps(merged, indent=2) + "\n")
+    stem.with_suffix(".md").write_text(render_markdown(merged, results))
+    print(f"wrote {stem}.md\n      {stem}.json")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,67 @@
+"""``bench.merge_reports``: a suite run in parts becomes one report, rows unchanged."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench import merge_reports
+
+
+def _part(cases, *, ceiling=4.2, commit="abc1234", notes=("shared note",)):
+    return {
+        "suite": "serving",
+        "date": "2026-12-01",
+        "gpu": "NVIDIA H200",
+        "driver": "580",
+        "jax_version": "0.11.2",
+        "commit": commit,
+        "command": f"python -m bench serving # {cases}",
+        "ceiling_tbps": ceiling,
+        "timing_method": "host clock",
+        "cases": [
+            {
+                "case": case,
+                "arm": arm,
+                "attribution": f"{arm}-{case}",
+                "median_us": 10.0,
+                "min_us": 9.0,
+                "max_us": 11.0,
+                "bytes": 1000,
+                "achieved_tbps": 1e-4,
+                "fraction_of_ceiling": 1e-4 / ceiling,
+                "tokens_per_s": 123.0,
+            }
+            for case in cases
+            for arm in ("reference", "decodelab")
+        ],
+        "ceiling_detail": {},
+        "notes": [*notes, f"note of {cases}"],
+    }
+
+
+def test_merge_keeps_every_row_as_measured(tmp_path):
+    first, second = _part(["single B=1"], ceiling=4.1), _part(["batch B=4"], ceiling=4.3)
+    paths = []
+    for index, part in enumerate((first, second)):
+        paths.append(tmp_path / f"part{index}.json")
+        paths[-1].write_text(json.dumps(part))
+    assert merge_reports.main([str(tmp_path / "out"), *map(str, paths)]) == 0
+    merged = json.loads((tmp_path / "out" / "2026-12-01-serving.json").read_text())
+    assert merged["cases"] == first["cases"] + second["cases"]
+    assert merged["ceiling_tbps"] == 4.3
+    assert merged["ceiling_detail"] == {"part_1_tbps": 4.1, "part_2_tbps": 4.3}
+    assert merged["notes"].count("shared note") == 1
+    assert "note of ['batch B=4']" in merged["notes"]
+    markdown = (tmp_path / "out" / "2026-12-01-serving.md").read_text()
+    assert "### single B=1" in markdown and "### batch B=4" in markdown
+
+
+def test_merge_refuses_mismatched_or_repeated_parts():
+    with pytest.raises(ValueError, match="commit"):
+        merge_reports.merge([_part(["a B=1"]), _part(["b B=1"], commit="def5678")])
+    with pytest.raises(ValueError, match="appears in two parts"):
+        merge_reports.merge([_part(["a B=1"]), _part(["a B=1"])])
+    with pytest.raises(ValueError, match="at least one"):
+        merge_reports.merge([])
