@@ -22,8 +22,8 @@ A request's key is ``jax.random.key(seed)`` for its ``SamplingParams.seed`` (all
 ``jax.random.key`` does with x64 on). A request without a seed gets
 ``fold_in(fold_in(key(engine seed), SEEDLESS_DOMAIN), its submission number)``: a key derived
 in a domain of its own, so the k-th seedless request never draws the stream of a request given
-``seed=k`` (``fold_in`` keys are Threefry blocks of the engine key, never a ``key(seed)``). Step keys are ``fold_in(request_key, num_generated)``:
-the tokens a request has generated so far, not the step number or its slot, so its tokens do
+``seed=k`` (``fold_in`` keys are Threefry blocks of the engine key, never a ``key(seed)``).
+Step keys are ``fold_in(request_key, num_generated)``: the tokens a request has generated so far, not the step number or its slot, so its tokens do
 not depend on its neighbours, its slot or when it was admitted. The samplers get ``B`` keys,
 row ``b`` its own (``sampling/api.py``).
 

@@ -41,9 +41,9 @@ Arms, each a fresh engine per scenario, one after the other (``ARMS``):
   the first arm's compiled programs.
 - ``decodelab``: the default, ``Engine(backend="auto")``: on a GPU the paged-decode, norm,
   RoPE + append and dual-pivot sampling kernels (and the acceptance kernel when speculating;
-  Gumbel-max keeps XLA's reference, ``sampling.api.AUTO_PICKS_KERNEL``); in a dry run on the CPU "auto" is
-  the reference, so the dry run passes ``backend="pallas"`` (every kernel, interpreted) to
-  exercise the kernel path.
+  Gumbel-max keeps XLA's reference, ``sampling.api.AUTO_PICKS_KERNEL``); in a dry run on the
+  CPU "auto" is the reference, so the dry run passes ``backend="pallas"`` (every kernel,
+  interpreted) to exercise the kernel path.
 
 ``attribution`` is what ``Engine.backend_report()`` reads off the traced programs: the kernel
 names each op calls, or ``reference``. Two arms that ran the same code have the same
