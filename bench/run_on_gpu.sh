@@ -6,6 +6,8 @@
 #   bash bench/run_on_gpu.sh sampling-tests sampling  # the sampling kernels, compiled and timed
 #   bash bench/run_on_gpu.sh fused_ops serving-quick      # what the 2026-12-01 session left unmeasured
 #   bash bench/run_on_gpu.sh sampling-32 speculative serving-a serving-b
+#   bash bench/run_on_gpu.sh speculative-quick engine-bf16 serving-single pack
+# (merge a suite's parts into one report with python -m bench.merge_reports)
 # A suite writes its report only when it ends: a stage killed by the 600 s limit of one device
 # command leaves nothing, so every stage below fits in one command (the slow ones are split).
 # Logs and reports go to $OUT (the device tool's output folder) when it is set. The copy of the
@@ -50,6 +52,19 @@ for stage in "$@"; do
     serving-quick)
       timeout 300 python3 -m bench serving --quick --out "$out/serving-quick" 2>&1 \
         | tee "$out/serving-quick.log" | grep -E '^note|wrote' ;;
+    speculative-quick)  # the GPU-marked test, then the target case alone (about 40 s)
+      timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_speculative.py \
+        2>&1 | tee "$out/gpu_speculative_tests.log" | tail -n 3
+      timeout 200 python3 -m bench speculative --quick --out "$out/speculative-quick" 2>&1 \
+        | tee "$out/speculative-quick.log" | grep -E '^note|wrote' ;;
+    engine-bf16)  # greedy parity of the compiled kernels with the reference, bfloat16
+      timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_engine.py -k bfloat16 \
+        2>&1 | tee "$out/engine_bf16.log" | grep -E 'bf16 greedy|passed|failed' ;;
+    serving-single|serving-batch|serving-long|serving-shared_prefix)  # one scenario a process
+      DECODELAB_SERVING_SCENARIOS="${stage#serving-}" timeout 300 python3 -m bench serving \
+        --out "$out/$stage" 2>&1 | tee "$out/$stage.log" | grep -E 'tok/s|^note: .*(faster|target)' ;;
+    pack)  # the device tool brings back at most 8 files: one archive of everything so far
+      (cd "$out" && tar czf ../decodelab-gpu.tgz . && rm -rf ./* && mv ../decodelab-gpu.tgz .) ;;
     serving-a)
       DECODELAB_SERVING_SCENARIOS=single,batch,shared_prefix timeout 550 python3 -m bench \
         serving --out "$out/serving-a" 2>&1 | tee "$out/serving-a.log" | grep -E '^note|wrote' ;;
