@@ -5,8 +5,10 @@ Why: a suite writes its report only when its process ends, and one GPU command m
 (``DECODELAB_SERVING_SCENARIOS``, ``--batches``). This puts their rows back into one report.
 
 What it keeps honest: every row stays exactly as measured (its ``fraction_of_ceiling`` against
-the copy ceiling of its own process); parts must be the same suite on the same GPU, driver, jax
-version and commit, and no (case, arm) may appear twice. The merged report's ceiling is the
+the copy ceiling of its own process); parts must be the same suite on the same GPU, driver and
+jax version, and no (case, arm) may appear twice. Parts may come from different commits (a part
+re-run after an unrelated change): the merged ``commit`` lists each, and a note says which cases
+each commit measured. The merged report's ceiling is the
 highest of the parts' (its ``ceiling_detail`` lists each part's), its command lists each part's,
 and notes are kept in order without repeats.
 
@@ -26,7 +28,7 @@ from typing import Any
 from bench.records import CASE_FIELDS, CaseResult
 from bench.report import check_distinguishable, render_markdown
 
-SAME_IN_EVERY_PART = ("suite", "date", "gpu", "driver", "jax_version", "commit", "timing_method")
+SAME_IN_EVERY_PART = ("suite", "date", "gpu", "driver", "jax_version", "timing_method")
 
 
 def case_result(case: dict[str, Any]) -> CaseResult:
@@ -63,8 +65,16 @@ def merge(parts: list[dict[str, Any]]) -> tuple[dict[str, Any], list[CaseResult]
     for part in parts:
         notes += [note for note in part["notes"] if note not in notes]
     ceilings = [part["ceiling_tbps"] for part in parts]
+    commits = list(dict.fromkeys(part["commit"] for part in parts))
+    if len(commits) > 1:
+        for commit in commits:
+            cases = dict.fromkeys(
+                case["case"] for part in parts if part["commit"] == commit for case in part["cases"]
+            )
+            notes.append(f"commit {commit} measured: {', '.join(cases)}")
     merged = {field: parts[0][field] for field in SAME_IN_EVERY_PART}
     merged |= {
+        "commit": ", ".join(commits),
         "command": " ; ".join(part["command"] for part in parts),
         "ceiling_tbps": max(ceilings),
         "cases": [result.to_json() for result in results],

@@ -59,9 +59,17 @@ def test_merge_keeps_every_row_as_measured(tmp_path):
 
 
 def test_merge_refuses_mismatched_or_repeated_parts():
-    with pytest.raises(ValueError, match="commit"):
-        merge_reports.merge([_part(["a B=1"]), _part(["b B=1"], commit="def5678")])
+    other_gpu = _part(["b B=1"]) | {"gpu": "NVIDIA H100"}
+    with pytest.raises(ValueError, match="gpu"):
+        merge_reports.merge([_part(["a B=1"]), other_gpu])
     with pytest.raises(ValueError, match="appears in two parts"):
         merge_reports.merge([_part(["a B=1"]), _part(["a B=1"])])
     with pytest.raises(ValueError, match="at least one"):
         merge_reports.merge([])
+
+
+def test_parts_of_different_commits_say_which_measured_what():
+    merged, _ = merge_reports.merge([_part(["a B=1"]), _part(["b B=1"], commit="def5678")])
+    assert merged["commit"] == "abc1234, def5678"
+    assert "commit abc1234 measured: a B=1" in merged["notes"]
+    assert "commit def5678 measured: b B=1" in merged["notes"]
