@@ -264,17 +264,22 @@ def chain_speculative_sampling(
     target_probs = target_probs.astype(compute)
     if draft_probs is not None:
         draft_probs = draft_probs.astype(compute)
-    tokens = jnp.clip(draft_token_ids.astype(jnp.int32), 0, vocab - 1)
     if chosen == "pallas":
+        # Two kernel launches and no XLA operation: the kernels clip the token ids and derive a
+        # single key's per-row words themselves (``kernels_pallas/spec_accept.py``).
+        words = rng.key_words(key)
+        if words.ndim != 1:
+            words = rng.row_keys(key, batch)  # B keys: their own words (one a row, checked)
         return spec_accept_kernels.chain_speculative_sample(
             draft_probs,
-            tokens,
+            draft_token_ids.astype(jnp.int32),
             target_probs,
-            rng.row_keys(key, batch),
+            words,
             chunk_size=DEFAULT_CHUNK_SIZE,
             stream=SPECULATIVE_STREAM,
             interpret=interpret_mode(),
         )
+    tokens = jnp.clip(draft_token_ids.astype(jnp.int32), 0, vocab - 1)
     accept, chunk, token = speculative_uniforms(key, batch, num_drafts)
     return reference.chain_speculative_sampling_from_uniforms(
         draft_probs,

@@ -15,6 +15,7 @@ import functools
 import io
 import json
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -544,7 +545,8 @@ def test_auto_runs_the_kernel_on_a_gpu_unless_switched_off(monkeypatch):
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the Pallas Triton backend's
 def test_kernel_lowers_to_triton_for_an_h200(monkeypatch):
     """The compiled path as far as a CPU can follow it: at the benchmark's shapes, with and
-    without draft probabilities, the public API lowers to one Triton kernel for an H200."""
+    without draft probabilities, with one key or a key a row, the public API lowers to the two
+    Triton kernels for an H200 and no XLA operation besides (reshapes are free)."""
     gpu_info = pytest.importorskip("jax._src.pallas.triton.gpu_info")
     h200 = gpu_info._get_gpu_info_impl(gpu_info.GpuVersion.H200)
     monkeypatch.setitem(gpu_info.registry, jax.devices()[0].device_kind, lambda: h200)
@@ -555,23 +557,143 @@ def test_kernel_lowers_to_triton_for_an_h200(monkeypatch):
     target = jax.ShapeDtypeStruct((batch, num_drafts + 1, vocab), jnp.float32)
     draft = jax.ShapeDtypeStruct((batch, num_drafts, vocab), jnp.float32)
     tokens = jax.ShapeDtypeStruct((batch, num_drafts), jnp.int32)
-    for with_draft, name in (
-        (True, "spec_accept_probs_c8192_b1024"),
-        (False, "spec_accept_deterministic_c8192_b1024"),
-    ):
+    for key in (jax.random.key(0), jax.random.split(jax.random.key(0), batch)):
+        for with_draft, name in (
+            (True, "spec_accept_probs_c8192_b1024"),
+            (False, "spec_accept_deterministic_c8192_b1024"),
+        ):
 
-        def verify(d, t, p, with_draft=with_draft):
-            return speculative.chain_speculative_sampling(
-                jax.random.key(0), d if with_draft else None, t, p, backend="pallas"
+            def verify(k, d, t, p, with_draft=with_draft):
+                return speculative.chain_speculative_sampling(
+                    k, d if with_draft else None, t, p, backend="pallas"
+                )
+
+            text = (
+                jax.jit(verify)
+                .trace(key, draft, tokens, target)
+                .lower(lowering_platforms=("cuda",))
+                .as_text()
             )
+            names = peers.triton_kernel_names(text, "spec_accept")
+            assert names == sorted([name, "spec_accept_merge_c16"])
+            operations = set(re.findall(r'= "?((?:stablehlo|chlo)\.\w+)', text))
+            assert operations <= {"stablehlo.custom_call", "stablehlo.reshape"}, operations
 
-        text = (
-            jax.jit(verify)
-            .trace(draft, tokens, target)
-            .lower(lowering_platforms=("cuda",))
-            .as_text()
+
+def test_merge_kernel_is_the_references_inverse_transform_over_chunks():
+    """The merge on given chunk masses, candidates and uniforms, token for token (no rounding
+    slack): the reference's inverse transform (running sums added left to right, as numpy's
+    ``cumsum`` adds them and XLA's on a CPU), residual masses unless a row has none, uniforms
+    equal to a boundary (``<=`` counts it), rows without mass, out-of-range ids clipped."""
+    batch, num_chunks, num_drafts, vocab = 80, 5, 2, 40  # two programs, the second partial
+    generator = np.random.default_rng(41)
+    residual = generator.random((batch, num_chunks)) ** 4
+    residual[generator.random((batch, num_chunks)) < 0.4] = 0
+    residual[::4] = 0  # no residual mass: the target's masses
+    residual[1::8, 3:] = 0  # trailing chunks without mass
+    target = generator.random((batch, num_chunks)) ** 2
+    target[4, :] = 0  # no mass at all (bad input under jit): chunk 0
+    residual, target = residual.astype(np.float32), target.astype(np.float32)
+    masses = np.where((residual > 0).any(axis=1, keepdims=True), residual, target)
+    cumulative = np.maximum.accumulate(np.cumsum(masses, axis=1), axis=1)
+    with np.errstate(invalid="ignore"):
+        normalized = cumulative / cumulative[:, -1:]  # float32, IEEE division
+    uniform = generator.random(batch).astype(np.float32)
+    uniform[2::5] = normalized[2::5, 1]  # exactly on a boundary
+    candidate = generator.integers(-1, vocab + 5, (batch, num_chunks)).astype(np.int32)
+    tokens = generator.integers(-3, vocab + 3, (batch, num_drafts)).astype(np.int32)
+    stop = generator.integers(0, num_drafts + 1, batch).astype(np.int32)
+
+    def chunk_major(values):
+        return jnp.asarray(np.ascontiguousarray(np.broadcast_to(values, (batch, num_chunks)).T))
+
+    out, accepted = spec_accept.merge_chunks(
+        jnp.asarray(tokens),
+        chunk_major(stop[:, None]),
+        chunk_major(uniform[:, None]),
+        chunk_major(residual),
+        chunk_major(target),
+        chunk_major(candidate),
+        num_drafts=num_drafts,
+        vocab=vocab,
+        interpret=not ON_GPU,
+    )
+    chosen = (normalized <= uniform[:, None]).sum(axis=1)
+    last_positive = np.max(np.where(masses > 0, np.arange(num_chunks), 0), axis=1)
+    rows = np.arange(batch)
+    chosen_mass = masses[rows, np.minimum(chosen, num_chunks - 1)]
+    chosen = np.where((chosen >= num_chunks) | (chosen_mass <= 0), last_positive, chosen)
+    if not ON_GPU:  # the numpy restatement is the reference's own function here
+        from sampling.reference import inverse_transform
+
+        ours = jax.vmap(inverse_transform)(jnp.asarray(masses), jnp.asarray(uniform))
+        np.testing.assert_array_equal(np.asarray(ours), chosen)
+    expected = np.full((batch, num_drafts + 1), -1, np.int32)
+    drafts = np.clip(tokens, 0, vocab - 1)
+    for b in rows:
+        expected[b, : stop[b]] = drafts[b, : stop[b]]
+        expected[b, stop[b]] = np.clip(candidate[b, chosen[b]], 0, vocab - 1)
+    np.testing.assert_array_equal(np.asarray(accepted), stop)
+    np.testing.assert_array_equal(np.asarray(out), expected)
+    assert len(set(chosen[::4])) > 1 and chosen[4] == 0  # the cases above were reached
+
+
+def test_kernel_derives_one_keys_row_words_as_row_keys_does():
+    """One key's two words, handed to the kernel, give the tokens of ``rng.row_keys``' per-row
+    words exactly (the kernel derives a row's words itself, saving an XLA launch)."""
+    batch, num_drafts, vocab = 24, 3, 300
+    draft, tokens, target = _kernel_case_inputs(17, batch, num_drafts, vocab, False)
+    key = jax.random.key(18)
+    results = [
+        spec_accept.chain_speculative_sample(
+            draft,
+            tokens,
+            target,
+            words,
+            chunk_size=64,
+            stream=api.SPECULATIVE_STREAM,
+            block=16,
+            interpret=not ON_GPU,
         )
-        assert peers.triton_kernel_names(text, "spec_accept") == [name]
+        for words in (rng.key_words(key), rng.row_keys(key, batch))
+    ]
+    for derived, given in zip(*results, strict=True):
+        np.testing.assert_array_equal(np.asarray(derived), np.asarray(given))
+    with pytest.raises(ValueError, match=r"row_key_words must be uint32\[24, 2\] or uint32\[2\]"):
+        spec_accept.chain_speculative_sample(
+            draft, tokens, target, rng.row_keys(key, 3), chunk_size=64, stream=0
+        )
+
+
+def test_kernel_clips_token_ids_where_it_loads_them():
+    """Under jit the API hands the kernel unchecked ids (no XLA clip before it): ids outside
+    ``[0, V)`` act as, and are emitted as, the nearest id inside, as the reference's clip has
+    them. Token ``V - 1`` has probability 0.9, so a rejection at an id clipped to it draws from a
+    residual without it: an id that escaped the clip would draw it most of the time."""
+    batch, vocab = 128, 8
+    target = np.full((batch, 2, vocab), 0.1 / (vocab - 1), np.float32)
+    target[:, :, -1] = 0.9
+    tokens = np.where(np.arange(batch) % 4 == 0, -4, vocab + 2)[:, None].astype(np.int32)
+    keys = rng.row_keys(jax.random.split(jax.random.key(19), batch), batch)
+    draft_probs = np.full((batch, 1, vocab), 0.01 / (vocab - 1), np.float32)
+    draft_probs[:, :, -1] = 0.99  # above the target's 0.9: rejected at times
+    for draft in (None, jnp.asarray(draft_probs)):
+        raw, clipped = [
+            spec_accept.chain_speculative_sample(
+                draft,
+                jnp.asarray(ids),
+                jnp.asarray(target),
+                keys,
+                chunk_size=8,
+                stream=api.SPECULATIVE_STREAM,
+                block=8,
+                interpret=not ON_GPU,
+            )
+            for ids in (tokens, np.clip(tokens, 0, vocab - 1))
+        ]
+        for ours, expected in zip(raw, clipped, strict=True):
+            np.testing.assert_array_equal(np.asarray(ours), np.asarray(expected))
+        assert (np.asarray(raw[1]) == 0).any()  # rejections happened
 
 
 # ----------------------------------------------------------------------------------------------
