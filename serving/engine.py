@@ -118,8 +118,13 @@ class StepStats:
       host_s: host work: ``plan_step``, building the program's inputs and the split-KV plans,
         ``commit_step``.
       prefill_s: the prefill chunks, dispatched and finished (device time plus dispatch).
-      decode_s: the decode program, dispatched until its tokens reached the host.
+      decode_s: the decode program, dispatched until its tokens reached the host; the sum of
+        the three parts below.
       compiled: whether a program was compiled during the step (its times include compilation).
+      dispatch_s: part of ``decode_s``: the jitted call until it returned (cache lookup,
+        argument transfers, launch), before the device is done.
+      device_wait_s: part of ``decode_s``: from then until the step's outputs were ready.
+      fetch_s: part of ``decode_s``: copying the outputs to the host.
     """
 
     index: int
@@ -131,6 +136,9 @@ class StepStats:
     prefill_s: float
     decode_s: float
     compiled: bool
+    dispatch_s: float = 0.0
+    device_wait_s: float = 0.0
+    fetch_s: float = 0.0
 
     @property
     def total_s(self) -> float:
@@ -596,6 +604,8 @@ class Engine:
         # The abstract model and caches for backend_report, taken once: their shapes never change,
         # and abstracting every leaf each step cost about 150 us of host time on a CPU.
         self._abstract_state: tuple | None = None
+        # (dispatch, device wait, fetch) seconds of the last decode program (StepStats).
+        self._decode_phases = (0.0, 0.0, 0.0)
 
     # --- requests --------------------------------------------------------------------------
 
@@ -654,6 +664,7 @@ class Engine:
         prefill_s = time.perf_counter() - prefill_start
 
         decode_s = 0.0
+        self._decode_phases = (0.0, 0.0, 0.0)
         result = None
         if step.decode is not None:
             host_start = time.perf_counter()
@@ -682,6 +693,9 @@ class Engine:
             prefill_s=prefill_s,
             decode_s=decode_s,
             compiled=self._compile_count() > compiles_before,
+            dispatch_s=self._decode_phases[0],
+            device_wait_s=self._decode_phases[1],
+            fetch_s=self._decode_phases[2],
         )
         return StepOutput(output.new_token_ids, output.finished, num_accepted, stats)
 
@@ -762,8 +776,14 @@ class Engine:
             backend=self.backend,
         )
         self._traced["decode"] = ("decode", self._abstract_args(args), static)
+        start = time.perf_counter()
         result, self.target_caches, self.draft_caches = _decode_step_jit(*args, **static)
-        return DecodeResult(*jax.device_get(tuple(result)))
+        dispatched = time.perf_counter()
+        jax.block_until_ready(result)  # no extra cost: device_get would wait for it anyway
+        ready = time.perf_counter()
+        fetched = DecodeResult(*jax.device_get(tuple(result)))
+        self._decode_phases = (dispatched - start, ready - dispatched, time.perf_counter() - ready)
+        return fetched
 
     def _commit(self, step: Step, result: DecodeResult | None):
         if result is None:

@@ -323,3 +323,19 @@ def test_bfloat16_greedy_tokens_flip_only_at_near_ties(pair, capsys):
     )
     assert len(gaps) <= MAX_DIVERGING_REQUESTS, gaps
     assert all(gap <= NEAR_TIE_LOGITS for _, gap in gaps), gaps
+
+
+def test_decode_time_splits_into_dispatch_wait_and_fetch(pair):
+    """``StepStats.decode_s`` is the sum of its three measured parts, each non-negative."""
+    engine = _engine(pair)
+    engine.submit(Request(0, encode_text(PROMPTS[0]), SamplingParams(max_tokens=3)))
+    decode_steps = []
+    while engine.has_unfinished:
+        stats = engine.step().stats
+        if stats.num_decode_rows:
+            decode_steps.append(stats)
+    assert decode_steps
+    for stats in decode_steps:
+        parts = (stats.dispatch_s, stats.device_wait_s, stats.fetch_s)
+        assert min(parts) >= 0 and stats.dispatch_s > 0
+        assert sum(parts) <= stats.decode_s <= sum(parts) + 1e-3

@@ -68,6 +68,9 @@ Figures of a row (``extra``):
   requests are submitted together, so this includes the prefill of every prompt admitted
   before it.
 - ``host_us_per_step``: median ``StepStats.host_s`` of the decode-only steps.
+- ``dispatch_us_per_step``, ``device_wait_us_per_step``, ``fetch_us_per_step``: medians of the
+  three parts of ``StepStats.decode_s``: the jitted call until it returns, the wait for the
+  outputs, their copy to the host.
 - ``median_us``, ``min_us``, ``max_us``: a decode-only step's wall time (``total_s``); ``bytes``
   what a decode step must move: every weight once (layers, final norm, ``lm_head``; the
   embedding's ``B`` rows) plus the K and V of every request's context at the middle step;
@@ -694,6 +697,11 @@ def run_case(
         "tokens_per_s": tokens_per_s,
         **figures,
         "host_us_per_step": statistics.median(s.host_s for s in timed_steps) * 1e6,
+        # decode_s in three parts (StepStats): is a wall step longer than the device step
+        # because of the call, the device, or the copy back?
+        "dispatch_us_per_step": statistics.median(s.dispatch_s for s in timed_steps) * 1e6,
+        "device_wait_us_per_step": statistics.median(s.device_wait_s for s in timed_steps) * 1e6,
+        "fetch_us_per_step": statistics.median(s.fetch_s for s in timed_steps) * 1e6,
         "device_step_us": full_us,
         "attention_fraction": attention_us / step_us,
         "sampling_fraction": sampling_us / step_us,
