@@ -53,12 +53,12 @@ for stage in "$@"; do
       timeout 300 python3 -m bench serving --quick --out "$out/serving-quick" 2>&1 \
         | tee "$out/serving-quick.log" | grep -E '^note|wrote' ;;
     speculative-quick)  # the GPU-marked test, then the target case alone (about 40 s)
-      timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_speculative.py \
+      timeout 200 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/test_speculative.py \
         2>&1 | tee "$out/gpu_speculative_tests.log" | tail -n 3
       timeout 200 python3 -m bench speculative --quick --out "$out/speculative-quick" 2>&1 \
         | tee "$out/speculative-quick.log" | grep -E '^note|wrote' ;;
     engine-bf16)  # greedy parity of the compiled kernels with the reference, bfloat16
-      timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_engine.py -k bfloat16 \
+      timeout 200 python3 -m pytest -q -s -p no:cacheprovider tests/test_engine.py -k bfloat16 \
         2>&1 | tee "$out/engine_bf16.log" | grep -E 'bf16 greedy|passed|failed' ;;
     serving-single|serving-batch|serving-long|serving-shared_prefix)  # one scenario a process
       DECODELAB_SERVING_SCENARIOS="${stage#serving-}" timeout 300 python3 -m bench serving \
