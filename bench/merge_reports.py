@@ -6,7 +6,7 @@ Why: a suite writes its report only when its process ends, and one GPU command m
 
 What it keeps honest: every row stays exactly as measured (its ``fraction_of_ceiling`` against
 the copy ceiling of its own process); parts must be the same suite on the same GPU, driver and
-jax version, and no (case, arm) may appear twice. Parts may come from different commits (a part
+jax version, and a case's arms must all come from one part (they are compared with each other). Parts may come from different commits (a part
 re-run after an unrelated change): the merged ``commit`` lists each, and a note says which cases
 each commit measured. The merged report's ceiling is the
 highest of the parts' (its ``ceiling_detail`` lists each part's), its command lists each part's,
@@ -42,8 +42,8 @@ def merge(parts: list[dict[str, Any]]) -> tuple[dict[str, Any], list[CaseResult]
     """The merged report object and its rows.
 
     Raises:
-      ValueError: no part, parts that differ in a field of ``SAME_IN_EVERY_PART``, or a
-        (case, arm) present in two parts.
+      ValueError: no part, parts that differ in a field of ``SAME_IN_EVERY_PART``, or a case
+        present in two parts.
     """
     if not parts:
         raise ValueError("merge needs at least one report")
@@ -51,14 +51,15 @@ def merge(parts: list[dict[str, Any]]) -> tuple[dict[str, Any], list[CaseResult]
         values = {part[field] for part in parts}
         if len(values) > 1:
             raise ValueError(f"the parts differ in {field}: {sorted(values)}")
-    seen: set[tuple[str, str]] = set()
+    # A case's arms are compared with each other (ratios, shares): they must come from one
+    # process, so a case may appear in one part only.
+    part_of_case: dict[str, int] = {}
     results: list[CaseResult] = []
-    for part in parts:
+    for index, part in enumerate(parts):
         for case in part["cases"]:
-            key = (case["case"], case["arm"])
-            if key in seen:
-                raise ValueError(f"case {key[0]!r} arm {key[1]!r} appears in two parts")
-            seen.add(key)
+            owner = part_of_case.setdefault(case["case"], index)
+            if owner != index:
+                raise ValueError(f"case {case['case']!r} appears in two parts ({owner}, {index})")
             results.append(case_result(case))
     check_distinguishable(results)
     notes: list[str] = []
@@ -79,7 +80,11 @@ def merge(parts: list[dict[str, Any]]) -> tuple[dict[str, Any], list[CaseResult]
         "ceiling_tbps": max(ceilings),
         "cases": [result.to_json() for result in results],
         "ceiling_detail": {
-            f"part_{index}_tbps": ceiling for index, ceiling in enumerate(ceilings, start=1)
+            **{f"part_{index}_tbps": ceiling for index, ceiling in enumerate(ceilings, start=1)},
+            **{
+                f"part_{index}_methods": part.get("ceiling_detail", {})
+                for index, part in enumerate(parts, start=1)
+            },
         },
         "notes": [
             f"merged from {len(parts)} processes (bench/merge_reports.py); each row's share of "

@@ -6,8 +6,12 @@
 #   bash bench/run_on_gpu.sh sampling-tests sampling  # the sampling kernels, compiled and timed
 #   bash bench/run_on_gpu.sh fused_ops serving-quick      # what the 2026-12-01 session left unmeasured
 #   bash bench/run_on_gpu.sh sampling-32 speculative serving-a serving-b
-#   bash bench/run_on_gpu.sh speculative-quick engine-bf16 serving-single pack
+#   timeout -s KILL 560 bash bench/run_on_gpu.sh speculative-quick engine-bf16 serving-single; \
+#     bash bench/run_on_gpu.sh pack
 # (merge a suite's parts into one report with python -m bench.merge_reports)
+# Each stage has its own timeout, but a chain of stages can outlast one device command (600 s):
+# put an outer timeout on the chain and run `pack` after it, as above, so that the archive is
+# made even when the chain is killed (the device tool brings back at most 8 files).
 # A suite writes its report only when it ends: a stage killed by the 600 s limit of one device
 # command leaves nothing, so every stage below fits in one command (the slow ones are split).
 # Logs and reports go to $OUT (the device tool's output folder) when it is set. The copy of the

@@ -55,13 +55,13 @@ class DecodePlan:
         ``kernels_pallas/paged_decode_tuning.py`` (static).
     """
 
-    work_request: jax.Array
-    work_page_start: jax.Array
-    work_page_end: jax.Array
-    work_last_page_len: jax.Array
-    merge_indptr: jax.Array
-    chunk_pages: jax.Array
-    num_work_items: jax.Array
+    work_request: np.ndarray | jax.Array
+    work_page_start: np.ndarray | jax.Array
+    work_page_end: np.ndarray | jax.Array
+    work_last_page_len: np.ndarray | jax.Array
+    merge_indptr: np.ndarray | jax.Array
+    chunk_pages: np.ndarray | jax.Array
+    num_work_items: np.ndarray | jax.Array
     write_final: bool
     launch: tuple[tuple[str, int], ...] = ()
 
@@ -204,7 +204,8 @@ def plan_decode(
 
     # Host NumPy arrays, not device arrays: a jitted step transfers them with its other inputs,
     # whereas jnp.asarray here ran eager device ops, seven a plan, every step (on the H200 the
-    # serving suite measured 2.1 to 2.8 ms of host time a step with them, 0.2 ms without).
+    # serving suite measured 2.1 to 2.8 ms of host time a step with them, 0.28 to 0.69 ms
+    # without: docs/benchmark_results/2026-12-01-serving.md).
     def padded(values, fill):
         return np.array(values + [fill] * padding, np.int32)
 

@@ -287,11 +287,11 @@ BF16_NEW_TOKENS = 32
 # significant bits, so one rounding of a logit near 10 is already 0.02.
 NEAR_TIE_LOGITS = 0.1
 # At most this many of the 10 requests may diverge (measured: 2 with the interpreted kernels on
-# a CPU; the compiled kernels on the H200 are in docs/benchmark_results/2026-11-30-gpu-checks.md).
+# a CPU; compiled on the H200 the test passed, count not captured: run it with -s to see it).
 MAX_DIVERGING_REQUESTS = 4
 
 
-def test_bfloat16_greedy_tokens_flip_only_at_near_ties(pair, capsys):
+def test_bfloat16_greedy_tokens_flip_only_at_near_ties(pair):
     """bfloat16 copies of the trained target, greedy, 10 prompts x 32 tokens: the reference and
     the kernels (compiled on a GPU, interpreted elsewhere). The kernels round and sum in another
     order than XLA, so a token may flip where two logits are within bf16 rounding; after a flip
@@ -318,7 +318,7 @@ def test_bfloat16_greedy_tokens_flip_only_at_near_ties(pair, capsys):
         context = jnp.asarray([list(prompt) + list(theirs[:first])], jnp.int32)
         logits = np.asarray(forward_dense(params, config, context, backend="reference"))[0, -1]
         gaps.append((first, abs(float(logits[ours[first]] - logits[theirs[first]]))))
-    print(
+    print(  # the measurement, for the record (pytest -s shows it)
         f"bf16 greedy: {len(gaps)} of {len(prompts)} requests diverge; (position, logit gap): {gaps}"
     )
     assert len(gaps) <= MAX_DIVERGING_REQUESTS, gaps
@@ -326,7 +326,8 @@ def test_bfloat16_greedy_tokens_flip_only_at_near_ties(pair, capsys):
 
 
 def test_decode_time_splits_into_dispatch_wait_and_fetch(pair):
-    """``StepStats.decode_s`` is the sum of its three measured parts, each non-negative."""
+    """``StepStats.decode_s`` is the sum of its three measured parts, each non-negative (the
+    Python around the call is counted in ``host_s``)."""
     engine = _engine(pair)
     engine.submit(Request(0, encode_text(PROMPTS[0]), SamplingParams(max_tokens=3)))
     decode_steps = []
@@ -338,4 +339,4 @@ def test_decode_time_splits_into_dispatch_wait_and_fetch(pair):
     for stats in decode_steps:
         parts = (stats.dispatch_s, stats.device_wait_s, stats.fetch_s)
         assert min(parts) >= 0 and stats.dispatch_s > 0
-        assert sum(parts) <= stats.decode_s <= sum(parts) + 1e-3
+        assert stats.decode_s == sum(parts)

@@ -51,7 +51,8 @@ def test_merge_keeps_every_row_as_measured(tmp_path):
     merged = json.loads((tmp_path / "out" / "2026-12-01-serving.json").read_text())
     assert merged["cases"] == first["cases"] + second["cases"]
     assert merged["ceiling_tbps"] == 4.3
-    assert merged["ceiling_detail"] == {"part_1_tbps": 4.1, "part_2_tbps": 4.3}
+    assert merged["ceiling_detail"]["part_1_tbps"] == 4.1
+    assert merged["ceiling_detail"]["part_2_tbps"] == 4.3
     assert merged["notes"].count("shared note") == 1
     assert "note of ['batch B=4']" in merged["notes"]
     markdown = (tmp_path / "out" / "2026-12-01-serving.md").read_text()
@@ -64,6 +65,12 @@ def test_merge_refuses_mismatched_or_repeated_parts():
         merge_reports.merge([_part(["a B=1"]), other_gpu])
     with pytest.raises(ValueError, match="appears in two parts"):
         merge_reports.merge([_part(["a B=1"]), _part(["a B=1"])])
+    one_arm = _part(["a B=1"])
+    one_arm["cases"] = one_arm["cases"][:1]
+    other_arm = _part(["a B=1"])
+    other_arm["cases"] = other_arm["cases"][1:]
+    with pytest.raises(ValueError, match="appears in two parts"):  # arms from two processes
+        merge_reports.merge([one_arm, other_arm])
     with pytest.raises(ValueError, match="at least one"):
         merge_reports.merge([])
 

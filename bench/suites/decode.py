@@ -158,7 +158,7 @@ def plan_for(setup: AttentionSetup, **overrides) -> paged.DecodePlan:
     arms run too."""
     if setup.context <= DRY_RUN_MAX_CONTEXT:
         overrides.setdefault("min_chunk_pages", 1)
-    return paged.plan_decode(
+    plan = paged.plan_decode(
         _table_of_set(
             setup.page_indptr, setup.page_indices, setup.last_page_len, 0, setup.page_size
         ),
@@ -167,6 +167,7 @@ def plan_for(setup: AttentionSetup, **overrides) -> paged.DecodePlan:
         setup.head_dim,
         **overrides,
     )
+    return jax.device_put(plan)  # on the device once, not copied by every timed program
 
 
 def _operands(setup: AttentionSetup, plan: paged.DecodePlan):
