@@ -13,7 +13,10 @@ highest of the parts' (its ``ceiling_detail`` lists each part's), its command li
 and notes are kept in order without repeats.
 
 Usage:
-  python -m bench.merge_reports OUT_DIR part1.json part2.json ...
+  python -m bench.merge_reports OUT_DIR part1.json part2.json ... [--note TEXT ...]
+
+``--note`` adds a sentence that no part's run wrote (an explanation found later), marked as
+added when merging.
 
 writes ``OUT_DIR/<date>-<suite>.md`` and ``.json`` (the date of the parts).
 """
@@ -38,7 +41,9 @@ def case_result(case: dict[str, Any]) -> CaseResult:
     return CaseResult(**fixed, extra=extra)
 
 
-def merge(parts: list[dict[str, Any]]) -> tuple[dict[str, Any], list[CaseResult]]:
+def merge(
+    parts: list[dict[str, Any]], added_notes: list[str] = ()
+) -> tuple[dict[str, Any], list[CaseResult]]:
     """The merged report object and its rows.
 
     Raises:
@@ -90,6 +95,7 @@ def merge(parts: list[dict[str, Any]]) -> tuple[dict[str, Any], list[CaseResult]
             f"merged from {len(parts)} processes (bench/merge_reports.py); each row's share of "
             "the ceiling is against its own process's copy ceiling (ceiling_detail lists them)",
             *notes,
+            *(f"(added when merging) {note}" for note in added_notes),
         ],
     }
     return merged, results
@@ -99,9 +105,17 @@ def main(argv: list[str]) -> int:
     if len(argv) < 2:
         print(__doc__.strip().splitlines()[-3], file=sys.stderr)
         return 2
-    out_dir = pathlib.Path(argv[0])
-    parts = [json.loads(pathlib.Path(path).read_text()) for path in argv[1:]]
-    merged, results = merge(parts)
+    out_dir, rest = pathlib.Path(argv[0]), argv[1:]
+    paths, added_notes = [], []
+    while rest:
+        if rest[0] == "--note" and len(rest) > 1:
+            added_notes.append(rest[1])
+            rest = rest[2:]
+        else:
+            paths.append(rest[0])
+            rest = rest[1:]
+    parts = [json.loads(pathlib.Path(path).read_text()) for path in paths]
+    merged, results = merge(parts, added_notes)
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = out_dir / f"{merged['date']}-{merged['suite']}"
     stem.with_suffix(".json").write_text(json.dumps(merged, indent=2) + "\n")

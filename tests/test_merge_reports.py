@@ -80,3 +80,11 @@ def test_parts_of_different_commits_say_which_measured_what():
     assert merged["commit"] == "abc1234, def5678"
     assert "commit abc1234 measured: a B=1" in merged["notes"]
     assert "commit def5678 measured: b B=1" in merged["notes"]
+
+
+def test_notes_added_when_merging_are_marked(tmp_path):
+    path = tmp_path / "part.json"
+    path.write_text(json.dumps(_part(["a B=1"])))
+    merge_reports.main([str(tmp_path / "out"), str(path), "--note", "found later"])
+    merged = json.loads((tmp_path / "out" / "2026-12-01-serving.json").read_text())
+    assert merged["notes"][-1] == "(added when merging) found later"
