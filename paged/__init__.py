@@ -15,7 +15,7 @@ Public API (names are part of the contract):
 from paged.attention_reference import merge_state, merge_states
 from paged.decode import decode_attention
 from paged.kv_cache import KVCache, append_kv, new_kv_cache
-from paged.page_table import PageTable, bucket_size, validate_page_table
+from paged.page_table import PageTable, bucket_size, check_holds_new_tokens, validate_page_table
 from paged.plan import DecodePlan, plan_decode
 from paged.pool import PagePool, PoolExhaustedError
 from paged.prefill import (
@@ -40,6 +40,7 @@ __all__ = [
     "append_kv",
     "apply_rope",
     "bucket_size",
+    "check_holds_new_tokens",
     "decode_attention",
     "inverse_frequencies",
     "merge_state",

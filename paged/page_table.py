@@ -187,6 +187,26 @@ jax.tree_util.register_dataclass(
 )
 
 
+def check_holds_new_tokens(table: PageTable, num_new_tokens: int, what: str) -> None:
+    """Raises ``ValueError`` if a concrete ``table`` has a request with fewer than
+    ``num_new_tokens`` tokens: a table handed to a forward pass or a prefill must already
+    include the new tokens (``what`` names them in the message). Traced tables are not checked.
+
+    Example:
+      >>> check_holds_new_tokens(PageTable.from_seq_lens([3], page_size=4), 2, "L=2 new tokens")
+    """
+    if not is_concrete(table.page_indptr, table.last_page_len):
+        return
+    lengths = np.asarray(table.seq_lens())
+    short = lengths < num_new_tokens
+    if np.any(short):
+        b = int(np.argmax(short))
+        raise ValueError(
+            f"page_table's request {b} has {lengths[b]} tokens, fewer than the {what}: the "
+            "table must already include the new tokens"
+        )
+
+
 def validate_page_table(table: PageTable, num_pool_pages: int, *, batch_size: int | None = None):
     """Checks a page table's shapes and dtypes always, and its values when they are concrete.
 

@@ -33,7 +33,7 @@ import numpy as np
 from kernels_pallas.platform import is_concrete
 from paged.decode import decode_attention
 from paged.kv_cache import KVCache, append_kv, validate_kv_cache
-from paged.page_table import PageTable, validate_page_table
+from paged.page_table import PageTable, check_holds_new_tokens, validate_page_table
 from paged.rope import RopeParams
 from paged.rope_append import rope_append_kv
 
@@ -130,14 +130,8 @@ def prefill_chunks(page_table: PageTable, num_new_tokens: int, chunk_size: int):
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
     if not is_concrete(page_table.page_indptr, page_table.last_page_len):
         raise ValueError("prefill_chunks needs a concrete page_table (it runs on the host)")
+    check_holds_new_tokens(page_table, num_new_tokens, f"num_new_tokens={num_new_tokens}")
     seq_lens = np.asarray(page_table.seq_lens())
-    short = seq_lens < num_new_tokens
-    if np.any(short):
-        b = int(np.argmax(short))
-        raise ValueError(
-            f"page_table's request {b} has {seq_lens[b]} tokens, fewer than "
-            f"num_new_tokens={num_new_tokens}: the table must already include the prompt"
-        )
     prefix = seq_lens - num_new_tokens  # tokens each request had before the prompt
     chunks = []
     for start in range(0, num_new_tokens, chunk_size):

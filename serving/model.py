@@ -583,15 +583,7 @@ def forward_paged(
         raise ValueError(
             f"tokens has {batch} requests but page_table describes {page_table.batch_size}"
         )
-    if is_concrete(page_table.page_indptr, page_table.last_page_len):
-        lengths = np.asarray(page_table.seq_lens())
-        short = lengths < length
-        if np.any(short):
-            b = int(np.argmax(short))
-            raise ValueError(
-                f"page_table's request {b} has {lengths[b]} tokens, fewer than the L={length} "
-                "new ones: the table must already include the new tokens"
-            )
+    paged.check_holds_new_tokens(page_table, length, f"L={length} new ones")
     positions = paged.new_token_positions(page_table, length).reshape(-1)  # [B * L], row-major
     batch_indices = jnp.repeat(jnp.arange(batch, dtype=jnp.int32), length)
     new_caches_list = []
