@@ -17,7 +17,10 @@ How a round runs here (one program per row):
   table to the next round.
 
 So a row costs one pass for its maximum and first table, plus one pass a round (the reference
-reads the row twice a round). ``order="top_k_first"`` first finds the top-k mass by radix
+reads the row twice a round). With min-p, one more pass tabulates min-p's kept set
+(``weight >= min_p * max``), which is where the rounds start (the reference's
+``initial_state``); when min-p is the only filter every candidate is kept, the first draw is
+accepted, and the round skips its pivot pass: two passes and one block in all. ``order="top_k_first"`` first finds the top-k mass by radix
 selection (``row_select.top_k_boundary``, 9 passes). A row still undecided after
 ``max_rounds`` rounds takes the reference's exact fallback: the kept set is found by radix
 selection (``row_select``) and sampled with the last uniform.
@@ -90,11 +93,27 @@ def _first_table(reader: RowReader):
     return table, jnp.max(largest)
 
 
-def _pivot_pass(reader: RowReader, value, token, middle):
+def _min_p_table(reader: RowReader, floor):
+    """One pass: the mass per block of the tokens with ``weight >= floor`` (min-p's kept set,
+    the first round's candidates when min-p filters)."""
+
+    def accumulate(block_index, table):
+        _, weights = reader.weights(block_index)
+        return reader.set_entry(
+            table, block_index, jnp.sum(jnp.where(weights >= floor, weights, 0.0))
+        )
+
+    return lax.fori_loop(
+        0, reader.num_blocks, accumulate, jnp.zeros((reader.table_size,), jnp.float32)
+    )
+
+
+def _pivot_pass(reader: RowReader, value, token, middle, blocks_to_read):
     """One pass over the row for both pivots of a round.
 
     Returns ``(count0, table0, count1, table1)``: tokens above position ``(value, token)`` and
-    their mass per block, and the same for position ``(middle, 0)``.
+    their mass per block, and the same for position ``(middle, 0)``, over the first
+    ``blocks_to_read`` blocks (all of them, or none when the round needs no pivot test).
     """
 
     # Counts are kept per lane and reduced once after the loop; the two masses of a block are
@@ -118,7 +137,7 @@ def _pivot_pass(reader: RowReader, value, token, middle):
     zeros = jnp.zeros((reader.table_size,), jnp.float32)
     no_counts = jnp.zeros((reader.block,), jnp.int32)
     counts0, table0, counts1, table1 = lax.fori_loop(
-        0, reader.num_blocks, accumulate, (no_counts, zeros, no_counts, zeros)
+        0, blocks_to_read, accumulate, (no_counts, zeros, no_counts, zeros)
     )
     return jnp.sum(counts0), table0, jnp.sum(counts1), table1
 
@@ -189,7 +208,11 @@ def dual_pivot_kernel(
 
         token, value = pick_by_table(reader, candidates, uniform(rounds), candidate_weights)
         middle = (value + high_value) / 2
-        count0, table0, count1, table1 = _pivot_pass(reader, value, token, middle)
+        # Only min-p filters: every candidate is kept, so the pivot tests cannot fail and need
+        # no counts; the pass reads no block (passes(0, 0, value) is the full pass's verdict
+        # then). A trip count, not a lax.cond: a cond inside this while loop does not lower.
+        blocks_to_read = jnp.where(top_k_filters | (top_p < 1), num_blocks, 0)
+        count0, table0, count1, table1 = _pivot_pass(reader, value, token, middle, blocks_to_read)
         accept = passes(count0, jnp.sum(table0), value)
         middle_passes = passes(count1, jnp.sum(table1), middle)
         return (
@@ -201,7 +224,21 @@ def dual_pivot_kernel(
             jnp.where(middle_passes, table0, table1),
         )
 
-    state = (jnp.float32(0.0), jnp.int32(0), largest, jnp.int32(-1), jnp.int32(0), table)
+    # With min-p, the first candidates are the tokens min-p keeps, ``weight >= min_p_bound``:
+    # position (min_p_bound, V), as in the reference's ``initial_state``. One more pass, and
+    # min-p alone then takes exactly one round.
+    uses_min_p = min_p_bound > 0
+    first_candidates = lax.cond(
+        uses_min_p, lambda: _min_p_table(reader, min_p_bound), lambda: table
+    )
+    state = (
+        jnp.where(uses_min_p, min_p_bound, 0.0),
+        jnp.where(uses_min_p, jnp.int32(vocab), jnp.int32(0)),
+        largest,
+        jnp.int32(-1),
+        jnp.int32(0),
+        first_candidates,
+    )
     _, _, _, token, rounds, _ = lax.while_loop(undecided, one_round, state)
 
     def fallback():

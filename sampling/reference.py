@@ -104,12 +104,29 @@ class PivotState(NamedTuple):
     rounds: jax.Array
 
 
-def initial_state(probs: jax.Array) -> PivotState:
-    """Candidates: every token of positive probability; ``high`` the largest probability."""
+def initial_state(probs: jax.Array, min_p=0.0) -> PivotState:
+    """Candidates: every token that min-p keeps; ``high`` the largest probability.
+
+    With ``min_p > 0`` the candidates start as ``p >= min_p * max(p)`` (threshold position
+    ``(min_p * max(p), V)``): min-p's cut-off is known from the maximum alone, every kept token
+    lies above it (``proofs/sampling.md``, Lemma 2), and a round spent rejecting a token below it
+    would be wasted. Without min-p (``min_p <= 0``) they are the tokens of positive probability
+    (threshold ``(0, 0)``).
+
+    Args:
+      probs: ``[V]`` non-negative weights.
+      min_p: the row's min-p, a scalar in ``[0, 1]``.
+    """
+    largest = jnp.max(probs)
+    # The smallest probability that passes min-p, compared exactly as ``threshold_passes``
+    # compares (same operands, same promotion), so ``p >= floor`` is the min-p test itself.
+    passes_min_p = probs >= min_p * largest
+    floor = jnp.min(jnp.where(passes_min_p, probs, largest))
+    uses_min_p = (min_p > 0) & (floor > 0)
     return PivotState(
-        low_value=jnp.zeros((), probs.dtype),
-        low_index=jnp.zeros((), jnp.int32),
-        high_value=jnp.max(probs),
+        low_value=jnp.where(uses_min_p, floor, 0).astype(probs.dtype),
+        low_index=jnp.where(uses_min_p, probs.shape[-1], 0).astype(jnp.int32),
+        high_value=largest,
         token=jnp.full((), -1, jnp.int32),
         rounds=jnp.zeros((), jnp.int32),
     )
@@ -244,7 +261,7 @@ def filtered_sample_row_from_uniforms(
         0,
         max_rounds,
         lambda r, s: pivot_round(probs, params, stats, s, uniforms[r]),
-        initial_state(probs),
+        initial_state(probs, params.min_p),
     )
     kept = jnp.where(kept_mask(probs, params, order), probs, 0)
     fallback = inverse_transform(kept, uniforms[max_rounds])

@@ -106,7 +106,7 @@ def enumerate_distribution(probs: np.ndarray, params: FilterParams, order: str, 
                 )
         return result
 
-    start = reference.initial_state(probs)
+    start = reference.initial_state(probs, params.min_p)
     return from_state(float(start.low_value), int(start.low_index), float(start.high_value), 0)
 
 
@@ -166,3 +166,27 @@ def test_rounds_are_bounded_by_the_rejectable_tokens():
         uniforms = jnp.full((1, 14), 1 - 1e-9)  # always draw the last candidate
         token, rounds = reference.filtered_sample_from_uniforms(probs[None], uniforms, top_k=1)
     assert int(token[0]) == 0 and int(rounds[0]) <= 12
+
+
+@settings(max_examples=40)
+@given(
+    st.integers(1, 12).flatmap(probability_vectors),
+    st.one_of(st.sampled_from([1e-9, 0.1, 1.0]), st.floats(1e-6, 1.0)),
+    st.floats(1e-6, 1 - 1e-6),
+)
+def test_min_p_alone_decides_in_one_round_from_its_kept_set(probs, min_p, uniform):
+    """With min-p the rounds start from min-p's kept set (``reference.initial_state``): the
+    candidates are exactly ``kept_mask``'s tokens, so with no other filter the first draw is
+    accepted, whatever its uniform; the enumeration above shows the draw is exact."""
+    with enable_x64():
+        probs = jnp.asarray(probs, jnp.float64)
+        params = FilterParams(jnp.int32(probs.shape[0]), jnp.float64(1.0), jnp.float64(min_p))
+        start = reference.initial_state(probs, params.min_p)
+        candidates = reference.above(probs, start.low_value, start.low_index)
+        kept = reference.kept_mask(probs, params, "joint")
+        positive = probs > 0
+        np.testing.assert_array_equal(np.asarray(candidates & positive), np.asarray(kept))
+        uniforms = jnp.full((1, 33), uniform, jnp.float64)
+        token, rounds = reference.filtered_sample_from_uniforms(probs[None], uniforms, min_p=min_p)
+    assert int(rounds[0]) == 1
+    assert bool(kept[int(token[0])])

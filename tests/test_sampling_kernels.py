@@ -248,6 +248,25 @@ def test_dual_pivot_kernel_picks_the_references_tokens(vocab, name, max_rounds):
         assert (np.asarray(our_rounds) == 1).all()  # max_rounds + 1: the fallback decided
 
 
+def test_min_p_alone_takes_one_round_in_the_kernel():
+    """The kernel starts from min-p's kept set as the reference does, and with min-p the only
+    filter it skips the pivot pass: every row, the all-zero-but-one row and ties included,
+    decides in exactly one round and draws a kept token."""
+    batch, vocab = 16, 3000
+    probs = _filter_rows(11, batch, vocab)
+    keys = jax.random.split(jax.random.key(5), batch)
+    min_p = jnp.linspace(0.0, 1.0, batch)  # 0 (no filter) to 1 (only the maximum's ties)
+    ours, rounds = sampling.filtered_sample(
+        keys, probs, min_p=min_p, return_rounds=True, backend="pallas"
+    )
+    theirs = sampling.filtered_sample(keys, probs, min_p=min_p, backend="reference")
+    np.testing.assert_array_equal(np.asarray(rounds), 1)
+    assert _mismatch(ours, theirs) <= FILTERED_MISMATCH_BOUND
+    chosen = np.asarray(probs)[np.arange(batch), np.asarray(ours)]
+    largest = np.asarray(probs).max(axis=1)
+    assert (chosen >= np.asarray(min_p) * largest).all() and (chosen > 0).all()
+
+
 def test_dual_pivot_kernel_draws_the_filtered_distribution():
     """The kernel's own draws (not only its agreement with the reference) pass the calibrated
     test of ``tests/test_sampling_api.py`` (false-fail rate 1e-6) on a 64-token distribution
