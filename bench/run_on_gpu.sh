@@ -41,7 +41,7 @@ for stage in "$@"; do
         | tee "$out/memcheck.log" | tail -n 12 ;;
     sampling-tests)
       timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_sampling_kernels.py \
-        tests/test_rng.py 2>&1 | tee "$out/gpu_sampling_tests.log" | tail -n 5 ;;
+        tests/test_rng.py ${SAMPLING_TESTS_FILTER:+-k "$SAMPLING_TESTS_FILTER"} 2>&1 | tee "$out/gpu_sampling_tests.log" | tail -n 5 ;;
     decode|peers|sampling)
       timeout 330 python3 -m bench "$stage" --out "$out" 2>&1 | tee "$out/$stage.log" \
         | grep -v '^  tune' ;;
@@ -50,6 +50,9 @@ for stage in "$@"; do
     fused_ops|speculative)
       timeout 500 python3 -m bench "$stage" --out "$out/$stage" 2>&1 | tee "$out/$stage.log" \
         | grep -E '^note|wrote' ;;
+    sampling-256)  # batch 256 alone: 3 rotating sets, the reference arms 20 ms a call
+      timeout 420 python3 -m bench sampling --batches 256 --out "$out/sampling-256" 2>&1 \
+        | tee "$out/sampling-256.log" | grep -E '^note|wrote' ;;
     sampling-32)  # batch 32 alone: 17 rotating sets a program, about 4 minutes
       timeout 500 python3 -m bench sampling --batches 32 --out "$out/sampling-32" 2>&1 \
         | tee "$out/sampling-32.log" | grep -E '^note|wrote' ;;
