@@ -210,8 +210,10 @@ def dual_pivot_kernel(
         middle = (value + high_value) / 2
         # Only min-p filters: every candidate is kept, so the pivot tests cannot fail and need
         # no counts; the pass reads no block (passes(0, 0, value) is the full pass's verdict
-        # then). A trip count, not a lax.cond: a cond inside this while loop does not lower.
-        blocks_to_read = jnp.where(top_k_filters | (top_p < 1), num_blocks, 0)
+        # then). A trip count, not a lax.cond: a cond inside this while loop does not lower; and
+        # a product, not a jnp.where of two ints, whose lowering gives the loop's upper bound
+        # another type than its lower bound (the GPU host's verifier refuses that scf.for).
+        blocks_to_read = (top_k_filters | (top_p < 1)).astype(jnp.int32) * num_blocks
         count0, table0, count1, table1 = _pivot_pass(reader, value, token, middle, blocks_to_read)
         accept = passes(count0, jnp.sum(table0), value)
         middle_passes = passes(count1, jnp.sum(table1), middle)

@@ -6,6 +6,8 @@
 - ``float64``: a fixture (and context manager ``enable_x64``) that turns on JAX's x64 mode for the
   body of one test only, so float64 references never leak x64 into other tests.
 - ``interpret``: Pallas kernels run with ``interpret=True`` on a CPU and compiled on a GPU.
+- ``verify_triton_modules``: Triton modules lowered in the test go through the MLIR verifier,
+  as the GPU host's parser will.
 """
 
 from __future__ import annotations
@@ -54,6 +56,28 @@ def float64():
 def interpret() -> bool:
     """Whether Pallas kernels must be interpreted here (no GPU)."""
     return not ON_GPU
+
+
+@pytest.fixture
+def verify_triton_modules(monkeypatch):
+    """Every Triton module a Pallas call lowers to in the test is run through the MLIR verifier.
+
+    Lowering for ``cuda`` on a CPU builds the Triton module but does not verify it; the GPU host
+    does, when it parses the module, and refuses what the verifier refuses (for example an
+    ``scf.for`` whose bounds differ in type). With this fixture a CPU test fails there too."""
+    from jax._src.pallas.triton import lowering, pallas_call_registration
+
+    original = lowering.lower_jaxpr_to_triton_module
+
+    def lower_and_verify(*args, **kwargs):
+        result = original(*args, **kwargs)
+        result.module.operation.verify()  # raises MLIRError naming the bad op
+        return result
+
+    monkeypatch.setattr(
+        pallas_call_registration.lowering, "lower_jaxpr_to_triton_module", lower_and_verify
+    )
+    return lower_and_verify
 
 
 def pytest_collection_modifyitems(config, items):

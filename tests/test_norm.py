@@ -310,7 +310,7 @@ BENCHMARK_SHAPES = [(tokens, hidden) for hidden in (4096, 8192) for tokens in (1
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the Pallas Triton backend's
-def test_kernels_lower_to_triton_for_an_h200(monkeypatch):
+def test_kernels_lower_to_triton_for_an_h200(monkeypatch, verify_triton_modules):
     """As far as a CPU can follow the GPU path: at every benchmark shape (and a hidden size that
     is not a power of two) both kernels lower to a Triton call for an H200, named after their
     block, with x and residual aliased to the outputs. Compiling needs the GPU."""

@@ -500,26 +500,30 @@ def test_one_new_token_as_4d_equals_3d_bit_for_bit():
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b)[:, 0])
 
 
-def test_auto_falls_back_to_the_reference_beyond_the_kernels_q_len(monkeypatch):
+def test_query_runs_beyond_the_kernels_q_len_go_to_the_prefill_kernel(monkeypatch):
+    """The decode kernel takes up to MAX_KERNEL_Q_LEN new tokens a request; a longer run (a
+    prompt chunk) runs the prefill kernel (``tests/test_paged_prefill_kernel.py``), under "auto"
+    on a GPU as under "pallas", and never the decode kernel."""
     calls = []
-    real_kernel = decode_module.paged_decode
     monkeypatch.setattr(platform, "on_gpu", lambda: True)
     monkeypatch.setattr(decode_module, "interpret_mode", lambda: True)
-    monkeypatch.setattr(
-        decode_module, "paged_decode", lambda *a, **k: calls.append(1) or real_kernel(*a, **k)
-    )
+    for name in ("paged_decode", "paged_prefill"):
+        real = getattr(decode_module, name)
+        monkeypatch.setattr(
+            decode_module,
+            name,
+            lambda *a, name=name, real=real, **k: calls.append(name) or real(*a, **k),
+        )
     longest = decode_module.MAX_KERNEL_Q_LEN
     q, cache, table = make_multi_token_inputs(22, [40, 17], longest + 1, "HND", 1, 32, jnp.float32)
-    paged.decode_attention(q, cache, table)  # a prompt chunk: the reference
-    assert calls == []
+    check_multi_token(q, cache, table)  # a prompt chunk: the prefill kernel
+    assert calls == ["paged_prefill"]
     paged.decode_attention(q[:, :longest], cache, table)
-    assert calls == [1]
-    with pytest.raises(ValueError, match=f"q_len={longest + 1} exceeds the kernel's maximum"):
-        paged.decode_attention(q, cache, table, backend="pallas")
+    assert calls == ["paged_prefill", "paged_decode"]
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the Pallas Triton backend's
-def test_decode_kernel_lowers_to_triton_for_an_h200(monkeypatch):
+def test_decode_kernel_lowers_to_triton_for_an_h200(monkeypatch, verify_triton_modules):
     """As far as a CPU can follow the GPU path: at the benchmark's head shape (32/8 heads,
     head_dim 128, bfloat16), the kernel lowers to a Triton call for an H200 for one new token
     and for q_len up to the maximum, final and partial, with the launch parameters the public

@@ -685,7 +685,7 @@ def _pool(layout, pages, heads, page_size, head_dim):
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the Pallas Triton backend's
-def test_kernel_lowers_to_triton_for_an_h200(monkeypatch):
+def test_kernel_lowers_to_triton_for_an_h200(monkeypatch, verify_triton_modules):
     """As far as a CPU can follow the GPU path: at the benchmark shape (64 tokens, 32 and 8
     heads, head_dim 128, pages of 16) and an odd one (6 and 3 heads, head_dim 96, pages of 5),
     for both layouts and conventions, the kernel lowers to one Triton call for an H200 with the

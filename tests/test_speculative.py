@@ -543,7 +543,7 @@ def test_auto_runs_the_kernel_on_a_gpu_unless_switched_off(monkeypatch):
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the Pallas Triton backend's
-def test_kernel_lowers_to_triton_for_an_h200(monkeypatch):
+def test_kernel_lowers_to_triton_for_an_h200(monkeypatch, verify_triton_modules):
     """The compiled path as far as a CPU can follow it: at the benchmark's shapes, with and
     without draft probabilities, with one key or a key a row, the public API lowers to the two
     Triton kernels for an H200 and no XLA operation besides (reshapes are free)."""
