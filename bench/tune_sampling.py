@@ -36,14 +36,15 @@ from sampling import api
 from sampling.reference import DEFAULT_MAX_ROUNDS
 
 VOCAB = 128256
-# (block, num_warps, num_stages) of the dual-pivot kernel.
+# (block, num_warps, num_stages, prefetch) of the dual-pivot kernel. The 2026-11-30 sweep
+# settled block, warps and stages (stages changed nothing); this one asks whether issuing each
+# block's loads a block early (row_select.fold_blocks) pays, and at which block.
 FILTER_VARIANTS = (
-    (4096, 8, 1),
-    (4096, 8, 3),
-    (8192, 8, 1),
-    (8192, 8, 3),
-    (8192, 16, 1),
-    (2048, 4, 3),
+    (8192, 16, 1, False),
+    (8192, 16, 1, True),
+    (4096, 16, 1, True),
+    (4096, 8, 1, True),
+    (2048, 8, 1, True),
 )
 # (block, blocks_per_program, num_warps) of the Gumbel kernel.
 GUMBEL_VARIANTS = (
@@ -113,7 +114,9 @@ def check_agreement(probs, logits, keys) -> dict:
     return found
 
 
-def time_variants(batch: int, filters: tuple[str, ...], renorm: bool) -> list[dict]:
+def time_variants(
+    batch: int, filters: tuple[str, ...], renorm: bool, gumbel: bool = True
+) -> list[dict]:
     """Times every launch variant of every kernel at ``batch``."""
     num_sets = num_rotating_sets(batch * VOCAB * 4)
     logits_sets = peers.random_logits(jax.random.key(batch), (num_sets, batch, VOCAB))
@@ -137,7 +140,7 @@ def time_variants(batch: int, filters: tuple[str, ...], renorm: bool) -> list[di
         print(json.dumps(row), flush=True)
         rows.append(row)
 
-    for block, per_program, warps in GUMBEL_VARIANTS:
+    for block, per_program, warps in GUMBEL_VARIANTS if gumbel else ():
 
         def gumbel_step(s, operands, block=block, per_program=per_program, warps=warps):
             _, logits, words = operands
@@ -157,7 +160,7 @@ def time_variants(batch: int, filters: tuple[str, ...], renorm: bool) -> list[di
         )
     for name in filters:
         top_k, top_p, min_p, order = _params(batch, VOCAB, **FILTERS[name])
-        for block, warps, stages in FILTER_VARIANTS:
+        for block, warps, stages, prefetch in FILTER_VARIANTS:
 
             def filtered_step(
                 s,
@@ -165,6 +168,7 @@ def time_variants(batch: int, filters: tuple[str, ...], renorm: bool) -> list[di
                 block=block,
                 warps=warps,
                 stages=stages,
+                prefetch=prefetch,
                 filters=(top_k, top_p, min_p, order),
             ):
                 probs, _, words = operands
@@ -181,9 +185,14 @@ def time_variants(batch: int, filters: tuple[str, ...], renorm: bool) -> list[di
                     block=block,
                     num_warps=warps,
                     num_stages=stages,
+                    prefetch=prefetch,
                 )
 
-            record(name, f"block={block},warps={warps},stages={stages}", filtered_step)
+            record(
+                name,
+                f"block={block},warps={warps},stages={stages},prefetch={prefetch}",
+                filtered_step,
+            )
     for mode, parameter in (("top_k_renorm", 50), ("top_p_renorm", 0.9), ("top_k_mask", 50)):
         if not renorm:
             break
@@ -219,6 +228,9 @@ def main(argv: list[str]) -> int:
         "--renorm", action="store_true", help="also time the renorm and mask kernels"
     )
     parser.add_argument("--skip-check", action="store_true", help="skip the agreement check")
+    parser.add_argument(
+        "--skip-gumbel", action="store_true", help="do not time the Gumbel kernel's variants"
+    )
     parser.add_argument("--out", type=pathlib.Path, default=None)
     arguments = parser.parse_args(argv)
     if jax.default_backend() != "gpu":
@@ -234,7 +246,7 @@ def main(argv: list[str]) -> int:
     filters = tuple(name for name in arguments.filters.split(",") if name)
     rows = []
     for batch in (int(b) for b in arguments.batches.split(",")):
-        rows += time_variants(batch, filters, arguments.renorm)
+        rows += time_variants(batch, filters, arguments.renorm, not arguments.skip_gumbel)
     (out / "sampling-tuning.json").write_text(
         json.dumps(dict(agreement=agreement, timings=rows), indent=1)
     )

@@ -59,6 +59,8 @@ ORDERS = ("joint", "top_k_first")
 # with 8 warps spills registers (4x slower), 4096 with 8 warps is 1.2x to 1.4x slower.
 DEFAULT_BLOCK = 8192
 DEFAULT_NUM_WARPS = 16
+# Not yet measured on a GPU: off until a sweep shows it pays (bench/tune_sampling.py).
+DEFAULT_PREFETCH = False
 
 
 def _probability_blocks(reader: RowReader):
@@ -78,15 +80,12 @@ def _first_table(reader: RowReader):
     The maximum is kept per lane and reduced once after the loop: one reduction a block (the
     table's sum) instead of two keeps the loop's critical path short."""
 
-    def accumulate(block_index, carry):
+    def accumulate(block_index, _, weights, carry):
         table, largest = carry
-        _, weights = reader.weights(block_index)
         table = reader.set_entry(table, block_index, jnp.sum(weights))
         return table, jnp.maximum(largest, weights)
 
-    table, largest = lax.fori_loop(
-        0,
-        reader.num_blocks,
+    table, largest = reader.fold(
         accumulate,
         (jnp.zeros((reader.table_size,), jnp.float32), jnp.zeros((reader.block,), jnp.float32)),
     )
@@ -97,15 +96,12 @@ def _min_p_table(reader: RowReader, floor):
     """One pass: the mass per block of the tokens with ``weight >= floor`` (min-p's kept set,
     the first round's candidates when min-p filters)."""
 
-    def accumulate(block_index, table):
-        _, weights = reader.weights(block_index)
+    def accumulate(block_index, _, weights, table):
         return reader.set_entry(
             table, block_index, jnp.sum(jnp.where(weights >= floor, weights, 0.0))
         )
 
-    return lax.fori_loop(
-        0, reader.num_blocks, accumulate, jnp.zeros((reader.table_size,), jnp.float32)
-    )
+    return reader.fold(accumulate, jnp.zeros((reader.table_size,), jnp.float32))
 
 
 def _pivot_pass(reader: RowReader, value, token, middle, blocks_to_read):
@@ -118,9 +114,8 @@ def _pivot_pass(reader: RowReader, value, token, middle, blocks_to_read):
 
     # Counts are kept per lane and reduced once after the loop; the two masses of a block are
     # reduced together, as one [2, block] sum: one reduction a block on the critical path.
-    def accumulate(block_index, carry):
+    def accumulate(block_index, columns, weights, carry):
         counts0, table0, counts1, table1 = carry
-        columns, weights = reader.weights(block_index)
         above0 = (weights > value) | ((weights == value) & (columns < token))
         above1 = weights > middle
         masses = jnp.sum(
@@ -136,8 +131,8 @@ def _pivot_pass(reader: RowReader, value, token, middle, blocks_to_read):
 
     zeros = jnp.zeros((reader.table_size,), jnp.float32)
     no_counts = jnp.zeros((reader.block,), jnp.int32)
-    counts0, table0, counts1, table1 = lax.fori_loop(
-        0, blocks_to_read, accumulate, (no_counts, zeros, no_counts, zeros)
+    counts0, table0, counts1, table1 = reader.fold(
+        accumulate, (no_counts, zeros, no_counts, zeros), blocks_to_read
     )
     return jnp.sum(counts0), table0, jnp.sum(counts1), table1
 
@@ -158,9 +153,10 @@ def dual_pivot_kernel(
     max_rounds: int,
     stream: int,
     order: str,
+    prefetch: bool,
 ):
     row = pl.program_id(0)
-    reader = RowReader(probs_ref, row, block, num_blocks, table_size)
+    reader = RowReader(probs_ref, row, block, num_blocks, table_size, prefetch)
     vocab = reader.vocab
     words = (key0_ref[row], key1_ref[row])
     top_k = top_k_ref[row]
@@ -303,6 +299,7 @@ def dual_pivot_kernel(
         "block",
         "num_warps",
         "num_stages",
+        "prefetch",
         "interpret",
     ),
 )
@@ -319,6 +316,7 @@ def dual_pivot_sample(
     block: int = DEFAULT_BLOCK,
     num_warps: int = DEFAULT_NUM_WARPS,
     num_stages: int = 1,
+    prefetch: bool = DEFAULT_PREFETCH,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """Samples one token per row through the filters by dual-pivot rejection.
@@ -333,6 +331,8 @@ def dual_pivot_sample(
       max_rounds: rounds before the exact fallback.
       stream: the generator stream of the round uniforms (``sampling.api.ROUND_STREAM``).
       block, num_warps, num_stages: launch parameters (a power-of-two ``block``).
+      prefetch: each pass issues a block's loads one block early (``row_select.fold_blocks``);
+        the same tokens either way.
       interpret: Pallas interpret mode (CPU).
 
     Returns:
@@ -370,6 +370,7 @@ def dual_pivot_sample(
             max_rounds=max_rounds,
             stream=stream,
             order=order,
+            prefetch=prefetch,
         ),
         grid=(batch,),
         in_specs=[whole_array(x.shape) for x in operands],

@@ -58,6 +58,12 @@ def key_to_value(key) -> jax.Array:
     return lax.bitcast_convert_type(bits, jnp.float32)
 
 
+def as_weights(values: jax.Array) -> jax.Array:
+    """Probabilities as weights ``>= 0`` (``+0.0``, never ``-0.0``): NaN and negative values
+    (bad input only ``jit`` lets through) weigh 0."""
+    return jnp.where(values > 0, values, 0.0)
+
+
 @dataclasses.dataclass(frozen=True)
 class RowReader:
     """Block reads of one row of a ``[B, V]`` ref.
@@ -68,6 +74,8 @@ class RowReader:
       block: columns per block (a power of two).
       num_blocks: ``cdiv(V, block)``.
       table_size: entries of a block table (a power of two, ``>= num_blocks``).
+      prefetch: passes over the row (``fold``) issue each block's loads one block early
+        (``fold_blocks``).
     """
 
     ref: object
@@ -75,6 +83,7 @@ class RowReader:
     block: int
     num_blocks: int
     table_size: int
+    prefetch: bool = False
 
     @property
     def vocab(self) -> int:
@@ -99,7 +108,22 @@ class RowReader:
         """``(columns, weights)``: probabilities as weights ``>= 0`` (``+0.0``, never ``-0.0``);
         NaN and negative values (bad input only ``jit`` lets through) and padding weigh 0."""
         columns, _, values = self.raw(block_index, 0.0)
-        return columns, jnp.where(values > 0, values, 0.0)
+        return columns, as_weights(values)
+
+    def fold(self, body, init, num_blocks=None):
+        """One pass over the row's weights: ``carry = body(block_index, columns, weights,
+        carry)`` for blocks ``0 .. num_blocks - 1`` (all by default), prefetching when
+        ``self.prefetch``. Only the raw values travel between iterations; columns and weights
+        are recomputed from them (cheaper than registers)."""
+        return fold_blocks(
+            self.num_blocks if num_blocks is None else num_blocks,
+            lambda block_index: self.raw(block_index, 0.0)[2],
+            lambda block_index, values, carry: body(
+                block_index, self.columns(block_index), as_weights(values), carry
+            ),
+            init,
+            prefetch=self.prefetch,
+        )
 
     def table_ids(self) -> jax.Array:
         return jnp.arange(self.table_size, dtype=jnp.int32)
@@ -111,6 +135,40 @@ class RowReader:
     def entry(self, table: jax.Array, block_index) -> jax.Array:
         """``table[block_index]`` (0 when out of range)."""
         return jnp.sum(jnp.where(self.table_ids() == block_index, table, 0))
+
+
+def fold_blocks(num_blocks, load, body, init, *, prefetch: bool):
+    """``lax.fori_loop`` over a row's blocks: ``carry = body(block_index, load(block_index),
+    carry)``, optionally with each block's loads issued one iteration early.
+
+    Why: a program streams its row block by block, and every block ends in reductions (a
+    table entry, a count) that wait for the whole block. Without prefetching, a block's loads
+    start only after the previous block's reductions, so each iteration pays a full memory
+    latency; Triton's software pipeliner does not take these masked loads (``num_stages``
+    changed nothing in ``bench/tune_sampling.py``). With ``prefetch=True`` iteration ``i``
+    first issues block ``i + 1``'s loads, then reduces block ``i``, whose values it received
+    in the carry: the latency hides behind the arithmetic, at the cost of a second block of
+    registers. The last iteration loads block ``num_blocks``, past the range: ``load`` must
+    mask it (``RowReader`` masks columns past the row) or keep it inside the array.
+
+    Args:
+      num_blocks: a static int or an int32 scalar (blocks to visit, from 0).
+      load: ``block_index -> pytree of arrays``: the block's loads, no arithmetic on them that
+        ``body`` could do later.
+      body: ``(block_index, loaded, carry) -> carry``.
+      init: the initial carry.
+      prefetch: issue the loads one iteration early.
+    """
+    if not prefetch:
+        return lax.fori_loop(0, num_blocks, lambda i, carry: body(i, load(i), carry), init)
+
+    def step(block_index, state):
+        carry, current = state
+        upcoming = load(block_index + 1)  # issued first: in flight during body's reductions
+        return body(block_index, current, carry), upcoming
+
+    carry, _ = lax.fori_loop(0, num_blocks, step, (init, load(0)))
+    return carry
 
 
 def largest_key_reaching(num_blocks: int, load_block, target) -> jax.Array:

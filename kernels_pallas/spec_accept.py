@@ -74,13 +74,12 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from kernels_pallas import rng
 from kernels_pallas.platform import whole_array
-from kernels_pallas.row_select import RowReader, pick_by_table
+from kernels_pallas.row_select import RowReader, fold_blocks, pick_by_table
 
 COLUMNS_PER_POSITION = 4
 ACCEPT_COLUMN, CHUNK_COLUMN, TOKEN_COLUMN = 0, 1, 2
@@ -88,6 +87,8 @@ ACCEPT_COLUMN, CHUNK_COLUMN, TOKEN_COLUMN = 0, 1, 2
 # (8 elements a thread per row), so re-reading the chosen block costs an eighth of a chunk.
 DEFAULT_BLOCK = 1024
 DEFAULT_NUM_WARPS = 4
+# Not yet measured on a GPU: off until a sweep shows it pays (bench/tune_speculative.py).
+DEFAULT_PREFETCH = False
 # The merge: rows a program (one a thread) and its warps. It unrolls its loop over chunks, so
 # the chunk count is bounded (16 at vocab 128256 with the default chunk of 8192).
 MERGE_ROWS = 64
@@ -112,6 +113,7 @@ def spec_accept_kernel(
     block: int,
     stream: int,
     deterministic_draft: bool,
+    prefetch: bool,
 ):
     if deterministic_draft:
         draft_ref = None
@@ -161,36 +163,51 @@ def spec_accept_kernel(
     chunk_start = chunk * chunk_size
     blocks_per_chunk = chunk_size // block
 
-    def block_weights(block_index):
-        """``(columns, residual, target)`` of one block of the chunk, each ``[block]``."""
+    def block_columns(block_index):
+        return chunk_start + block_index * block + jnp.arange(block, dtype=jnp.int32)
+
+    def load_block(block_index):
+        """The raw ``(target, draft)`` values of one block of the chunk, each ``[block]`` (a
+        block past the chunk, which a prefetch asks for, is the next chunk's or masked)."""
         start = chunk_start + block_index * block
-        columns = start + jnp.arange(block, dtype=jnp.int32)
-        in_row = columns < vocab
+        in_row = block_columns(block_index) < vocab
         target = plgpu.load(target_ref.at[target_row, pl.ds(start, block)], mask=in_row, other=0.0)
         if deterministic_draft:
+            return target, None
+        # At the bonus position no draft row exists: a fully masked load reads nothing.
+        draft = plgpu.load(
+            draft_ref.at[draft_row, pl.ds(start, block)], mask=in_row & has_draft, other=0.0
+        )
+        return target, draft
+
+    def weigh(block_index, loaded):
+        """``(columns, residual, target)`` of one block from its raw values, each ``[block]``."""
+        target, draft = loaded
+        columns = block_columns(block_index)
+        if deterministic_draft:
             draft = jnp.where(has_draft & (columns == stop_token), 1.0, 0.0)
-        else:
-            # At the bonus position no draft row exists: a fully masked load reads nothing.
-            draft = plgpu.load(
-                draft_ref.at[draft_row, pl.ds(start, block)], mask=in_row & has_draft, other=0.0
-            )
         difference = target - draft
         residual = jnp.where(difference > 0, difference, 0.0)
         return columns, residual, jnp.where(target > 0, target, 0.0)
 
+    def block_weights(block_index):
+        return weigh(block_index, load_block(block_index))
+
     # A reader over this chunk: its blocks, and its table of one entry a block.
     reader = RowReader(target_ref, target_row, block, blocks_per_chunk, blocks_per_chunk)
 
-    def tabulate(block_index, tables):
+    def tabulate(block_index, loaded, tables):
         residual_table, target_table = tables
-        _, residual, target = block_weights(block_index)
+        _, residual, target = weigh(block_index, loaded)
         return (
             reader.set_entry(residual_table, block_index, jnp.sum(residual)),
             reader.set_entry(target_table, block_index, jnp.sum(target)),
         )
 
     zeros = jnp.zeros((blocks_per_chunk,), jnp.float32)
-    residual_table, target_table = lax.fori_loop(0, blocks_per_chunk, tabulate, (zeros, zeros))
+    residual_table, target_table = fold_blocks(
+        blocks_per_chunk, load_block, tabulate, (zeros, zeros), prefetch=prefetch
+    )
     residual_mass = jnp.sum(residual_table)
     use_residual = residual_mass > 0
 
@@ -317,7 +334,15 @@ def spec_merge_kernel(
 
 @functools.partial(
     jax.jit,
-    static_argnames=("chunk_size", "stream", "block", "num_warps", "num_stages", "interpret"),
+    static_argnames=(
+        "chunk_size",
+        "stream",
+        "block",
+        "num_warps",
+        "num_stages",
+        "prefetch",
+        "interpret",
+    ),
 )
 def chain_speculative_sample(
     draft_probs: jax.Array | None,
@@ -330,6 +355,7 @@ def chain_speculative_sample(
     block: int = DEFAULT_BLOCK,
     num_warps: int = DEFAULT_NUM_WARPS,
     num_stages: int = 1,
+    prefetch: bool = DEFAULT_PREFETCH,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """Chain speculative sampling: the accept-and-draw kernel, then the merge kernel.
@@ -347,6 +373,8 @@ def chain_speculative_sample(
       stream: the generator stream (``speculative.api.SPECULATIVE_STREAM``).
       block, num_warps, num_stages: launch parameters of the first kernel (``block`` a power of
         two; it is capped at the chunk).
+      prefetch: the chunk's pass issues a block's loads one block early
+        (``row_select.fold_blocks``); the same tokens either way.
       interpret: Pallas interpret mode (CPU).
 
     Returns:
@@ -406,6 +434,7 @@ def chain_speculative_sample(
             block=block,
             stream=stream,
             deterministic_draft=deterministic,
+            prefetch=prefetch,
         ),
         grid=(batch, num_chunks),
         in_specs=[whole_array(x.shape) for x in operands],

@@ -267,6 +267,39 @@ def test_min_p_alone_takes_one_round_in_the_kernel():
     assert (chosen >= np.asarray(min_p) * largest).all() and (chosen > 0).all()
 
 
+@pytest.mark.parametrize("name", sorted(FILTER_CASES))
+def test_prefetching_changes_no_token(name):
+    """``prefetch=True`` issues each block's loads a block early and sums the same values in
+    the same order: the very same tokens and rounds."""
+    batch, vocab = 24, 1000
+    probs = _filter_rows(21, batch, vocab)
+    filters = dict(FILTER_CASES[name])
+    from kernels_pallas.sampling import dual_pivot_sample
+
+    words = rng.row_keys(jax.random.split(jax.random.key(9), batch), batch)
+    arguments = (
+        probs,
+        words,
+        jnp.full((batch,), filters.get("top_k", vocab), jnp.int32),
+        jnp.full((batch,), filters.get("top_p", 1.0), jnp.float32),
+        jnp.full((batch,), filters.get("min_p", 0.0), jnp.float32),
+    )
+    outputs = [
+        dual_pivot_sample(
+            *arguments,
+            order=filters.get("order", "joint"),
+            max_rounds=32,
+            stream=sampling.api.ROUND_STREAM,
+            block=128,
+            prefetch=prefetch,
+            interpret=not ON_GPU,
+        )
+        for prefetch in (False, True)
+    ]
+    for without, with_prefetch in zip(*outputs, strict=True):
+        np.testing.assert_array_equal(np.asarray(without), np.asarray(with_prefetch))
+
+
 def test_dual_pivot_kernel_draws_the_filtered_distribution():
     """The kernel's own draws (not only its agreement with the reference) pass the calibrated
     test of ``tests/test_sampling_api.py`` (false-fail rate 1e-6) on a 64-token distribution
@@ -357,10 +390,10 @@ def test_filter_kernels_lower_to_triton_for_an_h200(monkeypatch, verify_triton_m
     def cuda_text(function, *arguments):
         return jax.jit(function).trace(*arguments).lower(lowering_platforms=("cuda",)).as_text()
 
-    for order in ("joint", "top_k_first"):
+    for order, prefetch in (("joint", False), ("top_k_first", False), ("joint", True)):
         text = cuda_text(
-            lambda p, w, k, t, m, order=order: dual_pivot_sample(
-                p, w, k, t, m, order=order, max_rounds=32, stream=1
+            lambda p, w, k, t, m, order=order, prefetch=prefetch: dual_pivot_sample(
+                p, w, k, t, m, order=order, max_rounds=32, stream=1, prefetch=prefetch
             ),
             probs,
             words,

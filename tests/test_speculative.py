@@ -320,6 +320,32 @@ def test_kernel_picks_the_references_tokens(vocab, num_drafts, chunk_size, block
     assert ((drawn >= 0) & (drawn < vocab)).all()
 
 
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_prefetching_changes_no_token(deterministic):
+    """``prefetch=True`` issues each block's loads a block early and sums the same values in
+    the same order: the very same outputs, token for token, including at the bonus position
+    and where the block after a chunk's last lies past the row."""
+    batch, num_drafts, vocab = 48, 3, 1000
+    draft, tokens, target = _kernel_case_inputs(3, batch, num_drafts, vocab, deterministic)
+    words = rng.row_keys(jax.random.split(jax.random.key(4), batch), batch)
+    outputs = [
+        spec_accept.chain_speculative_sample(
+            draft,
+            tokens,
+            target,
+            words,
+            chunk_size=256,
+            stream=api.SPECULATIVE_STREAM,
+            block=64,
+            prefetch=prefetch,
+            interpret=not ON_GPU,
+        )
+        for prefetch in (False, True)
+    ]
+    for without, with_prefetch in zip(*outputs, strict=True):
+        np.testing.assert_array_equal(np.asarray(without), np.asarray(with_prefetch))
+
+
 def test_kernel_and_reference_agree_through_the_api_across_chunks():
     """The public API at vocab 20000: three chunks of the default geometry, bfloat16 inputs
     (upcast by the API), per-row keys."""
@@ -576,6 +602,23 @@ def test_kernel_lowers_to_triton_for_an_h200(monkeypatch, verify_triton_modules)
             )
             names = peers.triton_kernel_names(text, "spec_accept")
             assert names == sorted([name, "spec_accept_merge_c16"])
+            prefetching = (
+                jax.jit(
+                    lambda d, t, p, k, with_draft=with_draft: spec_accept.chain_speculative_sample(
+                        d if with_draft else None,
+                        t,
+                        p,
+                        rng.key_words(k) if k.ndim == 0 else rng.row_keys(k, batch),
+                        chunk_size=8192,
+                        stream=api.SPECULATIVE_STREAM,
+                        prefetch=True,
+                    )
+                )
+                .trace(draft, tokens, target, key)
+                .lower(lowering_platforms=("cuda",))
+                .as_text()
+            )
+            assert name in prefetching
             operations = set(re.findall(r'= "?((?:stablehlo|chlo)\.\w+)', text))
             assert operations <= {"stablehlo.custom_call", "stablehlo.reshape"}, operations
 
