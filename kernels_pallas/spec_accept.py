@@ -83,12 +83,14 @@ from kernels_pallas.row_select import RowReader, fold_blocks, pick_by_table
 
 COLUMNS_PER_POSITION = 4
 ACCEPT_COLUMN, CHUNK_COLUMN, TOKEN_COLUMN = 0, 1, 2
-# Launch priors, not yet tuned on a GPU: 1024 columns of two rows a block with 4 warps
-# (8 elements a thread per row), so re-reading the chosen block costs an eighth of a chunk.
-DEFAULT_BLOCK = 1024
+# Chosen by bench/tune_speculative.py on the H200 at B=64, n=4 (2026-12-01): 512 columns of
+# two rows a block, 4 warps (4 elements a thread per row), each block's loads issued one block
+# early (row_select.fold_blocks): 25.26 us, against 25.59 us for the previous 1024 columns
+# without prefetching (27.14 us with it; 2048 and 4096 columns: 29 to 32 us). With eight
+# programs an SM the latency is mostly hidden already, hence the small gain.
+DEFAULT_BLOCK = 512
 DEFAULT_NUM_WARPS = 4
-# Not yet measured on a GPU: off until a sweep shows it pays (bench/tune_speculative.py).
-DEFAULT_PREFETCH = False
+DEFAULT_PREFETCH = True
 # The merge: rows a program (one a thread) and its warps. It unrolls its loop over chunks, so
 # the chunk count is bounded (16 at vocab 128256 with the default chunk of 8192).
 MERGE_ROWS = 64

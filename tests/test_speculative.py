@@ -585,8 +585,8 @@ def test_kernel_lowers_to_triton_for_an_h200(monkeypatch, verify_triton_modules)
     tokens = jax.ShapeDtypeStruct((batch, num_drafts), jnp.int32)
     for key in (jax.random.key(0), jax.random.split(jax.random.key(0), batch)):
         for with_draft, name in (
-            (True, "spec_accept_probs_c8192_b1024"),
-            (False, "spec_accept_deterministic_c8192_b1024"),
+            (True, "spec_accept_probs_c8192_b512"),
+            (False, "spec_accept_deterministic_c8192_b512"),
         ):
 
             def verify(k, d, t, p, with_draft=with_draft):
