@@ -11,6 +11,8 @@ import numpy as np
 from kernels_pallas import paged_decode_tuning as tuning
 from kernels_pallas.merge_states import merge_partial_states
 from kernels_pallas.paged_decode import paged_decode, token_major
+from kernels_pallas.paged_prefill import launch_parameters as prefill_launch_parameters
+from kernels_pallas.paged_prefill import paged_prefill
 from kernels_pallas.platform import interpret_mode, is_concrete, resolve_backend
 from paged.attention_reference import decode_attention_reference
 from paged.kv_cache import KVCache, validate_kv_cache
@@ -22,21 +24,27 @@ def _is_power_of_two(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
-# The longest run of new tokens per request the kernel takes (its query tile holds q_len x group
-# rows); longer runs (prompt chunks) go to the reference.
+# The longest run of new tokens per request the one-pass decode kernel takes (its query tile holds
+# all q_len x group rows of a KV head, and one read of the keys serves them all: decode and
+# speculative verification). Longer runs (prompt chunks) go to the prefill kernel
+# (``kernels_pallas/paged_prefill.py``), which tiles the queries into blocks.
 MAX_KERNEL_Q_LEN = 16
 
 
+def kernel_name_for(q: jax.Array) -> str:
+    """Which Pallas kernel ``decode_attention`` runs for ``q``: ``"paged_decode"`` for up to
+    ``MAX_KERNEL_Q_LEN`` new tokens a request, ``"paged_prefill"`` beyond."""
+    q_len = q.shape[1] if q.ndim == 4 else 1
+    return "paged_decode" if q_len <= MAX_KERNEL_Q_LEN else "paged_prefill"
+
+
 def kernel_supports(q: jax.Array, cache: KVCache) -> str | None:
-    """Why the Pallas kernel cannot run these shapes, or None if it can.
+    """Why the Pallas kernels cannot run these shapes, or None if they can.
 
     Triton tiles must have power-of-two sides: ``head_dim`` and ``page_size`` (the group size is
-    padded in registers, so any group works). The query tile holds ``q_len x group`` rows, so
-    ``q_len`` is at most ``MAX_KERNEL_Q_LEN``.
+    padded in registers, so any group works). Any ``q_len`` runs: up to ``MAX_KERNEL_Q_LEN`` on
+    the decode kernel, beyond on the prefill kernel (``kernel_name_for``).
     """
-    q_len = q.shape[1] if q.ndim == 4 else 1
-    if q_len > MAX_KERNEL_Q_LEN:
-        return f"q_len={q_len} exceeds the kernel's maximum of {MAX_KERNEL_Q_LEN}"
     if not _is_power_of_two(q.shape[-1]):
         return f"head_dim={q.shape[-1]} is not a power of two"
     if not _is_power_of_two(cache.page_size):
@@ -120,15 +128,20 @@ def decode_attention(
     Backends, chosen when the function is traced (``kernels_pallas.platform``): ``"auto"`` is
     the fused Pallas kernel on a GPU and the reference elsewhere, unless
     ``DECODELAB_BACKEND=reference``; an explicit ``backend=`` wins (``"pallas"`` on a CPU runs the
-    kernel in interpret mode). The kernel needs power-of-two ``head_dim`` and ``page_size`` and
-    ``L <= MAX_KERNEL_Q_LEN``; ``"auto"`` falls back to the reference for other shapes (so long
-    prompt chunks run on the reference). The kernel reads pages in place in either layout;
-    nothing is converted on the hot path.
+    kernel in interpret mode). Two kernels, chosen by ``L`` (``kernel_name_for``): up to
+    ``MAX_KERNEL_Q_LEN`` new tokens a request (decode, speculative verification) the split-KV
+    decode kernel (``kernels_pallas/paged_decode.py``), whose one query tile holds all ``L x G``
+    rows of a KV head; longer runs (prompt chunks) the causal prefill kernel
+    (``kernels_pallas/paged_prefill.py``), which tiles the new tokens into query blocks and stops
+    each block's key loop at its causal bound. Both need power-of-two ``head_dim`` and
+    ``page_size``; ``"auto"`` falls back to the reference for other shapes. Both read pages in
+    place in either layout; nothing is converted on the hot path.
 
-    Split-KV: the Pallas path follows a ``DecodePlan``. Pass the one ``paged.plan_decode`` made
+    Split-KV: the decode kernel follows a ``DecodePlan``. Pass the one ``paged.plan_decode`` made
     for this step (on the host, once, reused by every layer). Without one, a plan is made here
     when the table is concrete, and under ``jit`` a static default split is used
-    (``paged.plan.traced_default_plan``). A plan does not depend on ``L``.
+    (``paged.plan.traced_default_plan``). A plan does not depend on ``L``. The prefill kernel
+    needs no plan (its query blocks fill the GPU without splitting the keys) and ignores one.
 
     Args:
       q: ``[B, H, D]`` or ``[B, L, H, D]`` queries, in the cache's dtype.
@@ -137,7 +150,8 @@ def decode_attention(
       sm_scale: logit scale, a Python float (static); default ``1 / sqrt(D)``.
       logits_soft_cap: optional cap ``> 0``, a Python float (static).
       return_lse: also return the log-sum-exp.
-      plan: the step's ``DecodePlan`` (Pallas backend only; ignored by the reference).
+      plan: the step's ``DecodePlan`` (Pallas decode kernel only; ignored by the reference and,
+        for ``L > MAX_KERNEL_Q_LEN``, by the prefill kernel).
       backend: ``"auto"``, ``"reference"`` or ``"pallas"``.
 
     Returns:
@@ -182,11 +196,34 @@ def decode_attention(
         o, lse = decode_attention_reference(
             q, cache, page_table, sm_scale=sm_scale, logits_soft_cap=logits_soft_cap
         )
+    elif kernel_name_for(q) == "paged_prefill":
+        o, lse = _prefill_attention_pallas(q, cache, page_table, sm_scale, logits_soft_cap)
     else:
         o, lse = _decode_attention_pallas(q, cache, page_table, sm_scale, logits_soft_cap, plan)
     o = o.astype(q.dtype)
     lse = lse.astype(jnp.float32)
     return (o, lse) if return_lse else o
+
+
+def _prefill_attention_pallas(q, cache, page_table, sm_scale, logits_soft_cap):
+    """Long query runs (``L > MAX_KERNEL_Q_LEN``): the causal prefill kernel, no plan."""
+    if q.shape[0] == 0:  # no program to launch
+        return jnp.zeros(q.shape, q.dtype), jnp.zeros(q.shape[:-1], jnp.float32)
+    group_size = q.shape[2] // cache.num_kv_heads
+    params = prefill_launch_parameters(q.shape[-1], group_size, cache.page_size)
+    return paged_prefill(
+        q,
+        cache.k_pages,
+        cache.v_pages,
+        page_table.page_indices,
+        page_table.page_indptr,
+        page_table.last_page_len,
+        layout=cache.layout,
+        sm_scale=sm_scale,
+        logits_soft_cap=logits_soft_cap,
+        interpret=interpret_mode(),
+        **params,
+    )
 
 
 def _decode_attention_pallas(q, cache, page_table, sm_scale, logits_soft_cap, plan):

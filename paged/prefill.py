@@ -7,9 +7,11 @@ end at the chunk's last token, so its ``L = stop - start`` tokens are the last `
 request in that table. That is exactly the query of ``paged.decode_attention`` with
 ``q [B, L, H, D]``: query ``l`` sees the keys at positions ``< seq_len - L + l + 1``, which are
 the earlier chunks' keys (already written), the prefix's, and its own chunk's up to itself.
-So prefill needs no attention code of its own: append the chunk's keys and values, then call
-decode attention. Scores exist for one chunk at a time (``L`` queries against the table's
-slots), never for the whole prompt at once.
+So prefill needs no attention API of its own: append the chunk's keys and values, then call
+decode attention, which runs chunks longer than ``paged.decode.MAX_KERNEL_Q_LEN`` tokens on its
+causal prefill kernel (``kernels_pallas/paged_prefill.py``: query blocks, each stopping at its
+causal bound) on the Pallas backend. Scores exist for one chunk at a time (``L`` queries
+against the table's slots), never for the whole prompt at once.
 
 - ``prefill_chunks``: the host-side schedule (each chunk's token range and truncated table).
   A model runs every layer on one chunk before the next chunk (``serving.model.prefill``).

@@ -81,14 +81,18 @@ from serving import model as model_lib
 from serving.requests import Request, RequestOutput
 from serving.scheduler import DecodeBatch, HostPageTable, Scheduler, Step
 
-# paged.decode_attention's kernel takes at most this many new tokens per request
-# (``paged.decode.MAX_KERNEL_Q_LEN``); longer prefill chunks cannot run with backend="pallas".
+# The one-pass decode kernel of paged.decode_attention takes at most this many new tokens per
+# request (``paged.decode.MAX_KERNEL_Q_LEN``: one query tile holds all of them, so one read of the
+# keys verifies every draft); it bounds the verification length, num_speculative + 1. Longer
+# prefill chunks run the causal prefill kernel (``kernels_pallas/paged_prefill.py``), so on
+# backend="pallas" every attention of the engine runs a kernel.
 MAX_KERNEL_QUERY_TOKENS = 16
 
 # Pallas kernel names (``kernels_pallas``) by the op of the step they implement, for
 # ``backend_report``: the name a kernel is given in its ``pl.pallas_call(name=...)`` starts so.
 OPS_BY_KERNEL_PREFIX = (
     ("paged_decode", "attention"),
+    ("paged_prefill", "attention"),
     ("merge_partial_states", "attention"),
     ("rope_append", "rope + kv append"),
     ("fused_add_rmsnorm", "rmsnorm"),
@@ -508,11 +512,10 @@ class Engine:
       page_size: tokens per page (a power of two for the Pallas attention kernel).
       parallel: decode slots, the static batch ``B`` of every decode step.
       num_speculative: drafts per step ``n`` (0: plain decoding); ``n + 1`` is at most 16, the
-        attention kernel's longest query run.
-      backend: ``"auto"``, ``"reference"`` or ``"pallas"``, for every op of every program.
-        Prefill chunks longer than 16 tokens cannot run the attention kernel: with
-        ``"pallas"`` they run with ``"auto"`` (kernels where checked on a GPU, the reference
-        attention), and ``backend_report`` says so.
+        decode attention kernel's longest query run (``MAX_KERNEL_QUERY_TOKENS``).
+      backend: ``"auto"``, ``"reference"`` or ``"pallas"``, for every op of every program,
+        prefill chunks of every length included (chunks longer than 16 tokens run the causal
+        prefill attention kernel, shorter ones the decode kernel; ``backend_report`` says which).
       layout: the KV pools' layout, ``"HND"`` or ``"NHD"``.
       max_prefill_tokens, prefill_chunk_size: the scheduler's prefill budget per step and
         longest chunk (a power of two).
@@ -705,7 +708,6 @@ class Engine:
 
     def _run_prefill_chunk(self, chunk) -> None:
         length = len(chunk.token_ids)
-        backend = self._prefill_backend(length)
         args = (
             self.target_params,
             self.draft_params,
@@ -714,8 +716,10 @@ class Engine:
             chunk.token_ids[None, :],
             _page_table(chunk.page_table),
         )
+        # The engine's backend at every chunk length: paged.decode_attention runs chunks of more
+        # than MAX_KERNEL_QUERY_TOKENS tokens on its prefill kernel, shorter ones on decode's.
         static = dict(
-            target_config=self.target_config, draft_config=self.draft_config, backend=backend
+            target_config=self.target_config, draft_config=self.draft_config, backend=self.backend
         )
         self._traced[f"prefill L={length}"] = ("prefill", self._abstract_args(args), static)
         self.target_caches, self.draft_caches = _prefill_step_jit(*args, **static)
@@ -726,11 +730,6 @@ class Engine:
         if self._abstract_state is None:
             self._abstract_state = _abstract(args[:4])
         return (*self._abstract_state, *_abstract(args[4:]))
-
-    def _prefill_backend(self, length: int) -> str:
-        if self.backend == "pallas" and length > MAX_KERNEL_QUERY_TOKENS:
-            return "auto"
-        return self.backend
 
     def _decode_inputs(self, batch: DecodeBatch) -> DecodeInputs:
         """The step's device inputs from the scheduler's batch (host NumPy; jit transfers)."""

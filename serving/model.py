@@ -651,9 +651,9 @@ def prefill(
       page_table: concrete table of the requests after the prompt (it covers all ``T`` tokens).
       chunk_size: tokens per chunk, ``>= 1``.
       all_logits: return the logits of every prompt position, not only the last.
-      backend: passed to every op. ``paged.decode_attention``'s kernel takes short query runs
-        only (``paged.decode.kernel_supports``): ``"auto"`` runs longer chunks on the
-        reference, ``"pallas"`` rejects them.
+      backend: passed to every op. ``paged.decode_attention`` runs chunks of more than
+        ``paged.decode.MAX_KERNEL_Q_LEN`` tokens on its causal prefill kernel and shorter ones
+        on its decode kernel (``paged.decode.kernel_name_for``).
 
     Returns:
       ``(logits, caches)``: float32 ``[B, V]`` logits of each prompt's last token (``[B, T, V]``

@@ -153,3 +153,50 @@ def relative_error(out, ref) -> float:
     scale = np.linalg.norm(ref)
     error = np.linalg.norm(out - ref)
     return float(error / scale) if scale > 0 else float(error)
+
+
+def paged_causal_attention_oracle(
+    q, k_pages, v_pages, layout: str, page_table, *, sm_scale: float, logits_soft_cap=None
+):
+    """Causal attention of every request's last ``L`` tokens over its own keys, in float64.
+
+    Token ``l`` of request ``b`` (``seq_len`` tokens) sits at position ``seq_len - L + l`` and
+    attends to the keys at positions ``0 .. seq_len - L + l``, gathered through its page list;
+    a position below 0 (a request shorter than ``L``) sees no key.
+
+    Args:
+      q: ``[B, L, H, D]``.
+      k_pages, v_pages: the cache's pools in ``layout``.
+      page_table: anything with ``page_indptr``, ``page_indices``, ``last_page_len`` and
+        ``page_size`` (only its raw arrays are read).
+
+    Returns:
+      ``(o [B, L, H, D], lse [B, L, H])`` float64; ``o = 0``, ``lse = -inf`` where no key is seen.
+    """
+    page_lists, seq_lens = request_page_lists(
+        page_table.page_indptr,
+        page_table.page_indices,
+        page_table.last_page_len,
+        page_table.page_size,
+    )
+    q = np.asarray(q).astype(np.float64)
+    q_len = q.shape[1]
+    outputs, lses = [], []
+    for b, (page_list, seq_len) in enumerate(zip(page_lists, seq_lens, strict=True)):
+        keys = gather_tokens(k_pages, layout, page_list, seq_len)
+        values = gather_tokens(v_pages, layout, page_list, seq_len)
+        request_o, request_lse = [], []
+        for token in range(q_len):
+            visible = max(0, seq_len - q_len + token + 1)
+            o, lse = dense_attention(
+                q[b, token],
+                keys[:visible],
+                values[:visible],
+                sm_scale=sm_scale,
+                logits_soft_cap=logits_soft_cap,
+            )
+            request_o.append(o)
+            request_lse.append(lse)
+        outputs.append(np.stack(request_o))
+        lses.append(np.stack(request_lse))
+    return np.stack(outputs), np.stack(lses)

@@ -821,3 +821,27 @@ def test_fused_ops_pallas_arms_run_their_kernel_and_nothing_else_in_the_loop(mon
     unfused = [op for op, _ in body(fused_ops_suite.rope_loop(rope_inputs, "reference"))]
     assert "triton" not in unfused and "stablehlo.dynamic_slice" not in unfused
     assert unfused.count("stablehlo.scatter") == 4 * rope_inputs.num_sets
+
+
+# ----------------------------------------------------------------------------------------------
+# The prefill benchmark's smoke mode (bench/prefill_bench.py)
+
+
+def test_prefill_bench_smoke_times_every_arm_and_writes_json(tmp_path):
+    """``--smoke``: tiny shapes, interpreted on the CPU; the reference, the API and each launch
+    of the smoke sweep are timed, the API agrees with the reference, and the table is last."""
+    from bench import prefill_bench
+
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        status = prefill_bench.main(["--smoke", "--out", str(tmp_path)])
+    assert status == 0
+    document = json.loads((tmp_path / "prefill_bench.json").read_text())
+    assert document["suite"] == "prefill" and document["smoke"] and document["notes"] == []
+    arms = [case["arm"] for case in document["cases"]]
+    assert arms == ["reference", "decodelab"] + ["kernel"] * len(prefill_bench.SMOKE_SWEEP)
+    for case in document["cases"]:
+        assert 0 < case["min_us"] <= case["median_us"] <= case["max_us"]
+        assert case["flops"] > 0 and case["achieved_tflops"] > 0
+    assert document["cases"][1]["relative_error_vs_reference"] < 1e-5  # float32 in a smoke run
+    assert printed.getvalue().rstrip().splitlines()[-1].endswith("x")  # the table's ratio line

@@ -16,8 +16,9 @@ Scenarios (``SCENARIOS``; ``--quick``: the first two):
 - ``single B=1 ctx=512``: one request, 128 new tokens.
 - ``batch B=4 ctx=512``: four requests at once, 128 new tokens each.
 - ``long B=1 ctx=16384`` and ``long B=1 ctx=32768``: one request, 64 new tokens; the cache is
-  built by chunked prefill (chunks of 512 through the reference attention: the kernel takes
-  runs of at most 16 queries, ``serving.engine.MAX_KERNEL_QUERY_TOKENS``).
+  built by chunked prefill (chunks of 512; the default arm's attention runs them on the causal
+  prefill kernel, ``kernels_pallas/paged_prefill.py``, the decode kernel taking runs of at most
+  16 queries, ``serving.engine.MAX_KERNEL_QUERY_TOKENS``).
 - ``shared_prefix B=32 ctx=4096``: 32 requests whose prompts share their first 4096 tokens
   (256 full pages, shared read-only by the scheduler) and differ in a 32-token tail; 64 new
   tokens each.
@@ -794,7 +795,7 @@ def comparison_notes(rows: list[CaseResult]) -> list[str]:
             f"{theirs.extra['itl_p50_ms'] / ours.extra['itl_p50_ms']:.2f}x, p99 "
             f"{theirs.extra['itl_p99_ms'] / ours.extra['itl_p99_ms']:.2f}x, TTFT "
             f"{theirs.extra['ttft_ms'] / ours.extra['ttft_ms']:.2f}x (prefill chunks over 16 "
-            "tokens run the reference attention in both arms)"
+            "tokens run the prefill attention kernel in the default arm)"
         )
         for op in ("attention", "sampling"):
             op_speedup = _ratio(theirs.extra[f"{op}_op_us"], ours.extra[f"{op}_op_us"])
