@@ -367,8 +367,42 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def render_markdown(document: dict) -> str:
+    """The report of one run as markdown: the environment, the table, the notes (every figure
+    comes from ``document``, the JSON the run wrote)."""
+    shape = document["shape"]
+    lines = [
+        f"# prefill: one prompt chunk's attention ({document['date']})",
+        "",
+        f"- GPU: {document['gpu']}, driver {document['driver']}, jax {document['jax_version']}",
+        f"- commit: {document['commit']}",
+        f"- command: `{document['command']}`",
+        f"- timing: {document['timing_method']}",
+        f"- shape: B=1, {shape['num_q_heads']}/{shape['num_kv_heads']} heads of "
+        f"{shape['head_dim']}, pages of {shape['page_size']} ({shape['layout']}), "
+        f"{shape['dtype']}, a chunk of {shape['chunk']} new tokens after the context",
+        f"- floor: the chunk's causal FLOPs over a {document['peak_tflops']:.0f} TFLOP/s dense "
+        "bfloat16 tensor peak (nominal); prefill of a long chunk is compute bound",
+        "",
+        "```",
+        format_table(document["cases"]),
+        "```",
+    ]
+    if document.get("smoke"):
+        lines += ["", "SMOKE RUN: interpreted on the CPU; these are not speed figures."]
+    if document["notes"]:
+        lines += ["", "Notes:", ""] + [f"- {note}" for note in document["notes"]]
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--render"]:  # markdown from a JSON an earlier run wrote
+        path = pathlib.Path(argv[1])
+        document = json.loads(path.read_text())
+        path.with_suffix(".md").write_text(render_markdown(document))
+        print(f"wrote {path.with_suffix('.md')}")
+        return 0
     arguments = parse_arguments(argv)
     if arguments.smoke and "jax" not in sys.modules:
         os.environ["JAX_PLATFORMS"] = "cpu"
@@ -425,11 +459,12 @@ def main(argv: list[str] | None = None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "prefill_bench.json"
     path.write_text(json.dumps(document, indent=1) + "\n")
+    path.with_suffix(".md").write_text(render_markdown(document))
     for note in notes:
         print(f"note: {note}")
     if arguments.smoke:
         print("SMOKE RUN: interpreted on the CPU; these are not speed figures.")
-    print(f"wrote {path}")
+    print(f"wrote {path} and its .md")
     print(format_table(rows))
     return 0
 

@@ -70,6 +70,14 @@ for stage in "$@"; do
     serving-single|serving-batch|serving-long|serving-shared_prefix)  # one scenario a process
       DECODELAB_SERVING_SCENARIOS="${stage#serving-}" timeout 300 python3 -m bench serving \
         --out "$out/$stage" 2>&1 | tee "$out/$stage.log" | grep -E 'tok/s|^note: .*(faster|target)' ;;
+    prefill)  # the prefill kernel's GPU tests, then one chunk at 16K and 32K (about 90 s)
+      timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_paged_prefill_kernel.py \
+        2>&1 | tee "$out/gpu_prefill_tests.log" | tail -n 2
+      timeout 300 python3 -m bench.prefill_bench --no-sweep --out "$out/prefill" 2>&1 \
+        | tee "$out/prefill.log" | tail -n 8 ;;
+    prefill-sweep)  # the launch sweep at 32K alone (54 launches)
+      timeout 560 python3 -m bench.prefill_bench --contexts 32768 --out "$out/prefill-sweep" 2>&1 \
+        | tee "$out/prefill-sweep.log" | tail -n 12 ;;
     pack)  # the device tool brings back at most 8 files: one archive of everything so far
       (cd "$out" && tar czf ../decodelab-gpu.tgz . && rm -rf ./* && mv ../decodelab-gpu.tgz .) ;;
     serving-a)
