@@ -41,7 +41,6 @@ KV bytes of the batch over the measured copy bandwidth).
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -49,13 +48,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from kernels_pallas import online_softmax
+from kernels_pallas.online_softmax import LOG2_E, MASKED_LOGIT
 from kernels_pallas.platform import whole_array
 
-LOG2_E = math.log2(math.e)
-LN_2 = math.log(2.0)
-# Masked logits get this instead of -inf so that exp2(masked - running_max) is exactly 0 and
-# never exp2(-inf - (-inf)) = NaN; it is far below any real base-2 logit.
-MASKED_LOGIT = -1e30
 MIN_ROWS = 16  # tensor-core dots need at least 16 rows
 
 
@@ -148,17 +144,18 @@ def paged_decode_kernel(
         )  # [pages_per_step]
         return jnp.clip(pages, 0, num_pages - 1)  # a bad index reads a wrong page, never past
 
-    def step(i, carry):
-        acc, running_max, running_sum = carry
+    def step(i, state):
         pages = load_pages(i)
         k = k_pages_ref[pages].reshape(block_tokens, head_dim)
         v = v_pages_ref[pages].reshape(block_tokens, head_dim)
-        logits = plgpu.dot(q, k, trans_b=True, precision=precision)  # [rows, block_tokens] f32
-        if logits_soft_cap is None:
-            logits = logits * logit_scale_log2
-        else:
-            capped = logits_soft_cap * jnp.tanh(logits * (sm_scale / logits_soft_cap))
-            logits = capped * LOG2_E
+        logits = online_softmax.scaled_logits(
+            q,
+            k,
+            logit_scale_log2=logit_scale_log2,
+            logits_soft_cap=logits_soft_cap,
+            sm_scale=sm_scale,
+            precision=precision,
+        )  # [rows, block_tokens] float32, base 2
         key_index = i * block_tokens + jnp.arange(block_tokens)  # [block_tokens], in the item
         token_is_real = key_index < num_tokens
         if q_len > 1:
@@ -168,26 +165,12 @@ def paged_decode_kernel(
         logits = jnp.where(visible, logits, MASKED_LOGIT)
         # A zero weight times a NaN left in an unused slot is still NaN: zero those values.
         v = jnp.where(token_is_real[:, None], v, jnp.zeros_like(v))
-        new_max = jnp.maximum(running_max, jnp.max(logits, axis=1))
-        correction = jnp.exp2(running_max - new_max)
         # Masked keys get weight exactly 0 even in a block where a row sees no key (a last page
-        # declared empty, or a causal bound before the block), where logits - new_max would be
-        # 0 for them.
-        probs = jnp.where(visible, jnp.exp2(logits - new_max[:, None]), 0.0)
-        running_sum = running_sum * correction + jnp.sum(probs, axis=1)
-        acc = acc * correction[:, None] + plgpu.dot(probs.astype(v.dtype), v, precision=precision)
-        return acc, new_max, running_sum
+        # declared empty, or a causal bound before the block): online_softmax.update.
+        return online_softmax.update(state, logits, v, visible, precision=precision)
 
-    init = (
-        jnp.zeros((rows, head_dim), jnp.float32),
-        jnp.full((rows,), -jnp.inf, jnp.float32),
-        jnp.zeros((rows,), jnp.float32),
-    )
-    acc, running_max, running_sum = lax.fori_loop(0, num_steps, step, init)
-
-    nonempty = running_sum > 0
-    out = acc / jnp.where(nonempty, running_sum, 1.0)[:, None]
-    lse = jnp.where(nonempty, (running_max + jnp.log2(running_sum)) * LN_2, -jnp.inf)
+    state = online_softmax.initial_state(rows, head_dim)
+    out, lse = online_softmax.finish(lax.fori_loop(0, num_steps, step, state))
     if write_final:
         keep = row_is_real & ~is_padding
         plgpu.store(

@@ -48,16 +48,14 @@ float32, natural log. ``H = G x KVH``; ``D`` and ``page_size`` powers of two (Tr
 
 Distance from the floor. At long chunks the kernel is compute-bound: its FLOPs are ``4 x B x H x
 D x (sum over query tokens of the keys each sees)`` (two multiply-adds a logit: ``q.k`` and
-``p.v``), and the floor is those FLOPs at the H200's dense bfloat16 tensor peak, about 989
-TFLOP/s nominal (a large cuBLAS GEMM measures about 790 on random data). A 512-token chunk at
-16K context is 135 GFLOP, a 137 us floor, against 64 MiB of K and V (16 us at the copy
-bandwidth), so bytes are not the limit. FlashAttention-2 reaches about a third to a half of the
-peak on Hopper; with 16-slot pages gathered a tile at a time and 64-row query tiles, a fair
-first target here is a third of it. First measurement (one H200, jax 0.11.2, 2026-12-01, the
-default launch, ``python -m bench.prefill_bench --no-sweep``): 467 us at 16K (290 TFLOP/s, 29%
-of nominal) and 917 us at 32K (298 TFLOP/s, 30%), against 4183 and 8436 us for the reference
-(9x). ``python -m bench.prefill_bench`` also sweeps the launch parameters
-(``launch_parameters`` holds the defaults).
+``p.v``), and the floor is those FLOPs at the H200's dense bfloat16 tensor peak, 989 TFLOP/s
+nominal. A 512-token chunk at 16K context is 135 GFLOP, a 137 us floor, against 64 MiB of K and
+V (16 us at the copy bandwidth), so bytes are not the limit. For scale, the FlashAttention-3
+paper puts FlashAttention-2's forward pass at about 35% of an H100's peak. Measured on the H200
+(``docs/benchmark_results/2026-12-01-prefill.md``, default launch): 470 us at 16K (288 TFLOP/s,
+29% of nominal) and 926 us at 32K (295 TFLOP/s, 30%), against 4178 and 8468 us for the reference
+(8.9x and 9.1x). ``python -m bench.prefill_bench`` also sweeps the launch parameters
+(``launch_parameters`` holds the defaults; the sweep has not run yet).
 """
 
 from __future__ import annotations
@@ -70,18 +68,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from kernels_pallas.paged_decode import (
-    LN_2,
-    LOG2_E,
-    MASKED_LOGIT,
-    dot_rows,
-    head_major,
-    token_major,
-)
+from kernels_pallas import online_softmax
+from kernels_pallas.online_softmax import LOG2_E, MASKED_LOGIT
+from kernels_pallas.paged_decode import dot_rows, head_major, token_major
 from kernels_pallas.platform import whole_array
 
 # Launch parameters. Not yet swept on a GPU (``python -m bench.prefill_bench`` does it; these
-# defaults reached 290-298 TFLOP/s on an H200, module docstring). They are FlashAttention-2's
+# defaults reached 288-295 TFLOP/s on an H200, module docstring). They are FlashAttention-2's
 # usual Hopper shape scaled to what 4 warps hold in registers: a 64-row query tile (16 tokens x
 # G = 4) against 64 keys a step (4 pages of 16), so the float32 accumulator (64 x 128) and the
 # logits tile (64 x 64) take 96 registers a thread.
@@ -192,17 +185,19 @@ def paged_prefill_kernel(
         )  # [pages_per_step]
         return jnp.clip(pages, 0, num_pages - 1)  # a bad index reads a wrong page, never past
 
-    def step(i, carry, *, masked: bool):
-        acc, running_max, running_sum = carry
+    def step(i, state, *, masked: bool):
         pages = load_pages(i)
         k = k_pages_ref[pages].reshape(block_keys, head_dim)
         v = v_pages_ref[pages].reshape(block_keys, head_dim)
-        logits = plgpu.dot(q, k, trans_b=True, precision=precision)  # [rows, block_keys] f32
-        if logits_soft_cap is None:
-            logits = logits * logit_scale_log2
-        else:
-            capped = logits_soft_cap * jnp.tanh(logits * (sm_scale / logits_soft_cap))
-            logits = capped * LOG2_E
+        logits = online_softmax.scaled_logits(
+            q,
+            k,
+            logit_scale_log2=logit_scale_log2,
+            logits_soft_cap=logits_soft_cap,
+            sm_scale=sm_scale,
+            precision=precision,
+        )  # [rows, block_keys] float32, base 2
+        visible = None
         if masked:
             key_index = i * block_keys + jnp.arange(block_keys)  # [block_keys], in the request
             visible = key_index[None, :] < visible_keys[:, None]  # [rows, block_keys]
@@ -210,29 +205,12 @@ def paged_prefill_kernel(
             # A zero weight times a NaN (in an unused slot, or in page 0 fetched for a page past
             # the bound) is still NaN: zero every value past the bound.
             v = jnp.where((key_index < keys_needed)[:, None], v, jnp.zeros_like(v))
-        new_max = jnp.maximum(running_max, jnp.max(logits, axis=1))
-        correction = jnp.exp2(running_max - new_max)
-        probs = jnp.exp2(logits - new_max[:, None])
-        if masked:
-            # Exactly 0 for masked keys even where a row sees no key of the block (its logits
-            # and its max are then all MASKED_LOGIT, and logits - new_max is 0).
-            probs = jnp.where(visible, probs, 0.0)
-        running_sum = running_sum * correction + jnp.sum(probs, axis=1)
-        acc = acc * correction[:, None] + plgpu.dot(probs.astype(v.dtype), v, precision=precision)
-        return acc, new_max, running_sum
+        return online_softmax.update(state, logits, v, visible, precision=precision)
 
-    carry = (
-        jnp.zeros((rows, head_dim), jnp.float32),
-        jnp.full((rows,), -jnp.inf, jnp.float32),
-        jnp.zeros((rows,), jnp.float32),
-    )
-    carry = lax.fori_loop(0, unmasked_steps, functools.partial(step, masked=False), carry)
-    carry = lax.fori_loop(unmasked_steps, num_steps, functools.partial(step, masked=True), carry)
-    acc, running_max, running_sum = carry
-
-    nonempty = running_sum > 0
-    out = acc / jnp.where(nonempty, running_sum, 1.0)[:, None]
-    lse = jnp.where(nonempty, (running_max + jnp.log2(running_sum)) * LN_2, -jnp.inf)
+    state = online_softmax.initial_state(rows, head_dim)
+    state = lax.fori_loop(0, unmasked_steps, functools.partial(step, masked=False), state)
+    state = lax.fori_loop(unmasked_steps, num_steps, functools.partial(step, masked=True), state)
+    out, lse = online_softmax.finish(state)
     plgpu.store(
         o_ref.at[pl.ds(first_row, rows), :], out.astype(o_ref.dtype), mask=row_is_real[:, None]
     )
