@@ -100,23 +100,17 @@ def paged_attention_oracle(
     Returns:
       ``(o [B, H, D], lse [B, H])`` float64.
     """
-    page_lists, seq_lens = request_page_lists(
-        page_table.page_indptr,
-        page_table.page_indices,
-        page_table.last_page_len,
-        page_table.page_size,
+    # One new token a request: the causal oracle with L = 1 (the token sees every key).
+    o, lse = paged_causal_attention_oracle(
+        np.asarray(q)[:, None],
+        k_pages,
+        v_pages,
+        layout,
+        page_table,
+        sm_scale=sm_scale,
+        logits_soft_cap=logits_soft_cap,
     )
-    q = np.asarray(q).astype(np.float64)
-    outputs, lses = [], []
-    for b, (page_list, seq_len) in enumerate(zip(page_lists, seq_lens, strict=True)):
-        keys = gather_tokens(k_pages, layout, page_list, seq_len)
-        values = gather_tokens(v_pages, layout, page_list, seq_len)
-        o, lse = dense_attention(
-            q[b], keys, values, sm_scale=sm_scale, logits_soft_cap=logits_soft_cap
-        )
-        outputs.append(o)
-        lses.append(lse)
-    return np.stack(outputs), np.stack(lses)
+    return o[:, 0], lse[:, 0]
 
 
 def merge_oracle(values, lses):
