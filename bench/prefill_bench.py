@@ -74,7 +74,9 @@ REFERENCE_REPEATS = 3
 # of the reference at ~0.5 TFLOP/s, the kernel at ~300.
 REFERENCE_PRIOR_TFLOPS = 0.5
 KERNEL_PRIOR_TFLOPS = 300.0
-DISAGREEMENT_TOLERANCE = 2e-2  # relative error of the API's bfloat16 output against the reference
+# Relative error of the API's bfloat16 output against the reference's (the bfloat16 bound of
+# ../shared/testing.md; the first H200 run measured about 2e-3).
+DISAGREEMENT_TOLERANCE = 1e-2
 
 
 def parse_arguments(argv: list[str]) -> argparse.Namespace:

@@ -25,9 +25,9 @@ compute-bound at long chunks, and the kernel is a FlashAttention-2 forward pass 
   softmax in float32, base 2 (``log2 e`` folded into the logit scale), as ``paged_decode``.
 - Causal early stop: the loop ends at the causal bound of the block's last token; pages wholly
   after it are never read. A block's loop is split in two: steps whose keys every row of the
-  block sees (all before the block's first token) run without any mask, and only the last few
-  steps, those that cross the block's diagonal or the sequence's end, pay for the per-row causal
-  mask. Over a whole prompt (a chunk starting at position 0) the work is about half the
+  block sees (up to and including the block's first token) run without any mask, and only the
+  last few steps, those that cross the block's diagonal or the sequence's end, pay for the
+  per-row causal mask (``block_key_range``). Over a whole prompt (a chunk starting at position 0) the work is about half the
   ``L x L`` rectangle; for a chunk behind a long prefix it is the prefix plus half the chunk's
   square.
 - The grid's query-block axis runs in reverse (block ``n - 1`` first): programs launch in grid
@@ -85,8 +85,8 @@ DEFAULT_LAUNCH = {"block_q": 16, "pages_per_step": 4, "num_warps": 4, "num_stage
 # Tuned entries by (head_dim, rows of a G-head group padded to a power of two, page_size); empty
 # until a GPU sweep fills it (the keys of ``launch_parameters``).
 LAUNCH_TABLE: dict[tuple[int, int, int], dict[str, int]] = {}
-# Tiles of more rows than this hold a float32 accumulator of rows x head_dim that spills from 4
-# warps' registers; give them 8.
+# Tiles of this many elements or more hold a float32 accumulator of rows x head_dim that spills
+# from 4 warps' registers (128 a thread, before the logits); give them 8.
 WIDE_TILE_ELEMENTS = 128 * 128
 
 
@@ -106,10 +106,30 @@ def launch_parameters(head_dim: int, group_size: int, page_size: int) -> dict[st
     group_rows = pl.next_power_of_2(group_size)
     block_q = max(1, TARGET_QUERY_ROWS // group_rows)
     pages_per_step = max(1, TARGET_BLOCK_KEYS // page_size, -(-MIN_BLOCK_KEYS // page_size))
-    num_warps = 8 if dot_rows(block_q * group_size) * head_dim > WIDE_TILE_ELEMENTS else 4
+    num_warps = 8 if dot_rows(block_q * group_size) * head_dim >= WIDE_TILE_ELEMENTS else 4
     derived = {"block_q": block_q, "pages_per_step": pages_per_step, "num_warps": num_warps}
     key = (head_dim, group_rows, page_size)
     return {**DEFAULT_LAUNCH, **derived, **LAUNCH_TABLE.get(key, {})}
+
+
+def block_key_range(first_position, block_tokens, seq_len, block_keys):
+    """Which of a request's keys one query block reads, and how many steps need no mask.
+
+    The block holds ``block_tokens`` consecutive new tokens, the first at position
+    ``first_position`` (``seq_len - q_len + first_token``) of a ``seq_len``-token sequence; the
+    token at position ``t`` sees the keys at positions ``<= t``. Works on Python ints (host,
+    tests) and int32 scalars (in the kernel).
+
+    Returns:
+      ``(keys_needed, num_steps, unmasked_steps)``: the block's last token's bound (keys past it
+      are never read: the causal early stop), the key steps of ``block_keys`` covering it, and
+      how many leading steps every row sees whole (keys up to and including the block's first
+      token's position, all real tokens: no mask there).
+    """
+    keys_needed = jnp.clip(first_position + block_tokens, 0, seq_len)
+    num_steps = pl.cdiv(keys_needed, block_keys)
+    unmasked_steps = jnp.clip(first_position + 1, 0, seq_len) // block_keys
+    return keys_needed, num_steps, unmasked_steps
 
 
 def paged_prefill_kernel(
@@ -169,13 +189,11 @@ def paged_prefill_kernel(
     # The loop stops at the last token's bound; keys after it are never read (their pages are
     # masked to page 0 below, so their values must be zeroed and their logits masked for every
     # row, padding rows included: hence the bounds are cut to keys_needed, not seq_len).
-    keys_needed = jnp.clip(first_position + block_tokens, 0, seq_len)
+    keys_needed, num_steps, unmasked_steps = block_key_range(
+        first_position, block_tokens, seq_len, block_keys
+    )
     visible_keys = jnp.clip(first_position + row_ids // group_size + 1, 0, keys_needed)  # [rows]
     pages_needed = pl.cdiv(keys_needed, page_size)
-    num_steps = pl.cdiv(keys_needed, block_keys)
-    # Steps whose keys all lie before the block's first token's bound are seen by every row and
-    # are real tokens in real pages: no mask at all there (the bulk of the work behind a prefix).
-    unmasked_steps = jnp.clip(first_position + 1, 0, seq_len) // block_keys
 
     def load_pages(i):
         first = page_start + i * pages_per_step
@@ -273,11 +291,22 @@ def paged_prefill(
 
     Raises:
       ValueError: for a layout other than HND/NHD, ``q`` not 4-D, head counts that do not
-        divide, or a ``block_q``/``pages_per_step`` that is not a power of two.
+        divide, a pool whose shape, head_dim or dtype does not match q's, a ``head_dim`` or
+        ``page_size`` that is not a power of two (or a ``head_dim`` below 16), or a
+        ``block_q``/``pages_per_step`` that is not a power of two.
     """
     if q.ndim != 4:
         raise ValueError(f"q must have shape [batch, q_len, num_q_heads, head_dim], got {q.shape}")
     batch, q_len, num_q_heads, head_dim = q.shape
+    if k_pages.ndim != 4 or v_pages.shape != k_pages.shape or k_pages.shape[-1] != head_dim:
+        raise ValueError(
+            f"k_pages and v_pages must both be [num_pages, ..., head_dim={head_dim}] pools, got "
+            f"{k_pages.shape} and {v_pages.shape}"
+        )
+    if k_pages.dtype != q.dtype or v_pages.dtype != q.dtype:
+        raise ValueError(
+            f"the pools' dtypes ({k_pages.dtype}, {v_pages.dtype}) differ from q's {q.dtype}"
+        )
     num_pages = k_pages.shape[0]
     if layout == "HND":
         _, num_kv_heads, page_size, _ = k_pages.shape
@@ -291,7 +320,13 @@ def paged_prefill(
         raise ValueError(
             f"num_q_heads={num_q_heads} is not a multiple of num_kv_heads={num_kv_heads}"
         )
-    for name, value in (("block_q", block_q), ("pages_per_step", pages_per_step)):
+    if not _is_power_of_two(head_dim) or head_dim < 16:
+        raise ValueError(f"head_dim must be a power of two >= 16 (a Triton tile), got {head_dim}")
+    for name, value in (
+        ("page_size", page_size),
+        ("block_q", block_q),
+        ("pages_per_step", pages_per_step),
+    ):
         if not _is_power_of_two(value):
             raise ValueError(f"{name} must be a power of two, got {value}")
     group_size = num_q_heads // num_kv_heads

@@ -29,6 +29,8 @@ def _is_power_of_two(n: int) -> bool:
 # speculative verification). Longer runs (prompt chunks) go to the prefill kernel
 # (``kernels_pallas/paged_prefill.py``), which tiles the queries into blocks.
 MAX_KERNEL_Q_LEN = 16
+# The smallest head_dim the kernels take: the inner dimension of a Triton dot is at least 16.
+MIN_KERNEL_HEAD_DIM = 16
 
 
 def kernel_name_for(q: jax.Array) -> str:
@@ -42,11 +44,14 @@ def kernel_supports(q: jax.Array, cache: KVCache) -> str | None:
     """Why the Pallas kernels cannot run these shapes, or None if they can.
 
     Triton tiles must have power-of-two sides: ``head_dim`` and ``page_size`` (the group size is
-    padded in registers, so any group works). Any ``q_len`` runs: up to ``MAX_KERNEL_Q_LEN`` on
-    the decode kernel, beyond on the prefill kernel (``kernel_name_for``).
+    padded in registers, so any group works), and ``head_dim`` is the inner dimension of the
+    ``q . k`` dot, at least 16 for a tensor-core tile. Any ``q_len`` runs: up to
+    ``MAX_KERNEL_Q_LEN`` on the decode kernel, beyond on the prefill kernel (``kernel_name_for``).
     """
     if not _is_power_of_two(q.shape[-1]):
         return f"head_dim={q.shape[-1]} is not a power of two"
+    if q.shape[-1] < MIN_KERNEL_HEAD_DIM:
+        return f"head_dim={q.shape[-1]} is below the kernels' minimum of {MIN_KERNEL_HEAD_DIM}"
     if not _is_power_of_two(cache.page_size):
         return f"page_size={cache.page_size} is not a power of two"
     return None
@@ -197,6 +202,8 @@ def decode_attention(
             q, cache, page_table, sm_scale=sm_scale, logits_soft_cap=logits_soft_cap
         )
     elif kernel_name_for(q) == "paged_prefill":
+        if plan is not None:  # unused here, but a plan for another table is still a caller bug
+            validate_plan(plan, page_table)
         o, lse = _prefill_attention_pallas(q, cache, page_table, sm_scale, logits_soft_cap)
     else:
         o, lse = _decode_attention_pallas(q, cache, page_table, sm_scale, logits_soft_cap, plan)

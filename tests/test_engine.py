@@ -87,6 +87,31 @@ def test_temperature_zero_tokens_agree_across_backends_and_speculation(pair):
     assert all(count == 0 for count in flips.values()), f"tokens differ from the baseline: {flips}"
 
 
+def test_long_prompt_chunks_run_the_prefill_kernel(pair):
+    """A 54-token prompt in chunks of 32 (longer than the decode kernel's 16 new tokens): with
+    backend "pallas" the chunks run the prefill kernel (the backend report names it), and the
+    greedy tokens equal the reference's, with speculation on."""
+    prompt = encode_text("def main(argv):\n    import os, sys\n    return 0  # end")
+    assert len(prompt) > 32
+    params = SamplingParams(temperature=0.0, max_tokens=6)
+    tokens = {}
+    for backend in ("reference", "pallas"):
+        engine = _engine(
+            pair,
+            num_speculative=2,
+            backend=backend,
+            num_pages=8,
+            parallel=1,
+            max_prefill_tokens=32,
+            prefill_chunk_size=32,
+        )
+        tokens[backend] = _tokens(engine.generate([Request(0, prompt, params)]))
+        if backend == "pallas":
+            report = engine.backend_report()
+            assert "paged_prefill" in report["prefill: attention"], report
+    assert tokens["pallas"] == tokens["reference"]
+
+
 def test_one_hot_chain_sampling_is_greedy_verification():
     """The engine's temperature-0 rows go through chain speculative sampling with one-hot p
     and q (module docstring of ``serving.engine``): that must be ``chain_greedy_verify``."""

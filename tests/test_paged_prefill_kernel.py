@@ -35,8 +35,9 @@ TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}
 # of no block_q (the last query block is partial).
 Q_LEN = 37
 # A prefix of 19 tokens (the chunk starts mid-page), the whole prompt (seq_len = q_len), a prefix
-# of exactly two pages, an empty request, a long prefix (many unmasked steps before the diagonal).
-LENS = (Q_LEN + 19, Q_LEN, Q_LEN + 32, 0, Q_LEN + 150)
+# of exactly two pages, an empty request, a long prefix (several unmasked steps before the
+# diagonal), and a sequence ending on a full last page (last_page_len = page_size).
+LENS = (Q_LEN + 19, Q_LEN, Q_LEN + 32, 0, Q_LEN + 150, Q_LEN + 27)
 NUM_POOL_PAGES = 40
 # Pairwise cover of layout x group x dtype x soft cap (every pair appears), head_dim 32 or 64.
 # Group 3 is not a power of two: its block_q x 3 rows are padded in registers.
@@ -186,7 +187,9 @@ def test_under_jit_a_request_shorter_than_q_len_sees_nothing_before_position_0()
 
 def test_invalid_tables_under_jit_stay_inside_the_arrays():
     """Under jit nothing is validated; the kernel clamps instead of reading past its arrays.
-    A request whose table is wrong gets a wrong but finite answer; the others are unaffected."""
+    A request whose table is wrong gets a wrong but finite answer; the others are unaffected.
+    (Interpret mode clamps out-of-bounds reads itself, so what this shows on a CPU is the
+    outputs; that no access leaves an array is for the GPU run under compute-sanitizer.)"""
     lens = (Q_LEN + 20, Q_LEN + 3, Q_LEN + 40)
     q, cache, table = make_inputs(4, lens, Q_LEN, "HND", 4, 32, jnp.float32)
     decode = jax.jit(functools.partial(paged.decode_attention, backend="pallas"))
@@ -290,6 +293,76 @@ def test_query_runs_choose_their_kernel(monkeypatch):
     assert len(calls) == 3
     with pytest.raises(ValueError, match="head_dim=48 is not a power of two"):
         paged.decode_attention(q48, cache48, table48, backend="pallas")
+
+
+def test_auto_on_a_cpu_keeps_the_reference_for_long_runs(monkeypatch):
+    """Without a GPU, "auto" runs the reference, for long query runs too (no kernel called)."""
+    calls = []
+    monkeypatch.setattr(
+        decode_module, "paged_prefill", lambda *a, **k: calls.append("paged_prefill")
+    )
+    if ON_GPU:
+        pytest.skip("a GPU is present: auto picks the kernel")
+    q, cache, table = make_inputs(7, (Q_LEN + 3, Q_LEN), Q_LEN, "HND", 1, 32, jnp.float32)
+    paged.decode_attention(q, cache, table)
+    assert calls == []
+
+
+@pytest.mark.parametrize("block_q", [1, 4, 16])
+@pytest.mark.parametrize("block_keys", [16, 64])
+def test_each_query_block_reads_only_the_keys_its_last_token_sees(block_q, block_keys):
+    """The causal early stop (``block_key_range``): a block reads the keys up to its last
+    token's bound and less than one step more, never the rest of the sequence; its unmasked
+    steps hold only keys every row of the block sees, and all of those. Over a whole prompt
+    the keys read are about half the square, and behind a long prefix about the prefix plus half
+    the chunk."""
+    for seq_len, q_len in ((37, 37), (37 + 150, 37), (512, 64), (5, 9)):
+        work = slack = 0
+        for first_token in range(0, q_len, block_q):
+            block_tokens = min(block_q, q_len - first_token)
+            first_position = seq_len - q_len + first_token
+            keys_needed, num_steps, unmasked = (
+                int(x)
+                for x in prefill_kernel.block_key_range(
+                    first_position, block_tokens, seq_len, block_keys
+                )
+            )
+            last_bound = min(max(first_position + block_tokens, 0), seq_len)
+            assert keys_needed == last_bound
+            assert 0 <= num_steps * block_keys - keys_needed < block_keys
+            first_bound = min(max(first_position + 1, 0), seq_len)
+            assert unmasked * block_keys <= first_bound < (unmasked + 1) * block_keys
+            assert unmasked <= num_steps
+            # Work in (query token, key) pairs: every token of the block meets every key read.
+            work += block_tokens * num_steps * block_keys
+            slack += block_tokens * (block_tokens - 1 + block_keys)
+        prefix = seq_len - q_len
+        causal = sum(min(max(prefix + t + 1, 0), seq_len) for t in range(q_len))
+        assert causal <= work < causal + slack
+
+
+def test_bad_inputs_to_the_raw_kernel_are_named():
+    q, cache, table = make_inputs(8, (Q_LEN,), Q_LEN, "HND", 1, 32, jnp.float32)
+    arrays = (table.page_indices, table.page_indptr, table.last_page_len)
+    options = dict(layout="HND", sm_scale=0.1, logits_soft_cap=None, interpret=True)
+    with pytest.raises(ValueError, match="head_dim=32"):
+        prefill_kernel.paged_prefill(q, cache.k_pages[..., :16], cache.v_pages, *arrays, **options)
+    with pytest.raises(ValueError, match="differ from q's float32"):
+        pools = (cache.k_pages.astype(jnp.bfloat16), cache.v_pages.astype(jnp.bfloat16))
+        prefill_kernel.paged_prefill(q, *pools, *arrays, **options)
+    with pytest.raises(ValueError, match="head_dim must be a power of two >= 16"):
+        prefill_kernel.paged_prefill(
+            q[..., :8], cache.k_pages[..., :8], cache.v_pages[..., :8], *arrays, **options
+        )
+
+
+def test_a_plan_for_another_table_is_refused_on_long_runs():
+    """The prefill kernel needs no plan, but one made for another batch is a caller's bug."""
+    q, cache, table = make_inputs(7, (Q_LEN + 3, Q_LEN), Q_LEN, "HND", 1, 32, jnp.float32)
+    other = paged.PageTable.from_seq_lens([40], PAGE_SIZE)
+    plan = paged.plan_decode(other, q.shape[2], NUM_KV_HEADS, q.shape[3])
+    with pytest.raises(ValueError, match="plan"):
+        paged.decode_attention(q, cache, table, plan=plan, backend="pallas")
 
 
 def test_bad_launch_parameters_are_rejected():
