@@ -25,8 +25,8 @@ from serving import model
 FLOAT32_TOLERANCE = 1e-5
 WEIGHTS = pathlib.Path(model.__file__).parent / "weights"
 
-# Small enough for interpret mode; head_dim and page size are powers of two (the Pallas decode
-# kernel needs them); Llama 3.1 scaling with a short original context puts RoPE's frequencies in
+# Small enough for interpret mode; head_dim and page size are powers of two and head_dim is 16,
+# the smallest the Pallas attention kernels take; Llama 3.1 scaling with a short original context puts RoPE's frequencies in
 # all three bands (kept, divided, blended).
 CONFIG = model.ModelConfig(
     vocab_size=64,
@@ -34,7 +34,7 @@ CONFIG = model.ModelConfig(
     num_layers=2,
     num_q_heads=4,
     num_kv_heads=2,
-    head_dim=8,
+    head_dim=16,
     intermediate=48,
     rope=paged.RopeParams(
         theta=10000.0, scaling=paged.Llama3Scaling(original_max_position_embeddings=16)
