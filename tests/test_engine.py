@@ -112,6 +112,28 @@ def test_long_prompt_chunks_run_the_prefill_kernel(pair):
     assert tokens["pallas"] == tokens["reference"]
 
 
+def test_a_decode_step_sends_its_host_arrays_in_one_buffer(pair, monkeypatch):
+    """Tokens, keys, sampling parameters, page tables and plans reach the jitted step as one
+    int32 host buffer (one copy to the device, serving/host_inputs.py), and nothing else
+    passed is a host array."""
+    seen = []
+    real = engine_lib._decode_step_jit
+
+    def spy(*args, **kwargs):
+        host = [leaf for leaf in jax.tree.leaves(args) if isinstance(leaf, np.ndarray)]
+        seen.append([(leaf.dtype, leaf.ndim) for leaf in host])
+        return real(*args, **kwargs)
+
+    spy._cache_size = real._cache_size  # the engine counts compiled programs through it
+    monkeypatch.setattr(engine_lib, "_decode_step_jit", spy)
+    params = SamplingParams(temperature=0.7, top_p=0.9, max_tokens=3, seed=1)
+    for backend, n in (("reference", 0), ("pallas", 2)):
+        _engine(pair, num_speculative=n, backend=backend).generate(
+            [Request(0, encode_text(PROMPTS[0]), params)]
+        )
+    assert seen and all(arrays == [(np.dtype(np.int32), 1)] for arrays in seen), seen
+
+
 def test_one_hot_chain_sampling_is_greedy_verification():
     """The engine's temperature-0 rows go through chain speculative sampling with one-hot p
     and q (module docstring of ``serving.engine``): that must be ``chain_greedy_verify``."""

@@ -1,0 +1,106 @@
+"""One host-to-device transfer a step: a step's small host arrays packed into one buffer.
+
+Why: a jitted call copies each NumPy argument to the device separately, and on the GPU host
+each small copy costs tens of microseconds of host time. An engine step passes about twenty of
+them (tokens, keys, sampling parameters, the page table, the split-KV plan), so the GPU run of
+2026-12-01 measured about 1 ms a step just dispatching the call at batch 1
+(``docs/benchmark_results/2026-11-30-gpu-checks.md``, fourth session), more than the device
+step's attention, sampling and norms together. Packing them into one int32 buffer makes it one
+copy; the jitted step unpacks it with static slices and bitcasts, which cost nothing on the
+device.
+
+- ``pack(tree) -> (buffer int32[N], packing)`` on the host: every leaf (a NumPy array or
+  scalar of a 4-byte type, or a bool) flattened into ``buffer``; ``packing`` (hashable: pass it
+  as a static argument) says where each leaf lies and what it was.
+- ``unpack(buffer, packing) -> tree`` inside ``jit``: the same pytree, as device arrays of the
+  same shapes and dtypes.
+
+Leaves are what ``jax.jit`` would have made of them: 64-bit integers and floats become their
+32-bit types (as JAX does without x64), after a check that integers fit.
+
+Example:
+  >>> import numpy as np
+  >>> buffer, packing = pack({"a": np.arange(3, dtype=np.int32), "b": np.float32(0.5)})
+  >>> buffer.dtype, buffer.shape
+  (dtype('int32'), (4,))
+  >>> tree = unpack(jax.numpy.asarray(buffer), packing)
+  >>> tree["a"].tolist(), float(tree["b"])
+  ([0, 1, 2], 0.5)
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+_INT32 = np.iinfo(np.int32)
+
+
+class Packing(NamedTuple):
+    """Where each leaf of a packed pytree lies in the buffer (static, hashable).
+
+    Attributes:
+      treedef: the pytree's structure.
+      leaves: per leaf, ``(offset, shape, dtype name)`` in the buffer, in int32 words.
+      size: the buffer's length.
+    """
+
+    treedef: Any
+    leaves: tuple[tuple[int, tuple[int, ...], str], ...]
+    size: int
+
+
+def _as_32_bit(name: str, leaf) -> np.ndarray:
+    array = np.asarray(leaf)
+    if array.dtype == np.bool_:
+        return array
+    if array.dtype.kind in "iu" and array.dtype.itemsize == 8:
+        if array.size and (array.min() < _INT32.min or array.max() > np.iinfo(np.uint32).max):
+            raise ValueError(f"{name} holds integers outside 32 bits: {array.min()}..{array.max()}")
+        return array.astype(np.uint32 if array.dtype.kind == "u" else np.int32)
+    if array.dtype == np.float64:
+        return array.astype(np.float32)
+    if array.dtype.kind not in "iuf" or array.dtype.itemsize != 4:
+        raise ValueError(f"{name} must be a 4-byte int or float array (or bool), got {array.dtype}")
+    return array
+
+
+def pack(tree) -> tuple[np.ndarray, Packing]:
+    """Host side: every leaf of ``tree`` in one int32 buffer, and where (module docstring).
+
+    Raises:
+      ValueError: a leaf that is not a bool or a 4-byte int/float array (64-bit ones are
+        narrowed, if their values fit), naming its path in the tree.
+    """
+    paths_and_leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    parts, entries, offset = [], [], 0
+    for path, leaf in paths_and_leaves:
+        array = _as_32_bit(jax.tree_util.keystr(path), leaf)
+        words = (array.astype(np.int32) if array.dtype == np.bool_ else array).reshape(-1)
+        parts.append(words.view(np.int32))
+        entries.append((offset, tuple(array.shape), array.dtype.name))
+        offset += words.size
+    buffer = np.concatenate(parts) if parts else np.zeros((0,), np.int32)
+    return buffer, Packing(treedef, tuple(entries), offset)
+
+
+def unpack(buffer: jax.Array, packing: Packing):
+    """Inside ``jit``: the pytree ``pack`` packed, from its int32 ``buffer``."""
+    if buffer.shape != (packing.size,):
+        raise ValueError(f"buffer must be int32[{packing.size}], got {buffer.shape}")
+    leaves = []
+    for offset, shape, dtype_name in packing.leaves:
+        words = buffer[offset : offset + int(np.prod(shape, dtype=np.int64))]
+        dtype = np.dtype(dtype_name)
+        if dtype == np.bool_:
+            leaf = words != 0
+        elif dtype == np.int32:
+            leaf = words
+        else:
+            leaf = lax.bitcast_convert_type(words, jnp.dtype(dtype))
+        leaves.append(leaf.reshape(shape))
+    return jax.tree_util.tree_unflatten(packing.treedef, leaves)
