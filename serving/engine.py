@@ -14,7 +14,9 @@ positions, the sampling and the acceptance test. Its shapes are static: ``B = pa
 always (idle slots are phantom rows on the scheduler's padding page), ``page_indices`` padded to
 ``paged.bucket_size``, so it compiles once per bucket (and per split-KV plan variant on the
 Pallas path, ``paged.plan``), never per sequence length. Prefill chunks have power-of-two
-lengths (the scheduler's rule), one program per length and table bucket.
+lengths (the scheduler's rule), one program per length and table bucket. The step's host arrays
+(tokens, keys, sampling parameters, page tables, plans) travel as one int32 buffer
+(``serving/host_inputs.py``): one host-to-device copy a step, not one an array.
 
 Sampling: every request draws from its own key
 ----------------------------------------------
