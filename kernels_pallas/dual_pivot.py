@@ -18,10 +18,12 @@ How a round runs here (one program per row):
 
 So a row costs one pass for its maximum and first table, plus one pass a round (the reference
 reads the row twice a round). With min-p, one more pass tabulates min-p's kept set
-(``weight >= min_p * max``), which is where the rounds start (the reference's
-``initial_state``); when min-p is the only filter every candidate is kept, the first draw is
-accepted, and the round skips its pivot pass: two passes and one block in all. ``order="top_k_first"`` first finds the top-k mass by radix
-selection (``row_select.top_k_boundary``, 9 passes). A row still undecided after
+(``weight >= min_p * max``): the rounds start from it, the same candidates as the reference's
+``initial_state``. When min-p is the only filter every candidate is kept, the first draw is
+accepted and the round skips its pivot pass (its loop runs no iteration; with prefetching it
+still loads block 0): two passes and about two blocks in all. Min-p combined with top-k or top-p
+pays the extra pass and saves the rounds it spares. ``order="top_k_first"`` first finds the
+top-k mass by radix selection (``row_select.top_k_boundary``, 9 passes). A row still undecided after
 ``max_rounds`` rounds takes the reference's exact fallback: the kept set is found by radix
 selection (``row_select``) and sampled with the last uniform.
 
@@ -59,7 +61,8 @@ ORDERS = ("joint", "top_k_first")
 # with 8 warps spills registers (4x slower), 4096 with 8 warps is 1.2x to 1.4x slower.
 DEFAULT_BLOCK = 8192
 DEFAULT_NUM_WARPS = 16
-# Each pass issues a block's loads one block early (row_select.fold_blocks). Measured on the
+# The streaming passes (first table, min-p table, pivot tests) issue a block's loads one block
+# early (row_select.fold_blocks; the radix-selection passes do not). Measured on the
 # H200 (bench/tune_sampling.py, 2026-12-01, B=256, times including a 60 us slice copy): top-k
 # 334 -> 263 us, top-p 250 -> 201 us, min-p 181 -> 156 us; 8192 columns and 16 warps stay best.
 DEFAULT_PREFETCH = True
@@ -207,7 +210,7 @@ def dual_pivot_kernel(
         token, value = pick_by_table(reader, candidates, uniform(rounds), candidate_weights)
         middle = (value + high_value) / 2
         # Only min-p filters: every candidate is kept, so the pivot tests cannot fail and need
-        # no counts; the pass reads no block (passes(0, 0, value) is the full pass's verdict
+        # no counts; the pass runs no iteration (passes(0, 0, value) is the full pass's verdict
         # then). A trip count, not a lax.cond: a cond inside this while loop does not lower; and
         # a product, not a jnp.where of two ints, whose lowering gives the loop's upper bound
         # another type than its lower bound (the GPU host's verifier refuses that scf.for).
@@ -225,7 +228,8 @@ def dual_pivot_kernel(
         )
 
     # With min-p, the first candidates are the tokens min-p keeps, ``weight >= min_p_bound``:
-    # position (min_p_bound, V), as in the reference's ``initial_state``. One more pass, and
+    # position (min_p_bound, V): the same candidates as the reference's ``initial_state``,
+    # whose threshold is the smallest weight at or above the bound. One more pass, and
     # min-p alone then takes exactly one round.
     uses_min_p = min_p_bound > 0
     first_candidates = lax.cond(

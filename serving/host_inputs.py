@@ -15,8 +15,11 @@ device.
 - ``unpack(buffer, packing) -> tree`` inside ``jit``: the same pytree, as device arrays of the
   same shapes and dtypes.
 
-Leaves are what ``jax.jit`` would have made of them: 64-bit integers and floats become their
-32-bit types (as JAX does without x64), after a check that integers fit.
+Leaves must be host values (NumPy arrays or scalars, Python numbers; a ``jax.Array`` is
+refused, as it would be copied back to the host). 64-bit integers and floats become their 32-bit
+types, as JAX makes them without x64, after a check that integers fit (signed in int32, unsigned
+in uint32); Python scalars become strongly typed int32 / float32 arrays, where ``jit`` would
+have made them weakly typed.
 
 Example:
   >>> import numpy as np
@@ -37,8 +40,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-_INT32 = np.iinfo(np.int32)
-
 
 class Packing(NamedTuple):
     """Where each leaf of a packed pytree lies in the buffer (static, hashable).
@@ -54,18 +55,30 @@ class Packing(NamedTuple):
     size: int
 
 
-def _as_32_bit(name: str, leaf) -> np.ndarray:
+def _as_32_bit(path, leaf) -> np.ndarray:
+    """``leaf`` as a NumPy array of a 4-byte type or bool; ``path`` names it in errors (made
+    into a string only then: this runs for every leaf of every step)."""
+    if isinstance(leaf, jax.Array):  # would be copied back to the host: a caller's mistake
+        raise ValueError(f"{jax.tree_util.keystr(path)} is a jax.Array; pack takes host arrays")
     array = np.asarray(leaf)
     if array.dtype == np.bool_:
         return array
     if array.dtype.kind in "iu" and array.dtype.itemsize == 8:
-        if array.size and (array.min() < _INT32.min or array.max() > np.iinfo(np.uint32).max):
-            raise ValueError(f"{name} holds integers outside 32 bits: {array.min()}..{array.max()}")
-        return array.astype(np.uint32 if array.dtype.kind == "u" else np.int32)
+        narrow = np.uint32 if array.dtype.kind == "u" else np.int32
+        limits = np.iinfo(narrow)
+        if array.size and (array.min() < limits.min or array.max() > limits.max):
+            raise ValueError(
+                f"{jax.tree_util.keystr(path)} holds integers outside {np.dtype(narrow).name}: "
+                f"{array.min()}..{array.max()}"
+            )
+        return array.astype(narrow)
     if array.dtype == np.float64:
         return array.astype(np.float32)
     if array.dtype.kind not in "iuf" or array.dtype.itemsize != 4:
-        raise ValueError(f"{name} must be a 4-byte int or float array (or bool), got {array.dtype}")
+        raise ValueError(
+            f"{jax.tree_util.keystr(path)} must be a 4-byte int or float array (or bool), got "
+            f"{array.dtype}"
+        )
     return array
 
 
@@ -79,7 +92,7 @@ def pack(tree) -> tuple[np.ndarray, Packing]:
     paths_and_leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
     parts, entries, offset = [], [], 0
     for path, leaf in paths_and_leaves:
-        array = _as_32_bit(jax.tree_util.keystr(path), leaf)
+        array = _as_32_bit(path, leaf)
         words = (array.astype(np.int32) if array.dtype == np.bool_ else array).reshape(-1)
         parts.append(words.view(np.int32))
         entries.append((offset, tuple(array.shape), array.dtype.name))

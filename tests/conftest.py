@@ -65,8 +65,9 @@ def verify_triton_modules(monkeypatch):
     Lowering for ``cuda`` on a CPU builds the Triton module but does not verify it; the GPU host
     does, when it parses the module, and refuses what the verifier refuses (for example an
     ``scf.for`` whose bounds differ in type). With this fixture a CPU test fails there too."""
-    from jax._src.pallas.triton import lowering, pallas_call_registration
-
+    # Private JAX modules: if a JAX version moves them, the tests that use this skip, not fail.
+    lowering = pytest.importorskip("jax._src.pallas.triton.lowering")
+    pytest.importorskip("jax._src.pallas.triton.pallas_call_registration")  # the caller
     original = lowering.lower_jaxpr_to_triton_module
 
     def lower_and_verify(*args, **kwargs):
@@ -74,9 +75,8 @@ def verify_triton_modules(monkeypatch):
         result.module.operation.verify()  # raises MLIRError naming the bad op
         return result
 
-    monkeypatch.setattr(
-        pallas_call_registration.lowering, "lower_jaxpr_to_triton_module", lower_and_verify
-    )
+    # pallas_call_registration calls it as lowering.lower_jaxpr_to_triton_module (one module).
+    monkeypatch.setattr(lowering, "lower_jaxpr_to_triton_module", lower_and_verify)
     return lower_and_verify
 
 

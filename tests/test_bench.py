@@ -316,7 +316,9 @@ def test_jax_top_p_sample_only_draws_kept_tokens():
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the Pallas Triton backend's
-def test_jax_pallas_peer_lowers_for_an_h200_at_every_standard_shape(monkeypatch):
+def test_jax_pallas_peer_lowers_for_an_h200_at_every_standard_shape(
+    monkeypatch, verify_triton_modules
+):
     """The GPU path of the Pallas peer, as far as a CPU can follow it: every (case, k_splits)
     of the standard grid lowers to a Triton custom call for an H200, and the attribution finds
     the kernel's name in the program. Compiling the Triton kernel needs the GPU."""
@@ -543,7 +545,9 @@ def test_sampling_inputs_are_the_peers_logits_with_a_key_per_set():
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the Pallas Triton backend's
-def test_sampling_gumbel_arms_lower_to_the_triton_kernel_for_an_h200(monkeypatch):
+def test_sampling_gumbel_arms_lower_to_the_triton_kernel_for_an_h200(
+    monkeypatch, verify_triton_modules
+):
     """The GPU path of the Gumbel arms at the largest standard case, as far as a CPU can follow
     it: the API (backend="pallas") and raw-kernel programs lower to the Triton kernel for an
     H200, and the reference program to none. Compiling the kernel needs the GPU."""
@@ -667,7 +671,9 @@ def test_fused_ops_target_notes_judge_issue_6s_targets():
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the Pallas Triton backend's
-def test_fused_ops_arms_lower_to_their_triton_kernels_for_an_h200(monkeypatch):
+def test_fused_ops_arms_lower_to_their_triton_kernels_for_an_h200(
+    monkeypatch, verify_triton_modules
+):
     """The GPU path of the fused_ops arms at the largest cases, as far as a CPU can follow it:
     our arms' programs lower to the Triton kernels for an H200, the XLA arms' to none."""
     gpu_info = pytest.importorskip("jax._src.pallas.triton.gpu_info")
@@ -785,7 +791,9 @@ def _launching(operations: list[tuple[str, str]]) -> list[str]:
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the Pallas Triton backend's
-def test_fused_ops_pallas_arms_run_their_kernel_and_nothing_else_in_the_loop(monkeypatch):
+def test_fused_ops_pallas_arms_run_their_kernel_and_nothing_else_in_the_loop(
+    monkeypatch, verify_triton_modules
+):
     """One iteration of each Pallas arm's timed loop (two rounds over the R sets), lowered for
     an H200 at the largest cases, runs 2 R Triton calls and no other operation that launches a
     kernel: no slice of a set, no copy, no digest. So what is timed is the kernel (the public

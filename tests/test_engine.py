@@ -134,6 +134,18 @@ def test_a_decode_step_sends_its_host_arrays_in_one_buffer(pair, monkeypatch):
     assert seen and all(arrays == [(np.dtype(np.int32), 1)] for arrays in seen), seen
 
 
+def test_decode_steps_of_one_shape_compile_once(pair):
+    """The packing is a static argument of the jitted step: decode steps of the same shapes must
+    reuse one compiled program (a packing that changed every step would recompile every step).
+    The second request's decode steps compile nothing."""
+    engine = _engine(pair, backend="pallas")
+    params = SamplingParams(temperature=0.7, top_k=5, max_tokens=6, seed=3)
+    engine.generate([Request(0, encode_text(PROMPTS[0]), params)])
+    compiled = engine_lib._decode_step_jit._cache_size()
+    engine.generate([Request(1, encode_text(PROMPTS[1]), params)])  # same shapes and bucket
+    assert engine_lib._decode_step_jit._cache_size() == compiled
+
+
 def test_one_hot_chain_sampling_is_greedy_verification():
     """The engine's temperature-0 rows go through chain speculative sampling with one-hot p
     and q (module docstring of ``serving.engine``): that must be ``chain_greedy_verify``."""

@@ -48,7 +48,8 @@ def test_unpack_returns_every_leaf_bit_for_bit(tree):
 
 
 def test_a_page_table_and_a_plan_pack_with_their_static_fields():
-    table = paged.PageTable.from_seq_lens([20, 3, 0], page_size=16)
+    device_table = paged.PageTable.from_seq_lens([20, 3, 0], page_size=16)
+    table = jax.tree.map(np.asarray, device_table)  # host arrays, as the engine holds them
     plan = paged.plan_decode(table, 8, 2, 64)
     buffer, packing = host_inputs.pack((table, plan))
     table_back, plan_back = host_inputs.unpack(jnp.asarray(buffer), packing)
@@ -73,8 +74,14 @@ def test_64_bit_leaves_are_narrowed_as_jit_would_and_bad_ones_are_named():
     back = host_inputs.unpack(jnp.asarray(buffer), packing)
     assert back["i"].dtype == jnp.int32 and back["i"].tolist() == [0, 1, 2]
     assert back["f"].dtype == jnp.float32 and float(back["f"]) == 0.25
-    with pytest.raises(ValueError, match=r"\['big'\] holds integers outside 32 bits"):
-        host_inputs.pack({"big": np.array([2**40])})
+    with pytest.raises(ValueError, match=r"\['big'\] holds integers outside int32"):
+        host_inputs.pack({"big": np.array([2**31])})  # fits 32 bits unsigned, not signed
+    with pytest.raises(ValueError, match=r"\['neg'\] holds integers outside int32"):
+        host_inputs.pack({"neg": np.array([-(2**31) - 1])})
+    with pytest.raises(ValueError, match=r"\['wide'\] holds integers outside uint32"):
+        host_inputs.pack({"wide": np.array([2**32], np.uint64)})
+    with pytest.raises(ValueError, match=r"\['device'\] is a jax.Array"):
+        host_inputs.pack({"device": jnp.zeros(2)})
     with pytest.raises(ValueError, match=r"\['half'\] must be a 4-byte int or float"):
         host_inputs.pack({"half": np.zeros(2, np.float16)})
     with pytest.raises(ValueError, match="buffer must be int32"):

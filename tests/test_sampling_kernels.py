@@ -187,6 +187,7 @@ FILTER_CASES = {
     "joint": dict(top_k=40, top_p=0.7),
     "all": dict(top_k=20, top_p=0.9, min_p=0.02),
     "top_k_first": dict(top_k=12, top_p=0.7, order="top_k_first"),
+    "top_k_first_min_p": dict(top_k=12, top_p=0.7, min_p=0.05, order="top_k_first"),
 }
 
 
@@ -352,22 +353,22 @@ def test_kernels_under_jit_never_return_an_out_of_range_token():
     probs = _filter_rows(3, 6, 300)
     probs = probs.at[1].set(jnp.nan).at[2].set(0.0).at[4].set(-1.0).at[5].set(1e-38)
     keys = jax.random.split(jax.random.key(0), 6)
-    for order in ("joint", "top_k_first"):
+    # The last case is min-p alone: the path that skips the pivot pass.
+    for order, filters in (
+        ("joint", dict(top_k=5, top_p=0.5, min_p=0.1)),
+        ("top_k_first", dict(top_k=5, top_p=0.5, min_p=0.1)),
+        ("joint", dict(min_p=0.1)),
+    ):
         for max_rounds in (32, 0):
             tokens = jax.jit(
-                lambda p, order=order, max_rounds=max_rounds: sampling.filtered_sample(
-                    keys,
-                    p,
-                    top_k=5,
-                    top_p=0.5,
-                    min_p=0.1,
-                    order=order,
-                    max_rounds=max_rounds,
-                    backend="pallas",
+                lambda p, order=order, max_rounds=max_rounds, filters=filters: (
+                    sampling.filtered_sample(
+                        keys, p, order=order, max_rounds=max_rounds, backend="pallas", **filters
+                    )
                 )
             )(probs)
             tokens = np.asarray(tokens)
-            assert ((tokens >= 0) & (tokens < 300)).all(), tokens
+            assert ((tokens >= 0) & (tokens < 300)).all(), (order, filters, tokens)
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the Pallas Triton backend's
