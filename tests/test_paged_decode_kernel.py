@@ -500,28 +500,6 @@ def test_one_new_token_as_4d_equals_3d_bit_for_bit():
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b)[:, 0])
 
 
-def test_query_runs_beyond_the_kernels_q_len_go_to_the_prefill_kernel(monkeypatch):
-    """The decode kernel takes up to MAX_KERNEL_Q_LEN new tokens a request; a longer run (a
-    prompt chunk) runs the prefill kernel (``tests/test_paged_prefill_kernel.py``), under "auto"
-    on a GPU as under "pallas", and never the decode kernel."""
-    calls = []
-    monkeypatch.setattr(platform, "on_gpu", lambda: True)
-    monkeypatch.setattr(decode_module, "interpret_mode", lambda: True)
-    for name in ("paged_decode", "paged_prefill"):
-        real = getattr(decode_module, name)
-        monkeypatch.setattr(
-            decode_module,
-            name,
-            lambda *a, name=name, real=real, **k: calls.append(name) or real(*a, **k),
-        )
-    longest = decode_module.MAX_KERNEL_Q_LEN
-    q, cache, table = make_multi_token_inputs(22, [40, 17], longest + 1, "HND", 1, 32, jnp.float32)
-    check_multi_token(q, cache, table)  # a prompt chunk: the prefill kernel
-    assert calls == ["paged_prefill"]
-    paged.decode_attention(q[:, :longest], cache, table)
-    assert calls == ["paged_prefill", "paged_decode"]
-
-
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the Pallas Triton backend's
 def test_decode_kernel_lowers_to_triton_for_an_h200(monkeypatch, verify_triton_modules):
     """As far as a CPU can follow the GPU path: at the benchmark's head shape (32/8 heads,
