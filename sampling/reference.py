@@ -108,7 +108,9 @@ def initial_state(probs: jax.Array, min_p=0.0) -> PivotState:
     """Candidates: every token that min-p keeps; ``high`` the largest probability.
 
     With ``min_p > 0`` the candidates start as ``p >= min_p * max(p)`` (threshold position
-    ``(min_p * max(p), V)``): min-p's cut-off is known from the maximum alone, every kept token
+    ``(f, V)``, ``f`` the smallest probability passing min-p; the kernel uses ``(min_p * max(p),
+    V)``, which has the same tokens above it): min-p's cut-off is known from the maximum alone,
+    every kept token
     lies above it (``proofs/sampling.md``, Lemma 2), and a round spent rejecting a token below it
     would be wasted. Without min-p (``min_p <= 0``) they are the tokens of positive probability
     (threshold ``(0, 0)``).
