@@ -78,6 +78,9 @@ for stage in "$@"; do
     prefill-sweep)  # the launch sweep at 32K alone (54 launches)
       timeout 560 python3 -m bench.prefill_bench --contexts 32768 --out "$out/prefill-sweep" 2>&1 \
         | tee "$out/prefill-sweep.log" | tail -n 12 ;;
+    gumbel-two-level)  # issue 4: what a two-level exponential race would cost (about 60 s)
+      timeout 200 python3 -m bench.gumbel_two_level_probe 2>&1 \
+        | tee "$out/gumbel_two_level_probe.log" | grep -E '^B=|FAILED' ;;
     pack)  # the device tool brings back at most 8 files: one archive of everything so far
       (cd "$out" && tar czf ../decodelab-gpu.tgz . && rm -rf ./* && mv ../decodelab-gpu.tgz .) ;;
     serving-a)

@@ -34,7 +34,9 @@ Counter layout (the contract; changing it changes every sampled token):
 - Streams in use (a new user takes a new number): 0, Gumbel-max noise
   (``sampling.api.EXPONENTIAL_STREAM``, column = token); 1, rejection-round uniforms
   (``sampling.api.ROUND_STREAM``, column = round); 2, speculative verification
-  (``speculative.api.SPECULATIVE_STREAM``, columns ``4i .. 4i + 2`` for draft position ``i``).
+  (``speculative.api.SPECULATIVE_STREAM``, columns ``4i .. 4i + 2`` for draft position ``i``);
+  3, the block noise of a cost probe (``bench/gumbel_two_level_probe.py``, column = block; no
+  sampler uses it).
 - Domain separation, by counter word 0: element draws use ``[2**31, 2**32)``, row-key
   derivation uses ``ROW_DOMAIN = 2**31 - 1``, and JAX's own Threefry uses of a key stay below
   that: ``fold_in(key, d)`` is the block at counter ``(0, d)``, and ``split`` and

@@ -853,3 +853,58 @@ def test_prefill_bench_smoke_times_every_arm_and_writes_json(tmp_path):
         assert case["flops"] > 0 and case["achieved_tflops"] > 0
     assert document["cases"][1]["relative_error_vs_reference"] < 1e-5  # float32 in a smoke run
     assert printed.getvalue().rstrip().splitlines()[-1].endswith("x")  # the table's ratio line
+
+
+def test_two_level_race_probe_draws_the_softmax_and_lowers_for_an_h200(
+    monkeypatch, verify_triton_modules
+):
+    """``bench/gumbel_two_level_probe.py`` (a cost probe for issue 4): its two kernels,
+    interpreted, draw ``softmax(logits)`` (calibrated check, 16 blocks of 32 tokens with a
+    masked tail), and lower to Triton modules an H200 accepts at the probe's shapes."""
+    import functools
+
+    from bench import gumbel_two_level_probe as probe
+    from kernels_pallas import rng
+    from tests.test_sampling_api import assert_distributed_as
+
+    vocab, draws = 500, 20_000  # 16 blocks of 32, the last one partial; the bound scales
+    logits = jax.random.normal(jax.random.key(3), (vocab,)) * 2.0
+    logits = logits.at[:70].set(-jnp.inf)  # masked tokens, two whole blocks among them
+    words = rng.row_keys(jax.random.key(4), draws)
+    rows = jnp.broadcast_to(logits, (draws, vocab))
+    tokens = probe.two_level_race(
+        rows,
+        words[:, 0],
+        words[:, 1],
+        block=32,
+        blocks_per_program=2,
+        warps=4,
+        pick_warps=4,
+        interpret=True,
+    )
+    assert_distributed_as(np.asarray(tokens), np.asarray(jax.nn.softmax(logits)))
+
+    gpu_info = pytest.importorskip("jax._src.pallas.triton.gpu_info")
+    h200 = gpu_info._get_gpu_info_impl(gpu_info.GpuVersion.H200)
+    monkeypatch.setitem(gpu_info.registry, jax.devices()[0].device_kind, lambda: h200)
+    batch = 4
+    for block, per_program, warps, pick_warps in probe.VARIANTS:
+        text = (
+            jax.jit(
+                functools.partial(
+                    probe.two_level_race,
+                    block=block,
+                    blocks_per_program=per_program,
+                    warps=warps,
+                    pick_warps=pick_warps,
+                )
+            )
+            .trace(
+                jax.ShapeDtypeStruct((batch, probe.VOCAB), jnp.float32),
+                jax.ShapeDtypeStruct((batch,), jnp.uint32),
+                jax.ShapeDtypeStruct((batch,), jnp.uint32),
+            )
+            .lower(lowering_platforms=("cuda",))
+            .as_text()
+        )
+        assert f"two_level_pick_b{block}" in text
