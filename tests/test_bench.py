@@ -855,6 +855,7 @@ def test_prefill_bench_smoke_times_every_arm_and_writes_json(tmp_path):
     assert printed.getvalue().rstrip().splitlines()[-1].endswith("x")  # the table's ratio line
 
 
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the Pallas Triton backend's
 def test_two_level_race_probe_draws_the_softmax_and_lowers_for_an_h200(
     monkeypatch, verify_triton_modules
 ):
