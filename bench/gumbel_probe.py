@@ -180,6 +180,48 @@ def philox_known_answer() -> list[str]:
     return [f"{int(w[0]):08x}" for w in words]
 
 
+def rotating_logits(batch: int):
+    """``(sets, key, key0, key1)``: enough ``[batch, VOCAB]`` float32 logit arrays (3 x normal)
+    for a cold L2, each its own array (``SetsInTurnLoop``), a key for the XLA arms, and the
+    rows' key words for the kernels."""
+    num_sets = num_rotating_sets(batch * VOCAB * 4)
+    keys = jax.random.split(jax.random.key(0), num_sets + 1)
+    sets = [
+        (jax.random.normal(keys[s], (batch, VOCAB), jnp.float32) * 3.0,) for s in range(num_sets)
+    ]
+    words = rng.row_keys(keys[-1], batch)
+    return sets, keys[-1], words[:, 0], words[:, 1]
+
+
+def baseline_arms(key) -> dict:
+    """The arms every Gumbel probe is read against: ``jnp.argmax`` alone (the read floor) and
+    ``jax.random.categorical``."""
+    return {
+        "argmax_floor": lambda ops, r: jnp.argmax(ops[0] + r.astype(jnp.float32), axis=1),
+        "jax_categorical": lambda ops, r: jax.random.categorical(
+            jax.random.fold_in(key, r), ops[0], axis=-1
+        ),
+    }
+
+
+def time_arm(batch: int, name: str, call, sets) -> dict:
+    """Times one arm over the rotating sets and prints a line; a variant that does not compile
+    is a finding too (``us`` None)."""
+    try:
+        timing = sets_loop(call, sets).time(
+            expected_us_per_call=100.0, repeats=3, target_seconds=0.05
+        )
+        us = timing.median_us
+    except Exception as error:
+        print(f"B={batch} {name}: FAILED {type(error).__name__}: {str(error)[:300]}")
+        us = None
+    ceiling_us = batch * VOCAB * 4 / 4.3e12 * 1e6
+    if us is not None:
+        print(f"B={batch:3d} {name:34s} {us:8.1f} us  {ceiling_us / us * 100:5.1f}% of ceiling")
+    sys.stdout.flush()
+    return {"batch": batch, "arm": name, "us": us, "ceiling_us": ceiling_us}
+
+
 def main() -> None:
     out = os.environ.get("OUT", "/tmp")
     answer = philox_known_answer()
@@ -199,20 +241,8 @@ def main() -> None:
         ("threefry", "fast", 1024, 2, 4),
     ]
     for batch in (256, 32, 1):
-        num_sets = num_rotating_sets(batch * VOCAB * 4)
-        keys = jax.random.split(jax.random.key(0), num_sets + 1)
-        sets = [
-            (jax.random.normal(keys[s], (batch, VOCAB), jnp.float32) * 3.0,)
-            for s in range(num_sets)
-        ]
-        words = rng.row_keys(keys[-1], batch)
-        key0, key1 = words[:, 0], words[:, 1]
-        arms = {
-            "argmax_floor": lambda ops, r: jnp.argmax(ops[0] + r.astype(jnp.float32), axis=1),
-            "jax_categorical": lambda ops, r, key=keys[-1]: jax.random.categorical(
-                jax.random.fold_in(key, r), ops[0], axis=-1
-            ),
-        }
+        sets, key, key0, key1 = rotating_logits(batch)
+        arms = baseline_arms(key)
         for gen, noise, block, steps, warps in variants:
             arms[f"{gen}/{noise} b{block}x{steps} w{warps}"] = (
                 lambda ops, r, g=gen, n=noise, b=block, s=steps, w=warps, k0=key0, k1=key1: race(
@@ -227,20 +257,7 @@ def main() -> None:
                 )
             )
         for name, call in arms.items():
-            try:
-                loop = sets_loop(call, sets)
-                timing = loop.time(expected_us_per_call=100.0, repeats=3, target_seconds=0.05)
-                us = timing.median_us
-            except Exception as error:  # a variant that does not compile is a finding too
-                print(f"B={batch} {name}: FAILED {type(error).__name__}: {str(error)[:300]}")
-                us = None
-            ceiling_us = batch * VOCAB * 4 / 4.3e12 * 1e6
-            results.append({"batch": batch, "arm": name, "us": us, "ceiling_us": ceiling_us})
-            if us is not None:
-                print(
-                    f"B={batch:3d} {name:34s} {us:8.1f} us  {ceiling_us / us * 100:5.1f}% of ceiling"
-                )
-            sys.stdout.flush()
+            results.append(time_arm(batch, name, call, sets))
         del sets
     with open(os.path.join(out, "gumbel_probe.json"), "w") as f:
         json.dump(results, f, indent=1)

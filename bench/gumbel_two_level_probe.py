@@ -36,7 +36,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from bench.timing import SetsInTurnLoop, num_rotating_sets
+from bench import gumbel_probe as flat_probe
 from kernels_pallas import rng
 from kernels_pallas.platform import whole_array
 
@@ -168,20 +168,8 @@ def main(argv: list[str]) -> int:
     out = os.environ.get("OUT", "/tmp")
     results = []
     for batch in (256, 32, 1):
-        num_sets = num_rotating_sets(batch * VOCAB * 4)
-        keys = jax.random.split(jax.random.key(0), num_sets + 1)
-        sets = [
-            (jax.random.normal(keys[s], (batch, VOCAB), jnp.float32) * 3.0,)
-            for s in range(num_sets)
-        ]
-        words = rng.row_keys(keys[-1], batch)
-        key0, key1 = words[:, 0], words[:, 1]
-        arms = {
-            "argmax_floor": lambda ops, r: jnp.argmax(ops[0] + r.astype(jnp.float32), axis=1),
-            "jax_categorical": lambda ops, r, key=keys[-1]: jax.random.categorical(
-                jax.random.fold_in(key, r), ops[0], axis=-1
-            ),
-        }
+        sets, key, key0, key1 = flat_probe.rotating_logits(batch)
+        arms = flat_probe.baseline_arms(key)
         for block, per_program, warps, pick_warps in VARIANTS:
             arms[f"two_level b{block}x{per_program} w{warps}/{pick_warps}"] = (
                 lambda ops, r, b=block, p=per_program, w=warps, pw=pick_warps, k0=key0, k1=key1: (
@@ -197,19 +185,7 @@ def main(argv: list[str]) -> int:
                 )
             )
         for name, call in arms.items():
-            try:
-                timing = SetsInTurnLoop(call, sets).time(
-                    expected_us_per_call=50.0, repeats=3, target_seconds=0.05
-                )
-                us = timing.median_us
-            except Exception as error:  # a variant that does not compile is a finding too
-                print(f"B={batch} {name}: FAILED {type(error).__name__}: {str(error)[:300]}")
-                us = None
-            ceiling_us = batch * VOCAB * 4 / 4.3e12 * 1e6
-            results.append({"batch": batch, "arm": name, "us": us, "ceiling_us": ceiling_us})
-            if us is not None:
-                print(f"B={batch:3d} {name:34s} {us:8.1f} us  {ceiling_us / us:6.1%} of ceiling")
-            sys.stdout.flush()
+            results.append(flat_probe.time_arm(batch, name, call, sets))
         del sets
     with open(os.path.join(out, "gumbel_two_level_probe.json"), "w") as f:
         json.dump(results, f, indent=1)
