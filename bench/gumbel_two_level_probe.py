@@ -133,28 +133,33 @@ def two_level_race(
 VARIANTS = [(1024, 2, 4, 4), (2048, 2, 8, 8), (4096, 1, 8, 8), (1024, 8, 4, 4), (2048, 4, 8, 8)]
 
 
-def smoke() -> None:
-    """Tiny shapes, interpreted: the two kernels run and the token frequencies follow the
-    softmax (a sanity check of the code, not a calibrated test)."""
-    vocab, draws = 300, 4000
-    logits = jax.random.normal(jax.random.key(0), (1, vocab)) * 2.0
-    words = rng.row_keys(jax.random.key(1), draws)
-    rows = jnp.broadcast_to(logits, (draws, vocab))
+def interpreted_draws(logits, draws: int, seed: int, *, block: int = 32) -> np.ndarray:
+    """``draws`` tokens from one row of ``logits`` [V] (each draw its own row key), the two
+    kernels interpreted on a CPU with small blocks: what the tests and ``--smoke`` check."""
+    words = rng.row_keys(jax.random.key(seed), draws)
+    rows = jnp.broadcast_to(logits, (draws, logits.shape[0]))
     tokens = two_level_race(
         rows,
         words[:, 0],
         words[:, 1],
-        block=32,
+        block=block,
         blocks_per_program=2,
         warps=4,
         pick_warps=4,
         interpret=True,
     )
-    counts = np.bincount(np.asarray(tokens), minlength=vocab)
-    probs = np.asarray(jax.nn.softmax(logits[0]))
-    top = np.argsort(probs)[-5:]
+    return np.asarray(tokens)
+
+
+def smoke() -> None:
+    """Tiny shapes, interpreted: the two kernels run and the token frequencies follow the
+    softmax (a sanity check of the code; the calibrated test is in tests/test_bench.py)."""
+    vocab, draws = 300, 4000
+    logits = jax.random.normal(jax.random.key(0), (vocab,)) * 2.0
+    counts = np.bincount(interpreted_draws(logits, draws, 1), minlength=vocab)
+    probs = np.asarray(jax.nn.softmax(logits))
     print("smoke: top-5 tokens, softmax probability vs frequency over", draws, "draws")
-    for token in top[::-1]:
+    for token in np.argsort(probs)[-5:][::-1]:
         print(f"  {token:4d}  {probs[token]:.4f}  {counts[token] / draws:.4f}")
 
 

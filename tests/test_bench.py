@@ -865,25 +865,13 @@ def test_two_level_race_probe_draws_the_softmax_and_lowers_for_an_h200(
     import functools
 
     from bench import gumbel_two_level_probe as probe
-    from kernels_pallas import rng
     from tests.test_sampling_api import assert_distributed_as
 
     vocab, draws = 500, 20_000  # 16 blocks of 32, the last one partial; the bound scales
     logits = jax.random.normal(jax.random.key(3), (vocab,)) * 2.0
     logits = logits.at[:70].set(-jnp.inf)  # masked tokens, two whole blocks among them
-    words = rng.row_keys(jax.random.key(4), draws)
-    rows = jnp.broadcast_to(logits, (draws, vocab))
-    tokens = probe.two_level_race(
-        rows,
-        words[:, 0],
-        words[:, 1],
-        block=32,
-        blocks_per_program=2,
-        warps=4,
-        pick_warps=4,
-        interpret=True,
-    )
-    assert_distributed_as(np.asarray(tokens), np.asarray(jax.nn.softmax(logits)))
+    tokens = probe.interpreted_draws(logits, draws, 4)
+    assert_distributed_as(tokens, np.asarray(jax.nn.softmax(logits)))
 
     gpu_info = pytest.importorskip("jax._src.pallas.triton.gpu_info")
     h200 = gpu_info._get_gpu_info_impl(gpu_info.GpuVersion.H200)
