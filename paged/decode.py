@@ -138,15 +138,16 @@ def decode_attention(
     decode kernel (``kernels_pallas/paged_decode.py``), whose one query tile holds all ``L x G``
     rows of a KV head; longer runs (prompt chunks) the causal prefill kernel
     (``kernels_pallas/paged_prefill.py``), which tiles the new tokens into query blocks and stops
-    each block's key loop at its causal bound. Both need power-of-two ``head_dim`` and
-    ``page_size``; ``"auto"`` falls back to the reference for other shapes. Both read pages in
+    each block's key loop at its causal bound. Both need power-of-two ``head_dim`` (at least
+    16) and ``page_size``; ``"auto"`` falls back to the reference for other shapes. Both read pages in
     place in either layout; nothing is converted on the hot path.
 
     Split-KV: the decode kernel follows a ``DecodePlan``. Pass the one ``paged.plan_decode`` made
     for this step (on the host, once, reused by every layer). Without one, a plan is made here
     when the table is concrete, and under ``jit`` a static default split is used
     (``paged.plan.traced_default_plan``). A plan does not depend on ``L``. The prefill kernel
-    needs no plan (its query blocks fill the GPU without splitting the keys) and ignores one.
+    needs no plan (its query blocks fill the GPU without splitting the keys): a plan passed with
+    a long run is checked against the table, then not used.
 
     Args:
       q: ``[B, H, D]`` or ``[B, L, H, D]`` queries, in the cache's dtype.
@@ -155,8 +156,8 @@ def decode_attention(
       sm_scale: logit scale, a Python float (static); default ``1 / sqrt(D)``.
       logits_soft_cap: optional cap ``> 0``, a Python float (static).
       return_lse: also return the log-sum-exp.
-      plan: the step's ``DecodePlan`` (Pallas decode kernel only; ignored by the reference and,
-        for ``L > MAX_KERNEL_Q_LEN``, by the prefill kernel).
+      plan: the step's ``DecodePlan`` (Pallas decode kernel only; ignored by the reference, and
+        for ``L > MAX_KERNEL_Q_LEN`` only validated).
       backend: ``"auto"``, ``"reference"`` or ``"pallas"``.
 
     Returns:
