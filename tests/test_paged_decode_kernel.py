@@ -45,12 +45,26 @@ NUM_KV_HEADS = 2
 TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}
 
 
-def make_inputs(seed, lens, layout, group, head_dim, dtype, num_pool_pages=192, num_kv_heads=2):
-    """Random q and pool (never zeros), pages scattered over the pool in random order."""
+def make_inputs(
+    seed,
+    lens,
+    layout,
+    group,
+    head_dim,
+    dtype,
+    num_pool_pages=192,
+    num_kv_heads=2,
+    *,
+    q_len=None,
+    first_page=0,
+):
+    """Random q and pool (never zeros), pages scattered over the pool in random order.
+
+    ``q`` is ``[B, H, D]``, or ``[B, q_len, H, D]`` when ``q_len`` is given; pages below
+    ``first_page`` are never listed (``first_page=1`` keeps page 0 out of every request)."""
     rng = np.random.default_rng(seed)
-    table = paged.PageTable.from_seq_lens(
-        lens, PAGE_SIZE, pages=rng.permutation(num_pool_pages).tolist()
-    )
+    pages = first_page + rng.permutation(num_pool_pages - first_page)
+    table = paged.PageTable.from_seq_lens(lens, PAGE_SIZE, pages=pages.tolist())
     if layout == "HND":
         shape = (num_pool_pages, num_kv_heads, PAGE_SIZE, head_dim)
     else:
@@ -60,7 +74,9 @@ def make_inputs(seed, lens, layout, group, head_dim, dtype, num_pool_pages=192, 
         jnp.asarray(rng.standard_normal(shape), dtype),
         layout,
     )
-    q = jnp.asarray(rng.standard_normal((len(lens), num_kv_heads * group, head_dim)) * 2.0, dtype)
+    tokens = () if q_len is None else (q_len,)
+    q_shape = (len(lens), *tokens, num_kv_heads * group, head_dim)
+    q = jnp.asarray(rng.standard_normal(q_shape) * 2.0, dtype)
     return q, cache, table
 
 

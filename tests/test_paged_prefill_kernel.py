@@ -25,6 +25,7 @@ from bench.suites import peers
 from kernels_pallas import paged_prefill as prefill_kernel
 from kernels_pallas import platform
 from paged import decode as decode_module
+from tests import test_paged_decode_kernel as decode_kernel_tests
 from tests.conftest import ON_GPU
 from tests.reference_dense import paged_causal_attention_oracle
 
@@ -54,21 +55,18 @@ CONFIGS = [
 def make_inputs(seed, lens, q_len, layout, group, head_dim, dtype, num_pool_pages=NUM_POOL_PAGES):
     """Random q ``[B, q_len, H, D]`` and pool (never zeros), pages scattered over the pool in
     random order; page 0 is never listed (masked page loads fetch it: see the NaN test)."""
-    rng = np.random.default_rng(seed)
-    pages = (1 + rng.permutation(num_pool_pages - 1)).tolist()
-    table = paged.PageTable.from_seq_lens(lens, PAGE_SIZE, pages=pages)
-    if layout == "HND":
-        shape = (num_pool_pages, NUM_KV_HEADS, PAGE_SIZE, head_dim)
-    else:
-        shape = (num_pool_pages, PAGE_SIZE, NUM_KV_HEADS, head_dim)
-    cache = paged.KVCache(
-        jnp.asarray(rng.standard_normal(shape), dtype),
-        jnp.asarray(rng.standard_normal(shape), dtype),
+    return decode_kernel_tests.make_inputs(
+        seed,
+        lens,
         layout,
+        group,
+        head_dim,
+        dtype,
+        num_pool_pages,
+        NUM_KV_HEADS,
+        q_len=q_len,
+        first_page=1,
     )
-    q_shape = (len(lens), q_len, NUM_KV_HEADS * group, head_dim)
-    q = jnp.asarray(rng.standard_normal(q_shape) * 2.0, dtype)
-    return q, cache, table
 
 
 def oracle(q, cache, table, soft_cap=None):
