@@ -32,8 +32,8 @@ cannot be confused; the API's output is checked against the reference's.
 It prints one line per timed arm as it goes, then a table last (best launch first), and writes
 ``prefill_bench.json`` under ``--out`` (default ``$OUT`` if set, else a fresh temporary
 directory). ``--smoke`` runs tiny shapes on the CPU in interpret mode (every code path, no speed
-figure); ``--no-sweep`` times the reference and the API only (34 s on an H200, 2026-12-01:
-467/917 us for the API at 16K/32K against 4183/8436 us for the reference). Each launch of the
+figure); ``--no-sweep`` times the reference and the API only (about 40 s on an H200; its
+figures: ``docs/benchmark_results/2026-12-01-prefill.md``). Each launch of the
 sweep adds a Triton compilation and about half a second of timing; where one command is
 limited in time, sweep one context a run (``--contexts 16384`` then ``--contexts 32768``).
 """
