@@ -1,18 +1,24 @@
 """The counter-based random number generator shared by sampling kernels and references.
 
-What it is: Threefry-2x32 with 20 rounds (Salmon, Moraes, Dror and Shaw, "Parallel random
-numbers: as easy as 1, 2, 3", SC 2011), the same block function JAX's default PRNG uses, written
-in plain ``jnp`` uint32 arithmetic (add, xor, shifts), plus the maps from random bits to the
-uniform, exponential and Gumbel noise that samplers need.
+What it is: two block functions from Salmon, Moraes, Dror and Shaw, "Parallel random numbers:
+as easy as 1, 2, 3" (SC 2011), written in plain ``jnp`` uint32 arithmetic, plus the maps from
+random bits to the uniform, exponential and Gumbel noise that samplers need:
+
+- Threefry-2x32 with 20 rounds, the block function JAX's default PRNG uses, for the rows' keys
+  and the few numbers a row draws (rejection rounds, speculative verification);
+- Philox-4x32-10 for the per-token Gumbel noise (``noise_bits``), where the generator's cost per
+  word decides the Gumbel-max kernel's speed. Philox gives four words a call for two 32-bit
+  multiplies a round, about fifteen instructions a word on a GPU, against about forty for
+  Threefry's two words of twenty add-rotate-xor rounds.
 
 Why: a sampler's Pallas kernel and its pure-JAX reference must draw the very same numbers for the
 same key, so that they pick the same tokens and a kernel can be checked token for token. A
 counter-based generator makes every number a pure function of (key, counter): a kernel computes
 the noise of the elements it owns in registers and never reads a noise array, and the reference
-computes the same function over the whole array. Threefry-2x32 needs only 32-bit add, xor and
-shifts (no 32x32->64 multiply-high, which Philox needs), the integer operations every Pallas
-lowering has; the code below runs under ``jax.jit``, inside a ``pl.pallas_call`` body (the tests
-run one), and on any broadcast shape. Inside a kernel, pass a row's key words as a pair of
+computes the same function over the whole array. Everything here uses only 32-bit integer
+operations (Philox's 32x32->64 multiply is built from four 16-bit products, ``mulhilo32``; a
+GPU kernel passes one ``mul.hi.u32`` instead), so it runs under ``jax.jit``, inside a
+``pl.pallas_call`` body (the tests run one), and on any broadcast shape. Inside a kernel, pass a row's key words as a pair of
 arrays (two refs, or two loads) rather than slicing a ``[..., 2]`` array.
 
 Counter layout (the contract; changing it changes every sampled token):
@@ -24,15 +30,19 @@ Counter layout (the contract; changing it changes every sampled token):
   - ``key`` is ``B`` keys: row ``b`` gets key ``b``'s own words, so a request's numbers depend
     on its key alone, never on the slot it sits in (an engine passes
     ``jax.random.fold_in(request_key, step)`` per row).
-- Within a row, element ``column`` of stream ``stream`` (e.g. a rejection round) takes word
+- Within a row, element ``column`` of a Threefry stream ``stream`` (a rejection round) takes word
   ``column % 2`` of ``threefry2x32(row_key, (ELEMENT_DOMAIN | column // 2, stream))``, where
   ``ELEMENT_DOMAIN = 2**31`` sets the top bit of counter word 0. For a fixed row key,
   distinct ``(column, stream)`` pairs use distinct (counter, word) pairs for every
   ``column < 2**32`` and ``stream < 2**32``: no value is ever reused. One block call serves two
   adjacent columns, so a kernel that wants speed calls ``random_bit_pairs`` once per column pair
   (half the work of one call per element) and gets the same numbers as ``random_bits``.
+- Per-token noise (Philox): token ``column`` of stream ``stream`` takes word ``column % 4`` of
+  ``philox4x32(row_key, (column // 4, stream, 0, 0))`` (``noise_bits``; ``noise_bit_quads``
+  gives a kernel the four words of one call). Philox is a bijection of the counter for a fixed
+  key, so distinct ``(column, stream)`` never share a word.
 - Streams in use (a new user takes a new number): 0, Gumbel-max noise
-  (``sampling.api.EXPONENTIAL_STREAM``, column = token); 1, rejection-round uniforms
+  (``sampling.api.EXPONENTIAL_STREAM``, Philox, column = token); 1, rejection-round uniforms
   (``sampling.api.ROUND_STREAM``, column = round); 2, speculative verification
   (``speculative.api.SPECULATIVE_STREAM``, columns ``4i .. 4i + 2`` for draft position ``i``);
   3, the block noise of a cost probe (``bench/gumbel_two_level_probe.py``, column = block; no
@@ -68,9 +78,10 @@ From bits to noise (the tails are where samplers go wrong, ``shared/anchors.md``
   relative statement: ``P(E <= e) = (1 - exp(-e)) (1 +- 2**-22) +- 2**-33``, and
   ``P(E > e) = exp(-e) (1 +- 2**-22 e) +- 2**-33``; the mass beyond the extremes (``2**-33`` on
   each side) sits in the extreme cells. The cost is two logarithms and a select per element.
-- ``gumbel(bits) = -log(exponential(bits))``, Gumbel(0, 1), in ``[-3.13, 22.9]``, so that
-  ``argmax(logits + gumbel)`` and ``argmax(p / exponential)`` pick the same token from the same
-  bits up to float rounding.
+- ``gumbel(bits)``: ``-log`` of the same cell's ``E``, Gumbel(0, 1), in ``[-3.13, 22.9]``,
+  computed with two ``log2`` and a short polynomial and within ``2**-21 max(1, |G|)`` of the
+  exact value, so that ``argmax(logits + gumbel)`` and ``argmax(p / exponential)`` pick the
+  same token from the same bits up to float rounding.
 
 Example:
   >>> import jax
@@ -100,6 +111,30 @@ ROUNDS = 20  # a key injection after every 4 rounds, 5 in all
 # the two never meet, nor meet JAX's fold_in/split/random_bits counters (module docstring).
 ROW_DOMAIN = np.uint32(0x7FFFFFFF)
 ELEMENT_DOMAIN = np.uint32(0x80000000)
+
+# Philox-4x32-10 (Random123's philox4x32_10): round multipliers and the key's Weyl increments.
+PHILOX_MULTIPLIERS = (0xD2511F53, 0xCD9E8D57)
+PHILOX_WEYL = (0x9E3779B9, 0xBB67AE85)
+PHILOX_ROUNDS = 10
+
+# gumbel(): for t in (0, 1/4], h(t) = log(-log1p(-t) / t) ~= t * q(t), with q the degree-4
+# least-squares Chebyshev fit on [0, 1/4] (float64, then rounded to float32; coefficients of
+# t**0 .. t**4): |t q(t) - h(t)| is 2**-23.1 at most in float64 (tests/test_rng.py checks it
+# against 2**-22.5) and 2**-22.9 with Horner's rule in float32. h(t) = t/2 + 5t**2/24 + ... is
+# what the exact series starts with.
+GUMBEL_TAIL_COEFFICIENTS = tuple(
+    np.float32(c)
+    for c in (
+        0.5000003576278687,
+        0.20828887820243835,
+        0.12620098888874054,
+        0.07507500797510147,
+        0.11430664360523224,
+    )
+)
+_LN2 = np.float32(np.log(2.0))
+_LN_LN2 = np.float32(np.log(np.log(2.0)))
+_SECOND_QUARTER = np.uint32(0x40000000)
 
 # Exact float32 powers of two for the bits-to-float maps.
 _TWO_POW_MINUS_24 = np.float32(2.0**-24)
@@ -348,6 +383,137 @@ def random_bits(row_key_words, column, stream=0) -> jax.Array:
     return jnp.where((column & 1) == 1, odd_bits, even_bits)
 
 
+# ----------------------------------------------------------------------------------------------
+# Philox-4x32-10: the per-token noise of the Gumbel-max race
+
+
+def mulhilo32(a, multiplier: int) -> tuple[jax.Array, jax.Array]:
+    """``(high, low)`` 32-bit words of the 64-bit product ``a * multiplier``, in uint32 only.
+
+    The portable form (XLA on any backend, Pallas interpret mode): the high word from four
+    16 x 16-bit products, whose partial sums fit in 32 bits. A GPU kernel passes its own
+    ``mulhilo`` to ``philox4x32`` instead (one ``mul.hi.u32`` instruction,
+    ``kernels_pallas/gumbel.py``); both give the same bits.
+
+    Args:
+      a: uint32 array (any shape).
+      multiplier: a Python int in ``[0, 2**32)``.
+
+    Returns:
+      two uint32 arrays of ``a``'s shape.
+
+    Example:
+      >>> [hex(int(w)) for w in mulhilo32(np.uint32(0xFFFFFFFF), 0xFFFFFFFF)]
+      ['0xfffffffe', '0x1']
+    """
+    a = _as_uint32(a, "a")
+    a_low, a_high = a & np.uint32(0xFFFF), a >> 16
+    b_low, b_high = np.uint32(multiplier & 0xFFFF), np.uint32(multiplier >> 16)
+    low_low = a_low * b_low
+    low_high = a_low * b_high
+    high_low = a_high * b_low
+    carry = (
+        (low_low >> 16) + (low_high & np.uint32(0xFFFF)) + (high_low & np.uint32(0xFFFF))
+    ) >> 16
+    high = a_high * b_high + (low_high >> 16) + (high_low >> 16) + carry
+    return high, a * np.uint32(multiplier)
+
+
+def philox4x32(key0, key1, counter0, counter1, counter2, counter3, *, mulhilo=mulhilo32):
+    """The Philox-4x32 block function with 10 rounds: four counter words to four random words.
+
+    Implemented from the published description (Salmon et al. 2011; Random123's
+    ``philox4x32_10``): each round multiplies counter words 0 and 2 by ``PHILOX_MULTIPLIERS``,
+    and the new words are ``(hi2 ^ c1 ^ k0, lo2, hi0 ^ c3 ^ k1, lo0)``; the key words grow by
+    ``PHILOX_WEYL`` between rounds. For a fixed key it is a bijection of the counter, so
+    distinct counters give distinct blocks. Four words a call at about two multiplies and two
+    xors a word a round make it the cheaper generator per word on a GPU (module docstring).
+
+    Args:
+      key0, key1: uint32 arrays (or ints), the key words.
+      counter0, counter1, counter2, counter3: uint32 arrays (or ints), the counter words.
+      All six broadcast against each other (NumPy rules).
+      mulhilo: ``(a, multiplier) -> (high, low)``, ``mulhilo32`` unless a kernel brings a
+        faster one with the same bits.
+
+    Returns:
+      four uint32 arrays of the broadcast shape.
+
+    Raises:
+      ValueError: an argument that is not an integer array or int, naming it.
+
+    Example:
+      >>> [hex(int(w)) for w in philox4x32(0, 0, 0, 0, 0, 0)]
+      ['0x6627e8d5', '0xe169c58d', '0xbc57ac4c', '0x9b00dbd8']
+    """
+    k0 = _as_uint32(key0, "key0")
+    k1 = _as_uint32(key1, "key1")
+    c0 = _as_uint32(counter0, "counter0")
+    c1 = _as_uint32(counter1, "counter1")
+    c2 = _as_uint32(counter2, "counter2")
+    c3 = _as_uint32(counter3, "counter3")
+    c0, c1, c2, c3 = jnp.broadcast_arrays(c0, c1, c2, c3)
+    for round_index in range(PHILOX_ROUNDS):
+        if round_index > 0:
+            k0 = k0 + np.uint32(PHILOX_WEYL[0])
+            k1 = k1 + np.uint32(PHILOX_WEYL[1])
+        high0, low0 = mulhilo(c0, PHILOX_MULTIPLIERS[0])
+        high2, low2 = mulhilo(c2, PHILOX_MULTIPLIERS[1])
+        c0, c1, c2, c3 = high2 ^ c1 ^ k0, low2, high0 ^ c3 ^ k1, low0
+    return c0, c1, c2, c3
+
+
+def noise_bit_quads(row_key_words, quad, stream=0, *, mulhilo=mulhilo32):
+    """The 32 random bits of columns ``4 q .. 4 q + 3`` of a noise stream, from one Philox call.
+
+    Word ``w`` of ``philox4x32(row_key, (q, stream, 0, 0))`` is column ``4 q + w``'s: the fast
+    path for kernels, which call it once per four columns (``noise_bits`` gives the same bits
+    column by column).
+
+    Args:
+      row_key_words: ``uint32[..., 2]`` (from ``row_keys``), or a pair ``(word0, word1)``.
+      quad: column-quad indices, an integer array or int in ``[0, 2**32)``.
+      stream: stream numbers, an integer array or int in ``[0, 2**32)``.
+      mulhilo: as for ``philox4x32``.
+
+    Returns:
+      ``(bits0, bits1, bits2, bits3)``, four uint32 arrays of the broadcast shape.
+    """
+    word0, word1 = _split_key_words(row_key_words)
+    return philox4x32(word0, word1, quad, stream, 0, 0, mulhilo=mulhilo)
+
+
+def noise_bits(row_key_words, column, stream=0) -> jax.Array:
+    """32 random bits for token ``column`` of noise stream ``stream``: word ``column % 4`` of
+    ``philox4x32(row_key, (column // 4, stream, 0, 0))`` (module docstring).
+
+    Args:
+      row_key_words: ``uint32[..., 2]`` or a pair of uint32 arrays; for a ``[B, V]`` grid pass
+        ``words[:, None, :]`` and ``column`` of shape ``[V]``.
+      column: column indices, an integer array or int in ``[0, 2**32)``.
+      stream: stream numbers, an integer array or int.
+
+    Returns:
+      uint32 array of the broadcast shape.
+
+    Example:
+      >>> import jax
+      >>> words = row_keys(jax.random.key(7), 1)[0]
+      >>> bits = noise_bits(words, jax.numpy.arange(8))
+      >>> quads = noise_bit_quads(words, jax.numpy.arange(2))
+      >>> bool(all((bits[w::4] == quads[w]).all() for w in range(4)))
+      True
+    """
+    column = _as_uint32(column, "column")
+    words = noise_bit_quads(row_key_words, column >> 2, stream)
+    lane = column & np.uint32(3)
+    return jnp.where(
+        lane < 2,
+        jnp.where(lane == 0, words[0], words[1]),
+        jnp.where(lane == 2, words[2], words[3]),
+    )
+
+
 def uniform_open(bits) -> jax.Array:
     """Uniform in the open interval (0, 1) from 32 random bits: never 0, never 1.
 
@@ -414,24 +580,61 @@ def exponential(bits) -> jax.Array:
     return jnp.where(upper_half, -jnp.log(t), -jnp.log1p(-t))
 
 
-def gumbel(bits) -> jax.Array:
-    """Gumbel(0, 1) noise from 32 random bits: ``-log(exponential(bits))``.
+def gumbel(bits, *, log2=jnp.log2) -> jax.Array:
+    """Gumbel(0, 1) noise from 32 random bits: ``-log E`` for the ``E`` of ``exponential(bits)``,
+    computed with two base-2 logarithms and a short polynomial instead of three logarithms.
 
-    Defined through ``exponential`` so that ``argmax(logits + gumbel(bits))`` (sampling from
-    logits) and ``argmax(p / exponential(bits))`` (sampling from probabilities) are the same race
-    on the same bits. Range ``[-log(33 ln 2), 33 ln 2]``, about ``[-3.13, 22.87]``; never inf.
+    The same cell of the distribution as ``exponential``: ``t = (2m + 1) * 2**-33`` from the low
+    31 bits ``m``, the top bit picks the half. Three pieces, each with the argument that keeps
+    full precision:
+
+    - upper half (``E = -ln t``, ``E >= ln 2``): ``G = -ln(-ln t)``, as
+      ``-ln 2 * log2(-log2 t) - ln ln 2``;
+    - lower half, ``t >= 1/4`` (``E = -ln(1 - t)`` in ``[0.29, 0.69]``): the same formula on
+      ``x = 1 - t``, which float32 holds to ``2**-25``, a relative error of ``E`` below
+      ``2**-22.7``;
+    - lower half, ``t < 1/4`` (small ``E``, where ``1 - t`` would erase ``t``): ``E = t e^h(t)``
+      with ``h(t) = log(-log1p(-t) / t)`` smooth on ``[0, 1/4]``, so ``G = -ln t - h(t)``, with
+      ``h ~= t q(t)`` (``GUMBEL_TAIL_COEFFICIENTS``, error ``2**-22.9``).
+
+    Against ``-log`` of the exact cell centre (float64), the error is within ``2**-21``
+    absolute with an exact ``log2`` (``tests/test_rng.py`` measures it over every tail pattern
+    it can enumerate); ``G`` itself is only held to float32's ``2**-20`` above 8. An absolute
+    error ``d`` in ``G`` is a relative error ``d`` in ``E``: a token's chance of winning the
+    race moves by a factor within ``exp(+-2d)``.
+
+    Why not ``-log(exponential(bits))``: that is three logarithms (``log1p`` and ``log`` for
+    the halves, as a select evaluates both, then ``log``), and the race kernel computes one
+    ``G`` per token; this is two ``log2`` and five multiply-adds, which a GPU runs as two
+    special-function instructions (``log2=`` lets a kernel pass its ``lg2.approx``).
 
     Args:
-      bits: uint32 array (any shape), e.g. from ``random_bits``.
+      bits: uint32 array (any shape), e.g. from ``noise_bits``.
+      log2: the base-2 logarithm to use, ``jnp.log2`` unless a kernel brings its own.
 
     Returns:
-      float32 array of the same shape.
+      float32 array of the same shape, in ``[-log(33 ln 2), 33 ln 2]``, about
+      ``[-3.13, 22.87]``: never inf.
 
     Raises:
       ValueError: a non-integer ``bits``.
 
     Example:
-      >>> bool(gumbel(np.uint32(0)) == -np.log(np.float32(2.0**-33)))
-      True
+      >>> g = gumbel(np.uint32([0, 0x80000000, 0x7FFFFFFF]))
+      >>> round(float(g[0]), 3), round(float(g[1]), 3), round(float(g[2]), 4)
+      (22.874, -3.13, 0.3665)
     """
-    return -jnp.log(exponential(bits))
+    bits = _as_uint32(bits, "bits")
+    # As in exponential(): 2m + 1, odd and below 2**32, so t is in (0, 1/2], never 0.
+    t = ((bits << 1) | np.uint32(1)).astype(jnp.float32) * _TWO_POW_MINUS_33
+    lower_tail = bits < _SECOND_QUARTER  # lower half, t < 1/4
+    middle = (bits >= _SECOND_QUARTER) & (bits < _TOP_BIT)  # lower half, t >= 1/4
+    x = jnp.where(middle, 1.0 - t, t)  # E = -ln x, except in the lower tail
+    log2_x = log2(x)  # < 0: x <= 3/4 always
+    # -ln(-ln x) = -ln(ln 2 * -log2 x)
+    from_double_log = -_LN2 * log2(-log2_x) - _LN_LN2
+    c0, c1, c2, c3, c4 = GUMBEL_TAIL_COEFFICIENTS
+    h = t * ((((c4 * t + c3) * t + c2) * t + c1) * t + c0)
+    # Lower tail: x = t, so -ln t = -ln 2 * log2_x.
+    from_series = -_LN2 * log2_x - h
+    return jnp.where(lower_tail, from_series, from_double_log)
