@@ -19,12 +19,13 @@ to logits first, temperature 0 is greedy (lowest index on ties); a logit of ``-i
 Backends: every function here has a Pallas kernel (``kernels_pallas/sampling.py``): the
 Gumbel-max race, dual-pivot rejection for the filtered samplers, and radix selection for the
 renorm and mask functions. ``backend="pallas"`` runs it (interpreted on a CPU).
-``backend="auto"`` runs, on a GPU, whichever was faster on the H200 in the committed report
-(``docs/benchmark_results/2026-11-30-sampling.md``), per family (``AUTO_PICKS_KERNEL``): the
-dual-pivot kernel for the filtered samplers (8x to 18x the sort-based JAX top-p); the XLA
-reference for Gumbel-max, whose compiled noise generation beat the kernel's (209 against
-242 us at batch 256); the reference for renorm and mask, not yet timed beside it. Elsewhere
-``"auto"`` is the reference, and ``DECODELAB_BACKEND=reference`` forces it everywhere.
+``backend="auto"`` runs, on a GPU, whichever was faster on the H200 in the committed reports,
+per family (``AUTO_PICKS_KERNEL``): the dual-pivot kernel for the filtered samplers (13x to 31x
+the sort-based JAX top-p at batch 256); the Gumbel-max kernel from batch
+``GUMBEL_KERNEL_MIN_BATCH`` up and the XLA reference below it, where XLA's fusion of the
+reference is as fast or faster (``docs/benchmark_results/2026-12-01-gumbel-tuning.md``); the
+reference for renorm and mask, not yet timed beside it. Elsewhere ``"auto"`` is the reference,
+and ``DECODELAB_BACKEND=reference`` forces it everywhere.
 """
 
 from __future__ import annotations
@@ -43,14 +44,26 @@ ROUND_STREAM = 1
 # Which families backend="auto" runs as a kernel on a GPU: those compiled, checked (tokens
 # against the reference, full-vocabulary statistics, memcheck) and measured faster than the
 # reference on the H200 (module docstring).
-AUTO_PICKS_KERNEL = {"gumbel": False, "filtered": True, "renorm": False}
+AUTO_PICKS_KERNEL = {"gumbel": True, "filtered": True, "renorm": False}
+# Below this batch "auto" runs the XLA reference for Gumbel-max even on a GPU: on the H200 the
+# kernel was 1.4x faster at batch 128 and 2.3x at 256, level at 64 and slower below
+# (docs/benchmark_results/2026-12-01-gumbel-tuning.md).
+GUMBEL_KERNEL_MIN_BATCH = 128
 
 
-def _exponentials(key, batch: int, vocab: int) -> jax.Array:
-    """float32 ``[B, V]`` Exp(1) noise, one per (row, token)."""
+def _gumbels(key, batch: int, vocab: int) -> jax.Array:
+    """float32 ``[B, V]`` Gumbel(0, 1) noise, one per (row, token): Philox bits
+    (``rng.noise_bits``) through ``rng.gumbel``, the numbers the kernel computes in registers."""
     words = rng.row_keys(key, batch)[:, None, :]
-    bits = rng.random_bits(words, jnp.arange(vocab)[None, :], stream=EXPONENTIAL_STREAM)
-    return rng.exponential(bits)
+    bits = rng.noise_bits(words, jnp.arange(vocab)[None, :], stream=EXPONENTIAL_STREAM)
+    return rng.gumbel(bits)
+
+
+def _kernel_key_words(key, batch: int) -> jax.Array:
+    """What the Gumbel kernel takes: one key's two words (it derives the rows' itself, sparing
+    an XLA launch) or the ``B`` rows' words."""
+    words = rng.key_words(key)
+    return words if words.ndim == 1 else rng.row_keys(key, batch)
 
 
 def _round_uniforms(key, batch: int, max_rounds: int) -> jax.Array:
@@ -60,9 +73,11 @@ def _round_uniforms(key, batch: int, max_rounds: int) -> jax.Array:
     return rng.uniform_open(bits)
 
 
-def _kernel_backend(backend: str, family: str) -> str:
-    """``"pallas"`` or ``"reference"`` for a function of kernel ``family`` (module docstring)."""
-    if backend == "auto" and not AUTO_PICKS_KERNEL[family]:
+def _kernel_backend(backend: str, family: str, batch: int | None = None) -> str:
+    """``"pallas"`` or ``"reference"`` for a function of kernel ``family`` (module docstring);
+    for Gumbel-max, ``"auto"`` also asks for ``batch >= GUMBEL_KERNEL_MIN_BATCH``."""
+    small_gumbel = family == "gumbel" and batch is not None and batch < GUMBEL_KERNEL_MIN_BATCH
+    if backend == "auto" and (not AUTO_PICKS_KERNEL[family] or small_gumbel):
         resolve_backend(backend)  # still validates the kill switch's value
         return "reference"
     return resolve_backend(backend)
@@ -73,7 +88,7 @@ def sample_from_logits(
 ):
     """Samples one token per row from ``softmax(logits / temperature)`` by Gumbel-max.
 
-    ``argmax(logits / T - log E)`` with ``E ~ Exp(1)`` per token: no softmax, one pass
+    ``argmax(logits / T + G)`` with ``G = -log E``, ``E ~ Exp(1)`` per token: no softmax, one pass
     (``proofs/sampling.md``, Theorem 1). bfloat16 logits are upcast to float32 first.
 
     Args:
@@ -97,9 +112,10 @@ def sample_from_logits(
       >>> tokens.shape, int(tokens[0]) != 1
       ((1,), True)
     """
-    chosen = _kernel_backend(backend, "gumbel")
     batch, vocab = validation.check_rows("logits", logits)
+    chosen = _kernel_backend(backend, "gumbel", batch)
     validation.check_logits_values(logits)
+    one_temperature = jnp.ndim(temperature) == 0
     temperature = validation.per_row("temperature", temperature, batch, jnp.float32)
     validation.check_range("temperature", temperature, 0.0, float(jnp.finfo(jnp.float32).max))
     logits = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
@@ -109,15 +125,16 @@ def sample_from_logits(
     if chosen == "pallas":
         tokens = sampling_kernels.gumbel_sample(
             logits,
-            rng.row_keys(key, batch),
-            temperature,
+            _kernel_key_words(key, batch),
+            # One temperature for all rows travels as [1]: no [B] array to build per call.
+            temperature[:1] if one_temperature else temperature,
             from_logits=True,
             stream=EXPONENTIAL_STREAM,
             interpret=interpret_mode(),
         )
     else:
-        tokens = reference.sample_from_logits_from_exponentials(
-            logits, _exponentials(key, batch, vocab), temperature
+        tokens = reference.sample_from_logits_from_gumbels(
+            logits, _gumbels(key, batch, vocab), temperature
         )
     if not return_logprob:
         return tokens
@@ -144,22 +161,22 @@ def sample_from_probs(key, probs: jax.Array, *, return_logprob: bool = False, ba
       ValueError: bad shapes; concrete NaN, infinite or negative probabilities, a row summing
         to 0.
     """
-    chosen = _kernel_backend(backend, "gumbel")
     batch, vocab = validation.check_rows("probs", probs)
+    chosen = _kernel_backend(backend, "gumbel", batch)
     validation.check_probs_values(probs)
     probs = probs.astype(jnp.promote_types(probs.dtype, jnp.float32))
     if chosen == "pallas":
         tokens = sampling_kernels.gumbel_sample(
             probs,
-            rng.row_keys(key, batch),
-            jnp.ones((batch,), jnp.float32),
+            _kernel_key_words(key, batch),
+            jnp.ones((1,), jnp.float32),
             from_logits=False,
             stream=EXPONENTIAL_STREAM,
             interpret=interpret_mode(),
         )
     else:
-        tokens = reference.sample_from_probs_from_exponentials(
-            probs, _exponentials(key, batch, vocab).astype(probs.dtype)
+        tokens = reference.sample_from_probs_from_gumbels(
+            probs, _gumbels(key, batch, vocab).astype(probs.dtype)
         )
     if not return_logprob:
         return tokens

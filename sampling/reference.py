@@ -2,7 +2,7 @@
 
 Plain JAX, written to be checked line by line; every kernel sampler must pick the same token as
 these for the same random numbers. Each sampler here takes its random numbers explicitly
-(``*_from_uniforms``, ``*_from_exponentials``), so tests can enumerate them and replay draws.
+(``*_from_uniforms``, ``*_from_gumbels``, ``*_from_exponentials``), so tests can enumerate them and replay draws.
 Computation follows the input dtype (float64 in the exact-enumeration tests).
 
 **Gumbel-max (exponential race).** ``argmax_i p_i / E_i`` with ``E_i ~ Exp(1)`` independent
@@ -45,39 +45,67 @@ DEFAULT_MAX_ROUNDS = 32
 MIN_TEMPERATURE = 1e-30
 
 
-def sample_from_probs_from_exponentials(probs: jax.Array, exponentials: jax.Array) -> jax.Array:
-    """int32[...]: ``argmax_i probs_i / E_i`` over the last axis (lowest index on ties).
+def sample_from_probs_from_gumbels(probs: jax.Array, gumbels: jax.Array) -> jax.Array:
+    """int32[...]: ``argmax_i (log probs_i + G_i)`` over the last axis (lowest index on ties):
+    the race ``argmax_i probs_i / E_i`` with ``G_i = -log E_i``.
 
-    Raced in log space, ``log p_i - log E_i`` (the same arg max), so huge weights cannot
-    overflow ``p / E`` (``E`` can be as small as ``2**-33``) and no rescaling by a reciprocal
-    can flush to zero; a weight of 0 is ``-inf`` and never wins; a NaN score (invalid input
-    that only ``jit`` lets through) counts as ``-inf``.
+    Raced in log space so huge weights cannot overflow ``p / E`` (``E`` can be as small as
+    ``2**-33``); a weight of 0 is ``-inf`` and never wins; a NaN score (invalid input that only
+    ``jit`` lets through) counts as ``-inf``.
+
+    Args:
+      probs: ``[..., V]`` non-negative weights.
+      gumbels: ``[..., V]`` Gumbel(0, 1) draws, finite.
+    """
+    race = jnp.log(probs) + gumbels
+    return jnp.argmax(jnp.where(jnp.isnan(race), -jnp.inf, race), axis=-1).astype(jnp.int32)
+
+
+def sample_from_logits_from_gumbels(
+    logits: jax.Array, gumbels: jax.Array, temperature
+) -> jax.Array:
+    """int32[...]: ``argmax_i (logits_i / T + G_i)``; ``T < MIN_TEMPERATURE`` is greedy (lowest
+    index on ties). A logit of ``-inf`` is a masked token and never wins; a NaN score (invalid
+    input under ``jit``) counts as ``-inf``.
+
+    The scaled logit is ``logits * (1 / T)``, the form the kernel computes (one multiply-add a
+    token), so that both round alike.
+
+    Args:
+      logits: ``[..., V]``.
+      gumbels: ``[..., V]`` Gumbel(0, 1) draws, finite.
+      temperature: scalar or ``[...]``, ``>= 0`` and finite.
+    """
+    temperature = jnp.asarray(temperature, logits.dtype)[..., None]
+    greedy = temperature < MIN_TEMPERATURE
+    scaled = logits * (1 / jnp.where(greedy, 1, temperature))
+    race = jnp.where(greedy, logits, scaled + gumbels)
+    return jnp.argmax(jnp.where(jnp.isnan(race), -jnp.inf, race), axis=-1).astype(jnp.int32)
+
+
+def sample_from_probs_from_exponentials(probs: jax.Array, exponentials: jax.Array) -> jax.Array:
+    """int32[...]: ``argmax_i probs_i / E_i``, the race in its exponential form
+    (``sample_from_probs_from_gumbels`` on ``G = -log E``).
 
     Args:
       probs: ``[..., V]`` non-negative weights.
       exponentials: ``[..., V]`` Exp(1) draws, all ``> 0``.
     """
-    race = jnp.log(probs) - jnp.log(exponentials)
-    return jnp.argmax(jnp.where(jnp.isnan(race), -jnp.inf, race), axis=-1).astype(jnp.int32)
+    return sample_from_probs_from_gumbels(probs, -jnp.log(exponentials))
 
 
 def sample_from_logits_from_exponentials(
     logits: jax.Array, exponentials: jax.Array, temperature
 ) -> jax.Array:
-    """int32[...]: ``argmax_i (logits_i / T - log E_i)``; ``T < MIN_TEMPERATURE`` is greedy
-    (lowest index on ties). A logit of ``-inf`` is a masked token and never wins; a NaN score
-    (invalid input under ``jit``) counts as ``-inf``.
+    """int32[...]: ``argmax_i (logits_i / T - log E_i)`` (``sample_from_logits_from_gumbels`` on
+    ``G = -log E``).
 
     Args:
       logits: ``[..., V]``.
       exponentials: ``[..., V]`` Exp(1) draws, all ``> 0``.
       temperature: scalar or ``[...]``, ``>= 0`` and finite.
     """
-    temperature = jnp.asarray(temperature, logits.dtype)[..., None]
-    greedy = temperature < MIN_TEMPERATURE
-    scaled = jnp.where(logits == -jnp.inf, -jnp.inf, logits / jnp.where(greedy, 1, temperature))
-    race = jnp.where(greedy, logits, scaled - jnp.log(exponentials))
-    return jnp.argmax(jnp.where(jnp.isnan(race), -jnp.inf, race), axis=-1).astype(jnp.int32)
+    return sample_from_logits_from_gumbels(logits, -jnp.log(exponentials), temperature)
 
 
 # ----------------------------------------------------------------------------------------------

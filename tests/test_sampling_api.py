@@ -218,17 +218,24 @@ def test_bad_input_raises_naming_it(sampler, arguments, message):
 
 
 def test_auto_picks_per_family_and_the_kill_switch_wins(monkeypatch):
-    """``"auto"`` follows ``AUTO_PICKS_KERNEL`` on a GPU, is the reference elsewhere, and the kill
-    switch forces the reference even for a family the table sends to its kernel."""
+    """``"auto"`` follows ``AUTO_PICKS_KERNEL`` on a GPU (for Gumbel-max, from
+    ``GUMBEL_KERNEL_MIN_BATCH`` rows up), is the reference elsewhere, and the kill switch forces
+    the reference even for a family the table sends to its kernel."""
     from sampling import api
 
     monkeypatch.setattr(api, "resolve_backend", lambda backend: "pallas")  # "a GPU"
     assert api._kernel_backend("auto", "filtered") == "pallas"
-    assert api._kernel_backend("auto", "gumbel") == "reference"
     assert api._kernel_backend("auto", "renorm") == "reference"
+    minimum = api.GUMBEL_KERNEL_MIN_BATCH
+    assert api._kernel_backend("auto", "gumbel", minimum) == "pallas"
+    assert api._kernel_backend("auto", "gumbel", 4 * minimum) == "pallas"
+    assert api._kernel_backend("auto", "gumbel", minimum - 1) == "reference"
+    assert api._kernel_backend("auto", "gumbel", 1) == "reference"
+    assert api._kernel_backend("pallas", "gumbel", 1) == "pallas"  # explicit wins
     monkeypatch.undo()
     monkeypatch.setenv("DECODELAB_BACKEND", "reference")
     assert api._kernel_backend("auto", "filtered") == "reference"
+    assert api._kernel_backend("auto", "gumbel", 4 * api.GUMBEL_KERNEL_MIN_BATCH) == "reference"
     assert api._kernel_backend("pallas", "filtered") == "pallas"  # explicit wins
 
 
