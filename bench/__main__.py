@@ -60,6 +60,11 @@ def parse_arguments(argv: list[str]) -> argparse.Namespace:
         "grid: sampling), e.g. 256,32",
     )
     parser.add_argument(
+        "--gumbel-only",
+        action="store_true",
+        help="sampling suite: only the Gumbel-max cases and the peers, not the filtered samplers",
+    )
+    parser.add_argument(
         "--q-len-only",
         action="store_true",
         help="decode suite: only the multi-token (q_len) cases, not the one-token grid and peers",
@@ -119,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         tune=arguments.tune,
         batches=arguments.batches,
         q_len_only=arguments.q_len_only,
+        gumbel_only=arguments.gumbel_only,
     )
     command = shlex.join(["python", "-m", "bench", *argv])
 

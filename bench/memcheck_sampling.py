@@ -57,17 +57,23 @@ def main() -> int:
             failures.append(name)
 
     for from_logits, values in ((True, logits), (False, probs)):
-        for block, per_program in ((1024, 2), (256, 3)):
+        # One chunk a row (the token written by the kernel), several chunks merged by XLA,
+        # one key (row keys derived in the kernel) and per-row keys.
+        for quads, steps, key_words in (
+            (256, 3, words),
+            (64, 2, rng.key_words(jax.random.key(0))),
+            (64, 3, words),
+        ):
             check_tokens(
-                f"gumbel from_logits={from_logits} block={block}x{per_program}",
+                f"gumbel from_logits={from_logits} q{quads}x{steps} keys{list(key_words.shape)}",
                 gumbel_sample(
                     values,
-                    words,
-                    jnp.ones((batch,), jnp.float32),
+                    key_words,
+                    jnp.ones((1,), jnp.float32),
                     from_logits=from_logits,
                     stream=api.EXPONENTIAL_STREAM,
-                    block=block,
-                    blocks_per_program=per_program,
+                    quads=quads,
+                    steps=steps,
                 ),
             )
     parameters = (

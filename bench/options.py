@@ -41,6 +41,7 @@ class RunOptions:
       dry_run_calls: calls per timed program in a dry run (no calibration).
       batches: batch sizes to run instead of a suite's grid (``--batches``), or None.
       q_len_only: the decode suite runs its multi-token cases only (``--q-len-only``).
+      gumbel_only: the sampling suite skips the filtered samplers (``--gumbel-only``).
     """
 
     quick: bool = False
@@ -52,6 +53,7 @@ class RunOptions:
     dry_run_calls: int = 4
     batches: tuple[int, ...] | None = None
     q_len_only: bool = False
+    gumbel_only: bool = False
 
     @property
     def interpret(self) -> bool:

@@ -39,6 +39,14 @@ for stage in "$@"; do
       XLA_PYTHON_CLIENT_ALLOCATOR=platform XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 150 \
         compute-sanitizer --tool memcheck python3 -m bench.memcheck_decode 2>&1 \
         | tee "$out/memcheck.log" | tail -n 12 ;;
+    memcheck-prefill)  # the prefill kernel under compute-sanitizer (about 1 min)
+      XLA_PYTHON_CLIENT_ALLOCATOR=platform XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 200 \
+        compute-sanitizer --tool memcheck python3 -m bench.memcheck_prefill 2>&1 \
+        | tee "$out/memcheck_prefill.log" | tail -n 8 ;;
+    memcheck-sampling)  # issue 4: every sampling kernel under compute-sanitizer, NaN rows included
+      XLA_PYTHON_CLIENT_ALLOCATOR=platform XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 200 \
+        compute-sanitizer --tool memcheck python3 -m bench.memcheck_sampling 2>&1 \
+        | tee "$out/memcheck_sampling.log" | tail -n 8 ;;
     sampling-tests)
       timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_sampling_kernels.py \
         tests/test_rng.py ${SAMPLING_TESTS_FILTER:+-k "$SAMPLING_TESTS_FILTER"} 2>&1 | tee "$out/gpu_sampling_tests.log" | tail -n 5 ;;
@@ -53,6 +61,9 @@ for stage in "$@"; do
     sampling-256)  # batch 256 alone: 3 rotating sets, the reference arms 20 ms a call
       timeout 420 python3 -m bench sampling --batches 256 --out "$out/sampling-256" 2>&1 \
         | tee "$out/sampling-256.log" | grep -E '^note|wrote' ;;
+    sampling-gumbel)  # the Gumbel-max cases and the peers at batch 1, 32 and 256 (about 2 min)
+      timeout 400 python3 -m bench sampling --gumbel-only --out "$out/sampling-gumbel" 2>&1 \
+        | tee "$out/sampling-gumbel.log" | grep -E '^note|wrote' ;;
     sampling-32)  # batch 32 alone: 17 rotating sets a program, about 4 minutes
       timeout 500 python3 -m bench sampling --batches 32 --out "$out/sampling-32" 2>&1 \
         | tee "$out/sampling-32.log" | grep -E '^note|wrote' ;;
@@ -81,6 +92,12 @@ for stage in "$@"; do
     gumbel-two-level)  # issue 4: what a two-level exponential race would cost (about 60 s)
       timeout 200 python3 -m bench.gumbel_two_level_probe 2>&1 \
         | tee "$out/gumbel_two_level_probe.log" | grep -E '^B=|FAILED' ;;
+    tune-gumbel)  # issue 4: the Gumbel kernel's agreement and launch variants (about 3 min)
+      timeout 550 python3 -m bench.tune_gumbel --out "$out" 2>&1 | tee "$out/tune_gumbel.log" \
+        | grep -vE '^B=' ;;
+    gumbel-variants)  # issue 4: where the Gumbel kernel's time goes (about 3 min)
+      timeout 300 python3 -m bench.gumbel_variants_probe --set "${GUMBEL_PROBE_SET:-internals}" 2>&1 \
+        | tee "$out/gumbel_variants_probe.log" | grep -E '^B=|FAILED' ;;
     pack)  # the device tool brings back at most 8 files: one archive of everything so far
       (cd "$out" && tar czf ../decodelab-gpu.tgz . && rm -rf ./* && mv ../decodelab-gpu.tgz .) ;;
     serving-a)

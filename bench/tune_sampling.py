@@ -31,7 +31,7 @@ import numpy as np
 from bench.suites import peers
 from bench.timing import TimedLoop, expected_us, num_rotating_sets
 from kernels_pallas import rng
-from kernels_pallas.sampling import dual_pivot_sample, filter_rows, gumbel_sample
+from kernels_pallas.sampling import dual_pivot_sample, filter_rows
 from sampling import api
 from sampling.reference import DEFAULT_MAX_ROUNDS
 
@@ -45,15 +45,6 @@ FILTER_VARIANTS = (
     (4096, 16, 1, True),
     (4096, 8, 1, True),
     (2048, 8, 1, True),
-)
-# (block, blocks_per_program, num_warps) of the Gumbel kernel.
-GUMBEL_VARIANTS = (
-    (1024, 8, 4),
-    (1024, 2, 4),
-    (2048, 4, 8),
-    (2048, 8, 8),
-    (4096, 4, 8),
-    (1024, 16, 4),
 )
 RENORM_BLOCKS = (2048, 4096)
 TARGET_SECONDS = 0.1  # per timed program: a tuning sweep trades precision for breadth
@@ -114,10 +105,9 @@ def check_agreement(probs, logits, keys) -> dict:
     return found
 
 
-def time_variants(
-    batch: int, filters: tuple[str, ...], renorm: bool, gumbel: bool = True
-) -> list[dict]:
-    """Times every launch variant of every kernel at ``batch``."""
+def time_variants(batch: int, filters: tuple[str, ...], renorm: bool) -> list[dict]:
+    """Times every launch variant of the dual-pivot and renorm kernels at ``batch`` (the Gumbel
+    kernel's are ``bench/tune_gumbel.py``'s)."""
     num_sets = num_rotating_sets(batch * VOCAB * 4)
     logits_sets = peers.random_logits(jax.random.key(batch), (num_sets, batch, VOCAB))
     probs_sets = jax.jit(functools.partial(jax.nn.softmax, axis=-1))(logits_sets)
@@ -140,24 +130,6 @@ def time_variants(
         print(json.dumps(row), flush=True)
         rows.append(row)
 
-    for block, per_program, warps in GUMBEL_VARIANTS if gumbel else ():
-
-        def gumbel_step(s, operands, block=block, per_program=per_program, warps=warps):
-            _, logits, words = operands
-            return gumbel_sample(
-                logits[s],
-                words[s],
-                jnp.ones((batch,), jnp.float32),
-                from_logits=True,
-                stream=api.EXPONENTIAL_STREAM,
-                block=block,
-                blocks_per_program=per_program,
-                num_warps=warps,
-            )
-
-        record(
-            "gumbel_logits", f"block={block},per_program={per_program},warps={warps}", gumbel_step
-        )
     for name in filters:
         top_k, top_p, min_p, order = _params(batch, VOCAB, **FILTERS[name])
         for block, warps, stages, prefetch in FILTER_VARIANTS:
@@ -228,9 +200,6 @@ def main(argv: list[str]) -> int:
         "--renorm", action="store_true", help="also time the renorm and mask kernels"
     )
     parser.add_argument("--skip-check", action="store_true", help="skip the agreement check")
-    parser.add_argument(
-        "--skip-gumbel", action="store_true", help="do not time the Gumbel kernel's variants"
-    )
     parser.add_argument("--out", type=pathlib.Path, default=None)
     arguments = parser.parse_args(argv)
     if jax.default_backend() != "gpu":
@@ -246,7 +215,7 @@ def main(argv: list[str]) -> int:
     filters = tuple(name for name in arguments.filters.split(",") if name)
     rows = []
     for batch in (int(b) for b in arguments.batches.split(",")):
-        rows += time_variants(batch, filters, arguments.renorm, not arguments.skip_gumbel)
+        rows += time_variants(batch, filters, arguments.renorm)
     (out / "sampling-tuning.json").write_text(
         json.dumps(dict(agreement=agreement, timings=rows), indent=1)
     )

@@ -590,7 +590,8 @@ def batch_results(
     """Every row of one batch: our arms, the peers', then our repeats, and the target notes."""
     gumbel = gumbel_arms(inputs, options, ceiling_tbps, notes)
     filtered_by_method = [
-        filtered_arms(inputs, method, options, ceiling_tbps, notes) for method in FILTERED_METHODS
+        filtered_arms(inputs, method, options, ceiling_tbps, notes)
+        for method in ([] if options.gumbel_only else FILTERED_METHODS)
     ]
     filtered = [arm for arms in filtered_by_method for arm in arms]
     # Each filtered case's noise level: its API arm, or its reference arm where that failed.
@@ -612,7 +613,7 @@ def batch_results(
         for arm in filtered:
             arm.row.extra["vs_jax_sort_top_p"] = sort_row.median_us / arm.row.median_us
     report.print_results(ours + repeats)
-    notes += target_notes(inputs.batch, ours + peer_rows)
+    notes += target_notes(inputs.batch, ours + peer_rows, filtered=not options.gumbel_only)
     return ours + peer_rows + repeats
 
 
@@ -620,8 +621,9 @@ def _find(rows: list[CaseResult], case: str, arm: str) -> CaseResult | None:
     return next((row for row in rows if row.case == case and row.arm == arm), None)
 
 
-def target_notes(batch: int, rows: list[CaseResult]) -> list[str]:
-    """Sentences comparing one batch's figures with issue 4's targets (module docstring)."""
+def target_notes(batch: int, rows: list[CaseResult], *, filtered: bool = True) -> list[str]:
+    """Sentences comparing one batch's figures with issue 4's targets (module docstring); the
+    filtered samplers' only where they ran (``filtered``)."""
     notes = []
     gumbel_case = f"gumbel B={batch}"
     ours = _find(rows, gumbel_case, "decodelab")
@@ -640,7 +642,7 @@ def target_notes(batch: int, rows: list[CaseResult]) -> list[str]:
             sentence += f", {speedup:.2f}x `jax_categorical` (target > 1: {_verdict(speedup > 1)})"
         notes.append(sentence)
     sort_row = _find(rows, f"top_p B={batch}", "jax_sort")
-    if batch in TARGET_FILTER_BATCHES and sort_row is not None:
+    if filtered and batch in TARGET_FILTER_BATCHES and sort_row is not None:
         for method in FILTERED_METHODS:
             filtered = _find(rows, f"{method.name} B={batch}", "decodelab")
             if filtered is None:
