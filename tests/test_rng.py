@@ -503,8 +503,18 @@ def test_pallas_kernel_draws_the_same_numbers_as_plain_jax(interpret):
     outside = (bits, uniform_open(bits), exponential(bits), gumbel(bits), noise, gumbel(noise))
     names = ["bits", "uniform_open", "exponential", "gumbel", "noise_bits", "noise gumbel"]
     for name, inside, expected in zip(names, kernel_out, outside, strict=True):
-        # The same jnp operations inside and outside: equal bit for bit.
-        np.testing.assert_array_equal(np.asarray(inside), np.asarray(expected), err_msg=name)
+        inside, expected = np.asarray(inside), np.asarray(expected)
+        if interpret or "gumbel" not in name:
+            # The same jnp operations inside and outside: equal bit for bit.
+            np.testing.assert_array_equal(inside, expected, err_msg=name)
+            continue
+        # Compiled, gumbel's float work is not bit for bit: Triton's log2 (libdevice) and XLA's
+        # differ in the last bits, and each compiler contracts the polynomial's multiply-adds
+        # its own way. The H200 (2026-12-01) measured at most 4.8e-7 = 2**-21.0 at G = 1.24;
+        # allowed: 2**-20 max(1, |G|), twice the worst measured, and twice gumbel's own 2**-21 bound.
+        allowed = 2.0**-20 * np.maximum(1.0, np.abs(expected.astype(np.float64)))
+        difference = np.abs(inside.astype(np.float64) - expected.astype(np.float64))
+        assert (difference <= allowed).all(), (name, float(difference.max()))
 
 
 # --- uniform_open ---------------------------------------------------------------------------------
