@@ -42,7 +42,8 @@ Arms, each a fresh engine per scenario, one after the other (``ARMS``):
   the first arm's compiled programs.
 - ``decodelab``: the default, ``Engine(backend="auto")``: on a GPU the paged-decode, norm,
   RoPE + append and dual-pivot sampling kernels (and the acceptance kernel when speculating;
-  Gumbel-max keeps XLA's reference, ``sampling.api.AUTO_PICKS_KERNEL``); in a dry run on the
+  Gumbel-max runs its kernel from batch ``sampling.api.GUMBEL_KERNEL_MIN_BATCH`` up and XLA's
+  reference below); in a dry run on the
   CPU "auto" is the reference, so the dry run passes ``backend="pallas"`` (every kernel,
   interpreted) to exercise the kernel path.
 
