@@ -4,7 +4,7 @@
 logits, cold L2, one set per call passed as its own argument so no slice is copied), a
 Gumbel-max race whose noise is made in one of several ways:
 
-- generator ``threefry`` (two words per 20-round Threefry-2x32 block, what ``rng`` uses today),
+- generator ``threefry`` (two words per 20-round Threefry-2x32 block, the noise generator until 2026-12-01),
   ``philox`` (four words per 10-round Philox-4x32 call; ``mul.hi.u32`` by inline PTX) or
   ``hash`` (one multiply: no generator cost, a floor);
 - noise ``exact`` (``rng.exponential`` then ``-log``: libdevice ``log1pf`` and two ``logf``),

@@ -1,7 +1,7 @@
 """What would a two-level exponential race cost? A GPU cost probe for issue 4's Gumbel target.
 
 The issue asks Gumbel-max from logits to run at 70% of the copy ceiling at batch 256 and faster
-than ``jax.random.categorical`` at every batch. The flat race (``kernels_pallas/sampling.py``)
+than ``jax.random.categorical`` at every batch. The flat race (``kernels_pallas/gumbel.py``)
 needs per-token noise from a counter-based generator, and ``bench/gumbel_probe.py`` measured
 that noise alone above what 70% allows. This probe times an alternative that needs noise for
 only one block of a row, for a decision by the issue's author. It is exact but not the one-pass
@@ -11,8 +11,10 @@ per-token race the issue specifies:
    ``L_j = logsumexp(logits[j] / T)``: one read of the row, one ``exp2`` a token, no noise.
 2. ``pick`` (grid ``B``): a Gumbel race over the blocks, ``j* = argmax_j L_j - log E_j``, which
    picks block ``j`` with probability ``S_j / S`` (Theorem 1 of ``proofs/sampling.md`` with the
-   blocks as tokens). Then the flat race inside block ``j*`` with the very noise the flat race
-   uses (``rng`` stream 0, column = token), which picks ``i`` with probability ``p_i / S_j``.
+   blocks as tokens). Then the flat race inside block ``j*`` with per-token noise (here
+   Threefry bits of ``rng`` stream 0, column = token, the flat race's generator when this probe
+   was written; a sampler would take ``rng.noise_bits``), which picks ``i`` with probability
+   ``p_i / S_j``.
    The product is ``p_i / S``: the target distribution. The block noise needs its own stream.
 
 Times ``block_lse + pick`` at vocab 128256, batch 1, 32 and 256, float32 logits, cold L2 (one

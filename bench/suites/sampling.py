@@ -322,7 +322,7 @@ def rounds_over_sets(inputs: SamplingInputs, method: FilteredMethod, backend: st
 def pallas_kernel_names(
     loop: TimedLoop, options: RunOptions, prefix: str = GUMBEL_KERNEL_PREFIX
 ) -> str:
-    """The Triton kernels named ``prefix...`` a loop's program calls (``gumbel_logits_b1024x2``),
+    """The Triton kernels named ``prefix...`` a loop's program calls (``gumbel_logits_q256x8``),
     ``interpret`` where no kernel is compiled, ``no-triton-kernel-found`` otherwise."""
     if options.interpret:
         return "interpret"
