@@ -24,6 +24,27 @@ import paged
 from paged.attention_reference import decode_attention_reference
 
 
+def random_cache(
+    rng: np.random.Generator,
+    num_pages: int,
+    page_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    layout: str,
+) -> paged.KVCache:
+    """A bfloat16 cache of ``num_pages`` pages of standard normal keys and values."""
+    shape = (
+        (num_pages, num_kv_heads, page_size, head_dim)
+        if layout == "HND"
+        else (num_pages, page_size, num_kv_heads, head_dim)
+    )
+    return paged.KVCache(
+        jnp.asarray(rng.standard_normal(shape), jnp.bfloat16),
+        jnp.asarray(rng.standard_normal(shape), jnp.bfloat16),
+        layout,
+    )
+
+
 def main() -> int:
     rng = np.random.default_rng(0)
     lens = [0, 1, 17, 300, 33, 1000]
@@ -35,16 +56,7 @@ def main() -> int:
     )
     worst = 0.0
     for layout in ("HND", "NHD"):
-        shape = (
-            (num_pages, num_kv_heads, page_size, head_dim)
-            if layout == "HND"
-            else (num_pages, page_size, num_kv_heads, head_dim)
-        )
-        cache = paged.KVCache(
-            jnp.asarray(rng.standard_normal(shape), jnp.bfloat16),
-            jnp.asarray(rng.standard_normal(shape), jnp.bfloat16),
-            layout,
-        )
+        cache = random_cache(rng, num_pages, page_size, num_kv_heads, head_dim, layout)
         q = jnp.asarray(
             rng.standard_normal((len(lens), num_kv_heads * group, head_dim)), jnp.bfloat16
         )

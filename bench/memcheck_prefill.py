@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import paged
+from bench.memcheck_decode import random_cache
 from paged.attention_reference import decode_attention_reference
 
 
@@ -36,16 +37,7 @@ def main() -> int:
     cpu = jax.devices("cpu")[0]
     worst = 0.0
     for layout in ("HND", "NHD"):
-        shape = (
-            (num_pages, num_kv_heads, page_size, head_dim)
-            if layout == "HND"
-            else (num_pages, page_size, num_kv_heads, head_dim)
-        )
-        cache = paged.KVCache(
-            jnp.asarray(rng.standard_normal(shape), jnp.bfloat16),
-            jnp.asarray(rng.standard_normal(shape), jnp.bfloat16),
-            layout,
-        )
+        cache = random_cache(rng, num_pages, page_size, num_kv_heads, head_dim, layout)
         q = jnp.asarray(
             rng.standard_normal((len(lens), new_tokens, num_kv_heads * group, head_dim)),
             jnp.bfloat16,

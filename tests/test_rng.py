@@ -335,12 +335,13 @@ def test_a_rows_numbers_depend_on_its_key_not_its_slot():
     np.testing.assert_array_equal(grid_bits(rng.row_keys(keys[3:4], 1), 64)[0], bits[3])
 
 
-def test_one_key_rows_streams_and_columns_differ():
+@pytest.mark.parametrize("grid", [grid_bits, grid_noise_bits], ids=["threefry", "philox"])
+def test_one_key_rows_streams_and_columns_differ(grid):
     words = rng.row_keys(jax.random.key(0), 8)
-    stream0, stream1 = grid_bits(words, 256, 0), grid_bits(words, 256, 1)
+    stream0, stream1 = grid(words, 256, 0), grid(words, 256, 1)
     # 2 x 8 x 256 = 2**12 values of 32 bits from distinct counters: a chance repeat has
-    # probability about 2**-9 (none with this fixed key); equal rows or streams would repeat
-    # thousands.
+    # probability about 2**-9 (none with this fixed key); equal rows, streams or (Philox)
+    # lanes of a block would repeat thousands.
     both = np.concatenate([stream0.ravel(), stream1.ravel()])
     assert np.unique(both).size == both.size
 
@@ -421,16 +422,6 @@ def test_noise_bits_of_a_row_depend_on_its_key_not_its_slot():
     np.testing.assert_array_equal(
         grid_noise_bits(one_key[:3], 64), grid_noise_bits(rng.row_keys(jax.random.key(11), 3), 64)
     )
-
-
-def test_noise_bits_rows_streams_and_columns_differ():
-    words = rng.row_keys(jax.random.key(0), 8)
-    stream0, stream1 = grid_noise_bits(words, 256, 0), grid_noise_bits(words, 256, 1)
-    # As for Threefry above: 2**12 values of 32 bits from distinct counters, no repeat with
-    # this fixed key (a chance one has probability about 2**-9); equal rows, streams or
-    # lanes of a block would repeat thousands.
-    both = np.concatenate([stream0.ravel(), stream1.ravel()])
-    assert np.unique(both).size == both.size
 
 
 def test_noise_blocks_never_collide_across_rows_quads_and_streams():
