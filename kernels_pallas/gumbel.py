@@ -29,7 +29,7 @@ as few instructions a token as it can:
 
 How far from the floor (the H200, ``docs/benchmark_results/2026-12-01-gumbel-tuning.md``): at
 B = 256 about 80 us, 38% of the copy ceiling. The same kernel with the noise cut to Philox
-alone (no logarithm) takes 49 us, with Philox cut to one multiply 57 us: per-token noise from
+alone (no logarithm) takes 50 us, with Philox cut to one multiply 57.7 us: per-token noise from
 the generator the issue names cannot reach 70% of the ceiling here.
 
 Layout: a step covers ``4 * quads`` consecutive columns, viewed as ``[quads, 4]``; row ``q`` of
@@ -241,7 +241,8 @@ def gumbel_sample(
         program ``steps`` steps.
       fast_math: the GPU's ``mul.hi`` and ``lg2.approx`` by inline PTX; ``None`` means on
         unless ``interpret`` (inline PTX cannot be interpreted). The bits are the same either
-        way; ``lg2.approx`` moves the noise by at most about ``2**-20``.
+        way; ``lg2.approx`` (2 ulp outside ``[1/2, 2]``) moves the noise by about
+        ``2**-20 max(1, |G|)`` and, from probabilities, ``log p`` by about ``2**-22 |log2 p|``.
       interpret: Pallas interpret mode (CPU).
 
     Returns:
@@ -251,6 +252,8 @@ def gumbel_sample(
       ValueError: ``quads`` not a power of two, or ``fast_math`` with ``interpret``.
     """
     batch, vocab = values.shape
+    if batch == 0:
+        return jnp.zeros((0,), jnp.int32)
     launch = default_launch(batch, vocab)
     quads = launch["quads"] if quads is None else quads
     steps = launch["steps"] if steps is None else steps

@@ -47,7 +47,8 @@ Counter layout (the contract; changing it changes every sampled token):
   (``speculative.api.SPECULATIVE_STREAM``, columns ``4i .. 4i + 2`` for draft position ``i``);
   3, the block noise of a cost probe (``bench/gumbel_two_level_probe.py``, column = block; no
   sampler uses it).
-- Domain separation, by counter word 0: element draws use ``[2**31, 2**32)``, row-key
+- Domain separation of the Threefry draws, by counter word 0 (Philox noise is another block
+  function, with its own counters from 0): element draws use ``[2**31, 2**32)``, row-key
   derivation uses ``ROW_DOMAIN = 2**31 - 1``, and JAX's own Threefry uses of a key stay below
   that: ``fold_in(key, d)`` is the block at counter ``(0, d)``, and ``split`` and
   ``random_bits`` count from 0 (below ``2**31 - 1`` for anything under ``2**31`` keys or words).
@@ -591,15 +592,16 @@ def gumbel(bits, *, log2=jnp.log2) -> jax.Array:
     - upper half (``E = -ln t``, ``E >= ln 2``): ``G = -ln(-ln t)``, as
       ``-ln 2 * log2(-log2 t) - ln ln 2``;
     - lower half, ``t >= 1/4`` (``E = -ln(1 - t)`` in ``[0.29, 0.69]``): the same formula on
-      ``x = 1 - t``, which float32 holds to ``2**-25``, a relative error of ``E`` below
-      ``2**-22.7``;
+      ``x = 1 - t``, which float32 holds to about ``1.5 * 2**-25`` (``t``'s own rounding
+      and the subtraction's), a relative error of ``E`` below about ``2**-22.2``;
     - lower half, ``t < 1/4`` (small ``E``, where ``1 - t`` would erase ``t``): ``E = t e^h(t)``
       with ``h(t) = log(-log1p(-t) / t)`` smooth on ``[0, 1/4]``, so ``G = -ln t - h(t)``, with
       ``h ~= t q(t)`` (``GUMBEL_TAIL_COEFFICIENTS``, error ``2**-22.9``).
 
-    Against ``-log`` of the exact cell centre (float64), the error is within ``2**-21``
-    absolute with an exact ``log2`` (``tests/test_rng.py`` measures it over every tail pattern
-    it can enumerate); ``G`` itself is only held to float32's ``2**-20`` above 8. An absolute
+    Against ``-log`` of the exact cell centre (float64), the error is within
+    ``2**-21 max(1, |G|)`` with an exact ``log2`` (``tests/test_rng.py`` measures it over every
+    tail pattern it can enumerate; the worst seen is ``2**-21.4`` of ``max(1, |G|)``). It grows
+    with ``|G|`` because float32 rounds ``log2 t`` (up to 33 in magnitude) and ``G`` itself. An absolute
     error ``d`` in ``G`` is a relative error ``d`` in ``E``: a token's chance of winning the
     race moves by a factor within ``exp(+-2d)``.
 

@@ -69,7 +69,8 @@ def sample_from_logits_from_gumbels(
     input under ``jit``) counts as ``-inf``.
 
     The scaled logit is ``logits * (1 / T)``, the form the kernel computes (one multiply-add a
-    token), so that both round alike.
+    token), so that both round alike: bit for bit in interpret mode; compiled, a GPU may fuse
+    the multiply and the add into one rounding, a difference that can only flip a near-tie.
 
     Args:
       logits: ``[..., V]``.

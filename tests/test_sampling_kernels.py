@@ -336,9 +336,9 @@ def test_kernels_draw_the_target_at_the_full_vocabulary(name):
     assert_distributed_as(buckets[tokens], bucket_target)
 
 
-# lg2.approx moves a Gumbel by about 2**-20 (and log p by as much in the probability race): a
-# row's token can flip only when its two best scores are that close, a chance of order 1e-5 a
-# row. The bound is 100 times that, and 4 rows in 4096: a kernel that breaks a rule (a wrong
+# lg2.approx moves a Gumbel by about 2**-20 max(1, |G|) (and log p by about 2**-22 |log2 p| in
+# the probability race): a row's token can flip only when its two best scores are that close, a
+# chance of order 1e-5 a row. The bound is 100 times that, and 4 rows in 4096: a kernel that breaks a rule (a wrong
 # column, key, stream or tie) flips most rows.
 GPU_AGREEMENT_ROWS = 1024
 GPU_MISMATCH_BOUND = 1e-3
@@ -795,3 +795,17 @@ def test_top_k_mask_orders_negative_zero_as_zero_and_keeps_its_bits():
         theirs = np.asarray(sampling.top_k_mask_logits(logits, top_k, backend="reference"))
         np.testing.assert_array_equal(ours, theirs)
         np.testing.assert_array_equal(np.signbit(ours), np.signbit(theirs))
+
+
+def test_an_empty_batch_gives_no_tokens_on_the_kernel_path():
+    """Batch 0 returns ``int32[0]``, as the reference does, rather than dividing by zero when
+    the launch is chosen."""
+    from sampling import api
+
+    for function, values in (
+        (api.sample_from_logits, jnp.zeros((0, 5), jnp.float32)),
+        (api.sample_from_probs, jnp.ones((0, 5), jnp.float32)),
+    ):
+        for backend in ("pallas", "reference"):
+            tokens = function(jax.random.key(0), values, backend=backend)
+            assert tokens.shape == (0,) and tokens.dtype == jnp.int32, (function, backend)
