@@ -13,19 +13,22 @@ What is checked, and how:
   naming ``key``. Per-row keys make a row's numbers depend on its key alone (permuting the batch
   permutes the numbers); one key gives distinct rows; streams and columns never share a counter.
 - Kernels: a Pallas kernel (interpreted on a CPU, compiled on a GPU) computes the same bits
-  (Threefry and Philox), uniforms, exponentials and Gumbels as plain JAX, bit for bit.
+  (Threefry and Philox), uniforms, exponentials and Gumbels as plain JAX, bit for bit; compiled,
+  the Gumbels only to within ``2**-20 max(1, |G|)`` (two compilers' ``log2`` and contraction).
 - Noise, by exact arguments on the bit patterns where possible: ``uniform_open`` is checked on
   all ``2**24`` patterns of the bits it reads; ``exponential`` by counting exactly, in each tail,
   the patterns that map past a threshold and comparing with ``2**32`` times the Exp(1) tail;
   ``gumbel`` against ``-log`` of the exact cell centre on the same pattern runs (it is its own
   cheaper formula, no longer ``-log(exponential)`` bit for bit); and the race ``argmax(p / E)``
-  with a token of probability 1e-6 (or 1e-9) by summing over that token's patterns exactly. Sampling tests (Kolmogorov-Smirnov, chi-square) use fixed keys and
-  state their false-failure probability ``ALPHA``: each fails with probability at most ``ALPHA``
-  for a generator that is exactly right.
+  with a token of probability 1e-6 (or 1e-9) by summing over that token's patterns exactly.
+  Sampling tests (Kolmogorov-Smirnov, chi-square) use fixed keys and state their false-failure
+  probability ``ALPHA``: each fails with probability at most ``ALPHA`` for a generator that is
+  exactly right.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -45,11 +48,12 @@ ALPHA = 1e-6
 # Relative error of exponential() against the exact centre of its cell (module docstring).
 EXPONENTIAL_RELATIVE_ERROR = 2.0**-22
 # Error of gumbel() against -log of the exact cell centre, relative to max(1, |G|). Why 2**-21
-# and not float32's 2**-24: the middle piece (lower half, t >= 1/4) rounds x = 1 - t to
-# float32, an error of up to 2**-25 in x, i.e. up to 2**-22.7 relative in E = -ln x and so
-# absolute in G, before the two log2 add theirs (measured worst 2**-21.5 in the lower half,
-# 2**-22.3 in the upper); and G above 8 is itself only held to float32's half-ulp, 2**-21 at 8
-# and 2**-20 above 16, hence an absolute bound below |G| = 1 and a relative one above.
+# and not float32's 2**-24: the middle piece (lower half, t >= 1/4) holds x = 1 - t to about
+# 1.5 * 2**-25 (t's rounding and the subtraction's), up to about 2**-22.2 relative in E = -ln x
+# and so absolute in G, before the two log2 add theirs (measured worst 2**-21.5 in the lower
+# half, 2**-22.3 in the upper); and float32 rounds log2 t (up to 33 in magnitude) and G itself
+# (half an ulp is 2**-21 at 8, 2**-20 above 16), hence an absolute bound below |G| = 1 and a
+# relative one above.
 GUMBEL_ERROR = 2.0**-21
 # How closely t * q(t), q from GUMBEL_TAIL_COEFFICIENTS, must fit h(t) = log(-log1p(-t) / t) on
 # [0, 1/4] in float64: the rounded float32 coefficients fit to 2**-23.07 (measured); the bound
@@ -88,26 +92,21 @@ threefry2x32 = jax.jit(rng.threefry2x32)
 philox4x32 = jax.jit(rng.philox4x32)
 
 
-@jax.jit
-def _grid_bits(row_key_words, num_columns_like, stream):
-    """``random_bits`` over a ``[B, V]`` grid: row ``b`` with key words ``row_key_words[b]``."""
-    columns = jnp.arange(num_columns_like.shape[0])
-    return rng.random_bits(row_key_words[:, None, :], columns, stream)
+@functools.partial(jax.jit, static_argnums=(0, 2))
+def _grid(draw, row_key_words, num_columns: int, stream):
+    """``draw`` (``random_bits`` or ``noise_bits``) over a ``[B, V]`` grid: row ``b`` with key
+    words ``row_key_words[b]``."""
+    return draw(row_key_words[:, None, :], jnp.arange(num_columns), stream)
 
 
 def grid_bits(row_key_words, num_columns: int, stream=0) -> np.ndarray:
-    return np.asarray(_grid_bits(row_key_words, jnp.zeros(num_columns), stream))
-
-
-@jax.jit
-def _grid_noise_bits(row_key_words, num_columns_like, stream):
-    """``noise_bits`` (Philox) over a ``[B, V]`` grid: row ``b`` with ``row_key_words[b]``."""
-    columns = jnp.arange(num_columns_like.shape[0])
-    return rng.noise_bits(row_key_words[:, None, :], columns, stream)
+    """Threefry element bits (``rng.random_bits``) of a ``[B, num_columns]`` grid."""
+    return np.asarray(_grid(rng.random_bits, row_key_words, num_columns, stream))
 
 
 def grid_noise_bits(row_key_words, num_columns: int, stream=0) -> np.ndarray:
-    return np.asarray(_grid_noise_bits(row_key_words, jnp.zeros(num_columns), stream))
+    """Philox noise bits (``rng.noise_bits``) of a ``[B, num_columns]`` grid."""
+    return np.asarray(_grid(rng.noise_bits, row_key_words, num_columns, stream))
 
 
 def ks_statistic(cdf_values: np.ndarray) -> float:
