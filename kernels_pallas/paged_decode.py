@@ -62,15 +62,18 @@ def paged_decode_kernel(
     work_page_end_ref,  # [num_work] int32
     work_last_page_len_ref,  # [num_work] int32, valid slots in the item's final page
     page_indices_ref,  # [num_indices] int32
-    page_indptr_ref,  # [batch + 1] int32, the table's; read only when q_len > 1
-    request_last_page_len_ref,  # [batch] int32, the table's; read only when q_len > 1
-    q_ref,  # [batch * num_kv_heads * q_len * group_size, head_dim], rows (b, kv head, token, g)
-    k_pages_ref,  # [num_pages, page_size, head_dim], this program's KV head
-    v_pages_ref,  # [num_pages, page_size, head_dim]
-    # Outputs: final (write_final) or per-work-item partials, the whole arrays, rows as in q_ref.
-    o_ref,  # [batch * KVH * q_len * G, head_dim] | [num_work * KVH * partial_rows, head_dim]
-    lse_ref,  # [batch * KVH * q_len * G] | [num_work * KVH * partial_rows] float32
-    *,
+    # Only when q_len > 1 (the causal bound needs each request's length), the table's
+    #   page_indptr_ref,  # [batch + 1] int32
+    #   request_last_page_len_ref,  # [batch] int32
+    # then always:
+    #   q_ref,  # [batch * num_kv_heads * q_len * G, head_dim], rows (b, kv head, token, g)
+    #   k_pages_ref,  # [num_pages, page_size, head_dim], this program's KV head
+    #   v_pages_ref,  # [num_pages, page_size, head_dim]
+    # and the outputs: final (write_final) or per-work-item partials, rows as in q_ref:
+    #   o_ref,  # [batch * KVH * q_len * G, head_dim] | [num_work * KVH * partial_rows, head_dim]
+    #   lse_ref,  # [batch * KVH * q_len * G] | [num_work * KVH * partial_rows] float32
+    # (With one new token the table's arrays are not operands at all, not even unread ones.)
+    *refs,
     q_len: int,
     group_size: int,
     rows: int,
@@ -83,6 +86,9 @@ def paged_decode_kernel(
     write_final: bool,
     precision,
 ):
+    if q_len > 1:
+        page_indptr_ref, request_last_page_len_ref, *refs = refs
+    q_ref, k_pages_ref, v_pages_ref, o_ref, lse_ref = refs
     work = pl.program_id(0)
     kv_head = pl.program_id(1)
     num_pages, page_size, head_dim = k_pages_ref.shape
@@ -91,16 +97,18 @@ def paged_decode_kernel(
     batch = q_ref.shape[0] // (num_kv_heads * query_rows)
     block_tokens = pages_per_step * page_size
     # The public API validates plans and tables when they are concrete; under jit it cannot.
-    # These clamps (a few scalar ops a program) keep every access inside its array whatever
-    # the work arrays and the table say: a request outside the batch is a padding item, a page
-    # range is cut to page_indices, a last-page length to [0, page_size].
+    # These clamps keep every access inside its array whatever the work arrays and the table
+    # say, and no more: a request outside the batch is a padding item (its output rows are not
+    # stored) and a page range is cut to page_indices (an end before the start is an empty
+    # range). A bad last-page length only changes which keys are masked, so it is not clamped.
+    # Each clamp is one unsigned minimum: on the H200 the two-sided clips of the first
+    # version cost 6% at B=4 x 32768 (docs/benchmark_results/2026-12-01-clamp-probe.md).
     request = work_request_ref[work]
-    is_padding = (request < 0) | (request >= batch)
+    is_padding = request.astype(jnp.uint32) >= batch  # -1 (the planner's padding) wraps up
     request = jnp.where(is_padding, 0, request)
-    page_start = jnp.clip(work_page_start_ref[work], 0, num_indices)
-    page_end = jnp.clip(work_page_end_ref[work], page_start, num_indices)
-    page_end = jnp.where(is_padding, page_start, page_end)
-    last_page_len = jnp.clip(work_last_page_len_ref[work], 0, page_size)
+    page_start = unsigned_min(work_page_start_ref[work], num_indices)
+    page_end = unsigned_min(work_page_end_ref[work], num_indices)
+    last_page_len = work_last_page_len_ref[work]
 
     row_ids = jnp.arange(rows)
     row_is_real = row_ids < query_rows
@@ -114,7 +122,11 @@ def paged_decode_kernel(
         (page_end - page_start - 1) * page_size + last_page_len,
         0,
     )
-    num_steps = pl.cdiv(page_end - page_start, pages_per_step)
+    # Steps cover the item's tokens, not its pages: a page range whose last page is declared
+    # empty (possible only under jit, where the table is not validated) adds no step, so with
+    # one new token every step holds at least one real key. That is what lets the q_len = 1
+    # loop skip the per-element select on the softmax weights (see ``step``).
+    num_steps = pl.cdiv(num_tokens, block_tokens)
     if q_len > 1:
         # Causal bound per row, as a count of this item's keys the row may see. Token l of the
         # request sits at position seq_len - q_len + l and sees positions up to its own; this
@@ -142,7 +154,9 @@ def paged_decode_kernel(
         pages = plgpu.load(
             page_indices_ref.at[pl.ds(first, pages_per_step)], mask=page_is_real, other=0
         )  # [pages_per_step]
-        return jnp.clip(pages, 0, num_pages - 1)  # a bad index reads a wrong page, never past
+        # A bad index reads a wrong page, never past the pool: one unsigned minimum (a negative
+        # index wraps to a huge one and is cut to the last page) rather than a two-sided clip.
+        return unsigned_min(pages, num_pages - 1)
 
     def step(i, state):
         pages = load_pages(i)
@@ -165,8 +179,14 @@ def paged_decode_kernel(
         logits = jnp.where(visible, logits, MASKED_LOGIT)
         # A zero weight times a NaN left in an unused slot is still NaN: zero those values.
         v = jnp.where(token_is_real[:, None], v, jnp.zeros_like(v))
-        # Masked keys get weight exactly 0 even in a block where a row sees no key (a last page
-        # declared empty, or a causal bound before the block): online_softmax.update.
+        if q_len == 1:
+            # Every step holds a real key (num_steps counts tokens), so each row's running max
+            # is a real logit and exp2(MASKED_LOGIT - max) is exactly 0: masked keys need no
+            # second select on the weights. (That per-element select, added with the bounds
+            # clamps, cost 4% at B=32 x 4096 on the H200: 2026-12-01-clamp-probe.md.)
+            return online_softmax.update(state, logits, v, None, precision=precision)
+        # Several tokens: a row whose causal bound falls before this block sees no key in it,
+        # and its weights must still be exactly 0 (online_softmax.update's select does that).
         return online_softmax.update(state, logits, v, visible, precision=precision)
 
     state = online_softmax.initial_state(rows, head_dim)
@@ -237,7 +257,8 @@ def paged_decode(
         number of valid slots in the range's final page.
       page_indptr, last_page_len: the table's int32 ``[B + 1]`` and ``[B]``: where each
         request's pages start and its length, which place an item's keys relative to the new
-        tokens for the causal mask. Needed only when ``L > 1`` (None otherwise).
+        tokens for the causal mask. Read only when ``L > 1`` (ignored otherwise: with one new
+        token they are not the kernel's operands).
       layout, sm_scale, logits_soft_cap: as in ``paged.decode_attention``.
       write_final: every request is exactly one work item, so write normalized outputs
         ``(o, lse)`` shaped like ``q`` (``o`` in q.dtype, ``lse`` float32 without ``D``)
@@ -267,9 +288,6 @@ def paged_decode(
         raise ValueError(
             f"q_len={q_len} needs the table's page_indptr and last_page_len for the causal mask"
         )
-    if page_indptr is None or last_page_len is None:  # unread for one token; any int32 will do
-        page_indptr = jnp.zeros((batch + 1,), jnp.int32)
-        last_page_len = jnp.zeros((batch,), jnp.int32)
     group_size = num_q_heads // num_kv_heads
     query_rows = q_len * group_size
     rows = dot_rows(query_rows)
@@ -311,14 +329,14 @@ def paged_decode(
         precision=precision,
     )
     work_arrays = (work_request, work_page_start, work_page_end, work_last_page_len)
+    table_arrays = (page_indptr, last_page_len) if q_len > 1 else ()  # read for the causal bound
     o, lse = pl.pallas_call(
         kernel,
         grid=(num_work, num_kv_heads),
         in_specs=[
             *(whole_array(a.shape) for a in work_arrays),
             whole_array(page_indices.shape),
-            whole_array(page_indptr.shape),
-            whole_array(last_page_len.shape),
+            *(whole_array(a.shape) for a in table_arrays),
             whole_array(q_rows.shape),
             kv_spec,
             kv_spec,
@@ -330,7 +348,7 @@ def paged_decode(
         name=f"paged_decode_{layout}_p{pages_per_step}_w{num_warps}_s{num_stages}"
         + (f"_q{q_len}" if q_len > 1 else "")
         + ("_final" if write_final else "_partial"),
-    )(*work_arrays, page_indices, page_indptr, last_page_len, q_rows, k_pages, v_pages)
+    )(*work_arrays, page_indices, *table_arrays, q_rows, k_pages, v_pages)
     if write_final:
         o = token_major(o.reshape(batch, num_q_heads * q_len, head_dim), q_len, num_kv_heads)
         lse = token_major(lse.reshape(batch, num_q_heads * q_len), q_len, num_kv_heads)
@@ -339,6 +357,12 @@ def paged_decode(
         o.reshape(num_work, num_kv_heads, partial, head_dim),
         lse.reshape(num_work, num_kv_heads, partial),
     )
+
+
+def unsigned_min(x: jax.Array, bound: int) -> jax.Array:
+    """``x`` (int32) clamped to ``[0, bound]`` in one unsigned minimum: negative values wrap
+    to values above ``bound`` and become ``bound``."""
+    return jnp.minimum(x.astype(jnp.uint32), jnp.uint32(bound)).astype(x.dtype)
 
 
 def dot_rows(query_rows: int) -> int:
