@@ -160,7 +160,7 @@ SAMPLING_SHRINK_NOTE = (
     "why the sampler's speedup shrinks at the call site: the op-level arm samples synthetic "
     "logits (LOGITS_SCALE x normal), the call site the random-weight model's, which are flatter; "
     "dual-pivot rejection takes more rounds on a flatter row (python -m bench.rounds_probe: "
-    "3.54 against 2.06 mean rounds, docs/benchmark_results/2026-12-01-rounds-probe.json), "
+    "3.54 against 2.06 mean rounds, docs/benchmark_results/archive/2026-12-01-rounds-probe.json), "
     "while the reference (one sort, then a fixed number of rounds in a fori_loop) costs the "
     "same on both"
 )
