@@ -188,8 +188,8 @@ def default_launch(batch: int, vocab: int) -> dict:
     )
 
 
-# From the H200 sweeps (docs/benchmark_results/archive/2026-12-01-gumbel-tuning.md), vocab 128256: 16
-# chunks a row were best at B = 256 and 128 (78 and 43 us; 1 to 8 chunks 81 to 175 us at 256),
+# From the H200 sweeps (docs/benchmark_results/archive/2026-12-01-gumbel-tuning.md), vocab
+# 128256: 16 chunks a row were best at B = 256 and 128 (78 and 43 us; 1 to 8 chunks 81 to 175 us at 256),
 # 32 at B = 64 and 64 at B = 32 (25.5 and 14.9 us), one step a program at B = 1; 1024-column
 # steps and 4 warps beat 256- to 4096-column steps with 2 or 8 warps, or came within 2%.
 DEFAULT_LAUNCH = dict(quads=256, min_chunks=16, min_programs=2048, num_warps=4, num_stages=1)
