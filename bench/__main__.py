@@ -38,7 +38,7 @@ DRY_RUN_REPEATS = 3
 
 def parse_arguments(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="python -m bench", description="decodelab benchmarks (method: benchmarking.md)"
+        prog="python -m bench", description="decodelab benchmarks (method: docs/benchmarking.md)"
     )
     parser.add_argument("suite", choices=sorted(SUITES), help="which suite to run")
     parser.add_argument("--quick", action="store_true", help="a subset of the grid")

@@ -194,7 +194,7 @@ def race(values, words, *, quads, steps, warps, layout, noise, rounds, prefetch)
     return jnp.take_along_axis(indices, winner[:, None], axis=1)[:, 0]
 
 
-# The two sets run on 2026-12-01 (docs/benchmark_results/2026-12-01-gumbel-tuning.md):
+# The two sets run on 2026-12-01 (docs/benchmark_results/archive/2026-12-01-gumbel-tuning.md):
 # (launches per batch as (quads, chunks a row, warps), variants as (layout, noise, rounds,
 # prefetch)).
 SETS = {

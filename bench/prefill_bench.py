@@ -75,7 +75,7 @@ REFERENCE_REPEATS = 3
 REFERENCE_PRIOR_TFLOPS = 0.5
 KERNEL_PRIOR_TFLOPS = 300.0
 # Relative error of the API's bfloat16 output against the reference's (the bfloat16 bound of
-# ../shared/testing.md; the first H200 run measured about 2e-3).
+# docs/testing.md; the first H200 run measured about 2e-3).
 DISAGREEMENT_TOLERANCE = 1e-2
 
 

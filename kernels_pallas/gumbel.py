@@ -7,10 +7,9 @@ What it computes, per row: ``argmax_i (logits_i / T + G_i)`` from logits (greedy
 reference draws, so both pick the same token (up to float rounding of a near-tie, which the
 GPU test counts).
 
-What it optimizes. The read of ``B x V`` float32 values is the floor (31 us at B = 256,
-V = 128256 on the H200; ``jnp.argmax`` alone takes 37 us). The noise is computed in registers,
-and it is what costs: this kernel is bound by instruction issue, not by memory, so it spends
-as few instructions a token as it can:
+What it optimizes. The read of ``B x V`` float32 values is the floor. The noise is computed in
+registers, and it is what costs: this kernel is bound by instruction issue, not by memory, so it
+spends as few instructions a token as it can:
 
 - Philox-4x32-10 (``rng.noise_bit_quads``): four tokens' bits a call, about fifteen integer
   instructions a token; on a GPU the multiply's high word is one ``mul.hi.u32`` by inline PTX
@@ -23,14 +22,13 @@ as few instructions a token as it can:
   end of the program.
 - A row is cut into ``num_chunks`` chunks (programs) so that small batches fill the GPU; each
   program writes its chunk's best and a small XLA reduction picks the row's winner. (A single
-  launch that merges through a per-row atomic counter was measured slower at every batch: the
-  counters must be zeroed by another launch first; ``docs/benchmark_results/
-  2026-12-01-gumbel-tuning.md``.)
+  launch that merges through a per-row atomic counter was measured slower: the counters must be
+  zeroed by another launch first.)
 
-How far from the floor (the H200, ``docs/benchmark_results/2026-12-01-gumbel-tuning.md``): at
-B = 256 about 80 us, 38% of the copy ceiling. The same kernel with the noise cut to Philox
-alone (no logarithm) takes 50 us, with Philox cut to one multiply 57.7 us: per-token noise from
-the generator the issue names cannot reach 70% of the ceiling here.
+How far from the floor: the measured figures, against ``jax.random.categorical`` and the copy
+ceiling, are in the newest sampling report (``docs/benchmark_results/README.md`` lists it); the
+sweeps and cut-down variants behind the launch defaults, which show where the time goes, are in
+``docs/benchmark_results/archive/2026-12-01-gumbel-tuning.md``.
 
 Layout: a step covers ``4 * quads`` consecutive columns, viewed as ``[quads, 4]``; row ``q`` of
 the tile is one Philox call (counter ``start / 4 + q``), whose four words are the four columns
@@ -190,8 +188,8 @@ def default_launch(batch: int, vocab: int) -> dict:
     )
 
 
-# From the H200 sweeps (docs/benchmark_results/2026-12-01-gumbel-tuning.md), vocab 128256: 16
-# chunks a row were best at B = 256 and 128 (78 and 43 us; 1 to 8 chunks 81 to 175 us at 256),
+# From the H200 sweeps (docs/benchmark_results/archive/2026-12-01-gumbel-tuning.md), vocab
+# 128256: 16 chunks a row were best at B = 256 and 128 (78 and 43 us; 1 to 8 chunks 81 to 175 us at 256),
 # 32 at B = 64 and 64 at B = 32 (25.5 and 14.9 us), one step a program at B = 1; 1024-column
 # steps and 4 warps beat 256- to 4096-column steps with 2 or 8 warps, or came within 2%.
 DEFAULT_LAUNCH = dict(quads=256, min_chunks=16, min_programs=2048, num_warps=4, num_stages=1)

@@ -2,7 +2,7 @@
 
 A small data table, not logic. ``python -m bench decode --tune`` measures the candidates on the
 GPU; the values below were chosen from its two sweeps of 2026-11-30 on one H200 (jax 0.11.2),
-whose figures are in ``docs/benchmark_results/2026-11-30-decode-tuning-1.json`` and
+whose figures are in ``docs/benchmark_results/archive/2026-11-30-decode-tuning-1.json`` and
 ``-2.json``. A later autotuner will write this file.
 
 Launch keys are ``(head_dim, group_rows, write_final, long_chunks)``:

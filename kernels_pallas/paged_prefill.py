@@ -51,11 +51,10 @@ D x (sum over query tokens of the keys each sees)`` (two multiply-adds a logit: 
 ``p.v``), and the floor is those FLOPs at the H200's dense bfloat16 tensor peak, 989 TFLOP/s
 nominal. A 512-token chunk at 16K context is 135 GFLOP, a 137 us floor, against 64 MiB of K and
 V (16 us at the copy bandwidth), so bytes are not the limit. For scale, the FlashAttention-3
-paper puts FlashAttention-2's forward pass at about 35% of an H100's peak. Measured on the H200
-(``docs/benchmark_results/2026-12-01-prefill.md``, default launch): 470 us at 16K (288 TFLOP/s,
-29% of nominal) and 926 us at 32K (295 TFLOP/s, 30%), against 4178 and 8468 us for the reference
-(8.9x and 9.1x). ``python -m bench.prefill_bench`` also sweeps the launch parameters
-(``launch_parameters`` holds the defaults; the sweep has not run yet).
+paper puts FlashAttention-2's forward pass at about 35% of an H100's peak. The measured time,
+TFLOP/s and share of that peak, against the reference, are in the newest prefill report
+(``docs/benchmark_results/README.md`` lists it). The prefill benchmark can also sweep the launch
+parameters; ``launch_parameters`` holds the defaults.
 """
 
 from __future__ import annotations

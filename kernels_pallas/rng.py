@@ -57,7 +57,7 @@ Counter layout (the contract; changing it changes every sampled token):
   derives from the same key (``fold_in(key, 1)`` is not the noise of columns 0 and 1 in stream
   1). Still, as with every ``jax.random`` function, treat a key given to a sampler as used up.
 
-From bits to noise (the tails are where samplers go wrong, ``shared/anchors.md``):
+From bits to noise (the tails are where samplers go wrong, ``docs/peers.md``):
 
 - ``uniform_open(bits)``: ``(2j + 1) * 2**-24`` with ``j`` the top 23 bits: ``2**23`` equally
   likely values, each the centre of its cell of width ``2**-23``, from ``2**-24`` to

@@ -29,12 +29,12 @@ How: two launches and nothing else (no XLA operation before, between or after th
 
 Where the time goes, and what each choice saves. The step moves ~56 MB at the benchmark's shape
 (B = 64, n = 4, vocab 128256: ~13 us at the copy ceiling), so a microsecond of fixed latency
-counts. Measured on the H200: the public call took 26.3 us, 49.9% of the copy ceiling, with
-the two-launch design below (the previous design, one kernel plus the XLA merge, keys and
-clipping: 34.9 us, 37.6%), and 24.9 us, 52.9%, once the blocks were cut to 512 columns and
-prefetched (``row_select.fold_blocks``; ``docs/benchmark_results/2026-12-01-speculative.md``,
-the full grid of batches and draft counts). The four changes below were made together, so
-their shares of the 8.6 us saved are estimates, not measured one by one:
+counts. The two-launch design below replaced one kernel plus an XLA merge, key derivation and
+clipping, and was measured faster on the H200, as was cutting the blocks to 512 columns and
+prefetching them (``row_select.fold_blocks``). The figures, for the full grid of batches and
+draft counts, are in the newest speculative report (``docs/benchmark_results/README.md`` lists
+it). The changes below were made together, so their shares of the time saved are estimates, not
+measured one by one:
 
 - The accept tests are vector loads, not a loop: the ``n`` drafted tokens are loaded at once
   (padded to a power of two, as Triton wants), then their ``n`` target and ``n`` draft

@@ -8,7 +8,7 @@ with 8 KV heads gives 8 programs, 8 of the H200's 132 SMs; the rest idle and the
 is far from saturated. Cutting each request's pages into chunks gives more programs, at the cost
 of writing partial states and merging them (``kernels_pallas/merge_states.py``).
 
-The rule (FlashInfer's, in ``../shared/anchors.md``): with ``max_grid = blocks_per_sm * num_sms``
+The rule (FlashInfer's, in ``docs/peers.md``): with ``max_grid = blocks_per_sm * num_sms``
 programs, if ``nonempty_requests * num_kv_heads >= max_grid`` do not split; otherwise take the
 smallest chunk (at least ``min_chunk_pages``) such that ``sum_b ceil(pages_b / chunk) *
 num_kv_heads <= max_grid``. A fixed chunk (``fixed_split_pages``) instead makes every request's result

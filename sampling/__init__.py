@@ -1,6 +1,4 @@
-"""Samplers with explicit randomness (in progress: the sampling issue).
-
-Present:
+"""Samplers with explicit randomness: Gumbel-max and sorting-free filtered sampling.
 
 - ``sampling.filters``: what top-k, top-p (both orders) and min-p keep, by definition, in the
   total order (probability descending, index ascending): the contract and the tests' oracle.
@@ -8,12 +6,12 @@ Present:
   logits and from probabilities, and dual-pivot rejection for filtered sampling, its round
   exposed as a state transition (``pivot_round``) for exact enumeration
   (``tests/test_sampling_exact.py``, ``proofs/sampling.md``).
+- ``sampling.api`` (re-exported here): the public samplers with keys and ``backend=``, the
+  renorm and mask functions.
 
-- ``sampling.api`` (re-exported here): the public samplers with keys and ``backend=``
-  (reference backend only so far), the renorm and mask functions.
-
-To come with the rest of the issue: the Pallas kernels (``kernels_pallas/sampling.py``), the
-benchmark suite and the notebook.
+The Pallas kernels live in ``kernels_pallas/`` (``gumbel.py``, ``dual_pivot.py``,
+``filter_masks.py``, re-exported by ``sampling.py``); the benchmark suite is
+``python -m bench sampling`` and the notebook ``notebooks/03_sorting_free_sampling.ipynb``.
 """
 
 from sampling.api import (

@@ -20,12 +20,13 @@ Backends: every function here has a Pallas kernel (``kernels_pallas/sampling.py`
 Gumbel-max race, dual-pivot rejection for the filtered samplers, and radix selection for the
 renorm and mask functions. ``backend="pallas"`` runs it (interpreted on a CPU).
 ``backend="auto"`` runs, on a GPU, whichever was faster on the H200 in the committed reports,
-per family (``AUTO_PICKS_KERNEL``): the dual-pivot kernel for the filtered samplers (13x to 31x
-the sort-based JAX top-p at batch 256); the Gumbel-max kernel from batch
-``GUMBEL_KERNEL_MIN_BATCH`` up and the XLA reference below it, where XLA's fusion of the
-reference is as fast or faster (``docs/benchmark_results/2026-12-01-gumbel-tuning.md``); the
-reference for renorm and mask, not yet timed beside it. Elsewhere ``"auto"`` is the reference,
-and ``DECODELAB_BACKEND=reference`` forces it everywhere.
+per family (``AUTO_PICKS_KERNEL``): the dual-pivot kernel for the filtered samplers; the
+Gumbel-max kernel from batch ``GUMBEL_KERNEL_MIN_BATCH`` up and the XLA reference below it, where
+XLA's fusion of the reference is as fast or faster
+(``docs/benchmark_results/archive/2026-12-01-gumbel-tuning.md``); the reference for renorm and
+mask, not yet timed beside it. The figures are in the sampling reports
+(``docs/benchmark_results/README.md`` lists them). Elsewhere ``"auto"`` is the reference, and
+``DECODELAB_BACKEND=reference`` forces it everywhere.
 """
 
 from __future__ import annotations
@@ -47,8 +48,8 @@ ROUND_STREAM = 1
 AUTO_PICKS_KERNEL = {"gumbel": True, "filtered": True, "renorm": False}
 # Below this batch "auto" runs the XLA reference for Gumbel-max even on a GPU: in the tuning
 # probe's loop on the H200 the kernel was 1.4x faster at batch 128 and 2.3x at 256, level at 64
-# and slower below (docs/benchmark_results/2026-12-01-gumbel-tuning.md). The sampling suite's
-# loop timed the reference far slower (the kernel ahead at every batch); until that
+# and slower below (docs/benchmark_results/archive/2026-12-01-gumbel-tuning.md). The sampling
+# suite's loop timed the reference far slower (the kernel ahead at every batch); until that
 # disagreement is explained, "auto" follows the figure less favourable to the kernel.
 GUMBEL_KERNEL_MIN_BATCH = 128
 

@@ -2,7 +2,8 @@
 
 Plain JAX, written to be checked line by line; every kernel sampler must pick the same token as
 these for the same random numbers. Each sampler here takes its random numbers explicitly
-(``*_from_uniforms``, ``*_from_gumbels``, ``*_from_exponentials``), so tests can enumerate them and replay draws.
+(``filtered_sample_from_uniforms``, ``*_from_gumbels``, ``sample_from_probs_from_exponentials``),
+so tests can enumerate them and replay draws.
 Computation follows the input dtype (float64 in the exact-enumeration tests).
 
 **Gumbel-max (exponential race).** ``argmax_i p_i / E_i`` with ``E_i ~ Exp(1)`` independent
@@ -93,20 +94,6 @@ def sample_from_probs_from_exponentials(probs: jax.Array, exponentials: jax.Arra
       exponentials: ``[..., V]`` Exp(1) draws, all ``> 0``.
     """
     return sample_from_probs_from_gumbels(probs, -jnp.log(exponentials))
-
-
-def sample_from_logits_from_exponentials(
-    logits: jax.Array, exponentials: jax.Array, temperature
-) -> jax.Array:
-    """int32[...]: ``argmax_i (logits_i / T - log E_i)`` (``sample_from_logits_from_gumbels`` on
-    ``G = -log E``).
-
-    Args:
-      logits: ``[..., V]``.
-      exponentials: ``[..., V]`` Exp(1) draws, all ``> 0``.
-      temperature: scalar or ``[...]``, ``>= 0`` and finite.
-    """
-    return sample_from_logits_from_gumbels(logits, -jnp.log(exponentials), temperature)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -357,23 +344,3 @@ def filtered_sample_from_uniforms(
     return jax.vmap(
         lambda row, u, params: filtered_sample_row_from_uniforms(row, u, params, order)
     )(probs, uniforms, params)
-
-
-def top_k_sample_from_uniforms(probs, uniforms, top_k):
-    """``filtered_sample_from_uniforms`` with top-k only."""
-    return filtered_sample_from_uniforms(probs, uniforms, top_k=top_k)
-
-
-def top_p_sample_from_uniforms(probs, uniforms, top_p):
-    """``filtered_sample_from_uniforms`` with top-p only."""
-    return filtered_sample_from_uniforms(probs, uniforms, top_p=top_p)
-
-
-def min_p_sample_from_uniforms(probs, uniforms, min_p):
-    """``filtered_sample_from_uniforms`` with min-p only."""
-    return filtered_sample_from_uniforms(probs, uniforms, min_p=min_p)
-
-
-def top_k_top_p_sample_from_uniforms(probs, uniforms, top_k, top_p, *, order="joint"):
-    """``filtered_sample_from_uniforms`` with top-k and top-p, in either order."""
-    return filtered_sample_from_uniforms(probs, uniforms, top_k=top_k, top_p=top_p, order=order)

@@ -7,7 +7,7 @@ program, and commits the tokens back. ``generate`` and ``run_until_done`` loop o
 
 One decode step, one program
 ----------------------------
-On the GPU host a jitted call costs about 35 us to dispatch (``shared/benchmarking.md``), more
+On the GPU host a jitted call costs about 35 us to dispatch (``docs/benchmarking.md``), more
 than a layer's kernels at small batch, so a step is never a chain of small calls. The decode
 program holds every layer of the ``n + 1`` draft passes, the target's verification of ``n + 1``
 positions, the sampling and the acceptance test. Its shapes are static: ``B = parallel`` rows

@@ -9,7 +9,7 @@ why). ``chain_greedy_verify`` is the temperature-0 counterpart.
 draft ``i`` was actually drawn from, after the draft's temperature and filters, and
 ``target_probs[b, i]`` the distribution the user asked for (the target's logits at the user's
 temperature, through the user's filters). Engines have shipped each half wrong
-(``shared/anchors.md``). ``sampling_distribution`` builds either from logits and sampling
+(``docs/peers.md``). ``sampling_distribution`` builds either from logits and sampling
 parameters with the samplers' own definitions (``sampling/filters.py``), and ``sample_draft``
 draws a draft token from the very array it returns as ``q``, so both hold by construction.
 

@@ -1,7 +1,7 @@
 """Hypothesis strategies shared by the whole test suite: distributions, ragged batches, page tables.
 
 One module, so that every test of a sampler sees the same hard distributions and every test of an
-attention kernel the same hard batches (``shared/testing.md``).
+attention kernel the same hard batches (``docs/testing.md``).
 
 Shapes come from the caller, values from hypothesis. Every strategy here takes its static sizes
 (vocabulary size, batch size, page size, pool size, padded index count) as plain ints and draws

@@ -2,7 +2,7 @@
 
 The oracle (``reference_dense``) gathers each request's tokens on the host by walking its page list
 and runs a textbook float64 softmax; the reference under test masks a gather of every listed page.
-Error measure (``shared/testing.md``): ``||out - ref|| / ||ref||`` per request, under 1e-5 for
+Error measure (``docs/testing.md``): ``||out - ref|| / ||ref||`` per request, under 1e-5 for
 float32 inputs and 1e-2 for bfloat16 inputs (the oracle sees the same bf16-rounded values).
 """
 

@@ -125,7 +125,7 @@ DRY_RUN_ROPE_SHAPE = RopeShape(4, 4, 2, 16, 4, 20)
 ROPE = paged.RopeParams(theta=500000.0, scaling=paged.Llama3Scaling())
 
 # Priors for sizing the first timed program (harness.expected_us); a prior 4x off costs one
-# more compilation, not accuracy. XLA's figures are the peers' table of benchmarking.md.
+# more compilation, not accuracy. XLA's figures are the peers' table of docs/peers.md.
 EXPECTED_KERNEL_TBPS, EXPECTED_KERNEL_FLOOR_US = 3.0, 5.0
 EXPECTED_XLA_TBPS, EXPECTED_XLA_FLOOR_US = 1.4, 10.0
 EXPECTED_ROPE_US = 15.0

@@ -80,7 +80,7 @@ DRY_RUN_K_SPLITS = (1, 2)
 # of magnitude below 1 round by about 0.004; pre-scaled bfloat16 queries add a little).
 DISAGREEMENT_TOLERANCE = 0.05
 
-# Priors for sizing the first timed program (harness.expected_us), from benchmarking.md's
+# Priors for sizing the first timed program (harness.expected_us), from docs/peers.md's
 # figures for these peers on an H200; a prior 4x off costs one more compilation, not accuracy.
 EXPECTED_XLA_GATHER_TBPS = 0.7
 EXPECTED_PALLAS_TBPS = 1.0

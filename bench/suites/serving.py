@@ -151,7 +151,7 @@ SCENARIOS_VARIABLE = "DECODELAB_SERVING_SCENARIOS"
 MAX_MEASURED_RUNS = 3
 # Priors (TB/s, floor us) for sizing the op-level programs (a prior 4x off costs one more
 # compilation): the reference attention reads every padded slot once per request; sort-based
-# top-k/top-p is about 0.12 ms a row at vocab 128256 (benchmarking.md).
+# top-k/top-p is about 0.12 ms a row at vocab 128256 (docs/peers.md).
 ATTENTION_PRIOR = {"pallas": (1.0, 10.0), "reference": (0.1, 30.0)}
 SAMPLING_PRIOR = {"pallas": (0.5, 20.0), "reference": (0.02, 100.0)}
 LOGITS_SCALE = 3.0  # the sampling suites' logits scale for the op-level sampler
@@ -160,7 +160,7 @@ SAMPLING_SHRINK_NOTE = (
     "why the sampler's speedup shrinks at the call site: the op-level arm samples synthetic "
     "logits (LOGITS_SCALE x normal), the call site the random-weight model's, which are flatter; "
     "dual-pivot rejection takes more rounds on a flatter row (python -m bench.rounds_probe: "
-    "3.54 against 2.06 mean rounds, docs/benchmark_results/2026-12-01-rounds-probe.json), "
+    "3.54 against 2.06 mean rounds, docs/benchmark_results/archive/2026-12-01-rounds-probe.json), "
     "while the reference (one sort, then a fixed number of rounds in a fori_loop) costs the "
     "same on both"
 )
