@@ -15,6 +15,8 @@ one jitted loop, median of repeats), the same plan through several versions of t
   ``fixed`` without the scalar clamps of the work item (diagnostics only: they may read out of
   bounds on a bad table or plan, so they are never shipped); ``fixed_clips``: ``fixed`` with
   the two-sided clips of 0b23d47 for the work item's scalars (page range, last-page length);
+  ``fixed_pagesteps``: ``fixed`` with the loop's step count from pages, as in da44cf9
+  (diagnostic: with one new token that needs the weights select back for a bad table);
 
 each twice, interleaved (A B C D A B C D), so a difference smaller than an arm's own spread is
 noise. Also the public ``paged.decode_attention`` with the ``head`` and this tree's kernels.
@@ -88,6 +90,14 @@ def kernel_variants(sources: pathlib.Path) -> dict[str, tuple]:
     noclip.write_text(fixed_source.replace(PAGE_CLIP_LINE, "return pages"))
     noscalar = folder / "noscalar_paged_decode.py"
     noscalar.write_text(fixed_source.replace(SCALAR_CLAMPS, NO_SCALAR_CLAMPS))
+    token_steps = "num_steps = pl.cdiv(num_tokens, block_tokens)"
+    assert token_steps in fixed_source, "the step count moved: update the probe"
+    page_steps = folder / "pagesteps_paged_decode.py"
+    page_steps.write_text(
+        fixed_source.replace(
+            token_steps, "num_steps = pl.cdiv(page_end - page_start, pages_per_step)"
+        )
+    )
     clips = folder / "clips_paged_decode.py"
     clips.write_text(fixed_source.replace(SCALAR_CLAMPS, CLIP_CLAMPS))
     return {
@@ -104,6 +114,11 @@ def kernel_variants(sources: pathlib.Path) -> dict[str, tuple]:
         "fixed": (kernel_module, merge_module, True),
         "fixed_noclip": (load_module(noclip, "probe_noclip_paged_decode"), merge_module, True),
         "fixed_clips": (load_module(clips, "probe_clips_paged_decode"), merge_module, True),
+        "fixed_pagesteps": (
+            load_module(page_steps, "probe_pagesteps_paged_decode"),
+            merge_module,
+            True,
+        ),
         "fixed_noscalar": (
             load_module(noscalar, "probe_noscalar_paged_decode"),
             merge_module,
@@ -183,6 +198,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=None)
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--arms", default=None, help="comma-separated arm names (default: all)")
     parser.add_argument(
         "--cases", default=None, help="comma-separated BxCTX, e.g. 4x32768,32x4096 (default: all)"
     )
@@ -225,6 +241,8 @@ def main(argv=None) -> int:
             api_step(setup, variants["head"][0]), setup.num_sets, operands
         )
         loops["api:fixed"] = TimedLoop(api_step(setup, kernel_module), setup.num_sets, operands)
+        if args.arms:
+            loops = {arm: loop for arm, loop in loops.items() if arm in args.arms.split(",")}
         reference = None
         for arm, loop in loops.items():
             out = jax.jit(lambda ops, loop=loop: loop._call_step(0, ops))(operands)

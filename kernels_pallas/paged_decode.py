@@ -122,11 +122,9 @@ def paged_decode_kernel(
         (page_end - page_start - 1) * page_size + last_page_len,
         0,
     )
-    # Steps cover the item's tokens, not its pages: a page range whose last page is declared
-    # empty (possible only under jit, where the table is not validated) adds no step, so with
-    # one new token every step holds at least one real key. That is what lets the q_len = 1
-    # loop skip the per-element select on the softmax weights (see ``step``).
-    num_steps = pl.cdiv(num_tokens, block_tokens)
+    # Steps cover the item's pages. (Counting them from num_tokens instead, which would never
+    # give an all-masked step, cost 3% at B=32 x 4096 on the H200: 2026-12-01-clamp-probe.md.)
+    num_steps = pl.cdiv(page_end - page_start, pages_per_step)
     if q_len > 1:
         # Causal bound per row, as a count of this item's keys the row may see. Token l of the
         # request sits at position seq_len - q_len + l and sees positions up to its own; this
@@ -180,10 +178,13 @@ def paged_decode_kernel(
         # A zero weight times a NaN left in an unused slot is still NaN: zero those values.
         v = jnp.where(token_is_real[:, None], v, jnp.zeros_like(v))
         if q_len == 1:
-            # Every step holds a real key (num_steps counts tokens), so each row's running max
-            # is a real logit and exp2(MASKED_LOGIT - max) is exactly 0: masked keys need no
-            # second select on the weights. (That per-element select, added with the bounds
-            # clamps, cost 4% at B=32 x 4096 on the H200: 2026-12-01-clamp-probe.md.)
+            # With one new token only the item's last step has masked keys, and for a valid
+            # table (last page length >= 1) it follows a real key, so each row's running max is
+            # a real logit and exp2(MASKED_LOGIT - max) is exactly 0: masked keys need no second
+            # select on the weights. (That per-element select, added with the bounds clamps,
+            # cost 4% at B=32 x 4096 on the H200: 2026-12-01-clamp-probe.md.) The one case
+            # left, a last page declared empty under jit, gives o = 0 and an LSE near -7e29
+            # instead of -inf: a wrong value for an invalid table, which merges as weight 0.
             return online_softmax.update(state, logits, v, None, precision=precision)
         # Several tokens: a row whose causal bound falls before this block sees no key in it,
         # and its weights must still be exactly 0 (online_softmax.update's select does that).
