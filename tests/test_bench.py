@@ -888,21 +888,25 @@ def test_prefill_dry_run_times_every_arm_and_writes_a_report(tmp_path):
     assert f"... {case_name}: setting up" in printed.getvalue()
 
 
-def test_prefill_without_tune_times_reference_and_api_only(tmp_path, monkeypatch):
-    """Without ``--tune`` no launch is swept (the committed report's arms); ``--contexts``
-    replaces the grid."""
+def test_prefill_without_tune_sweeps_nothing_and_contexts_replace_the_grid(tmp_path, monkeypatch):
+    """Without ``--tune`` no launch is swept (the committed report's arms: reference and API);
+    ``--contexts`` replaces the grid. The cases themselves are not run (the test above does)."""
     from bench.suites import prefill
 
-    monkeypatch.setattr(prefill, "DRY_RUN_CHUNK", 16)
+    calls = []
+
+    def fake_run_case(context, chunk, shape, options, ceiling_tbps, notes, *, sweep, dtype):
+        calls.append((context, chunk, sweep))
+        return []
+
+    monkeypatch.setattr(prefill, "run_case", fake_run_case)
     with contextlib.redirect_stdout(io.StringIO()):
-        status = main(["prefill", "--dry-run", "--contexts", "32", "--out", str(tmp_path)])
+        status = main(["prefill", "--dry-run", "--contexts", "48,96", "--out", str(tmp_path)])
     assert status == 0
-    [json_path] = tmp_path.glob("*-prefill.json")
-    cases = json.loads(json_path.read_text())["cases"]
-    assert [(case["case"], case["arm"]) for case in cases] == [
-        ("B=1 ctx=32 q_len=16", "reference"),
-        ("B=1 ctx=32 q_len=16", "decodelab"),
-    ]
+    assert calls == [(48, prefill.DRY_RUN_CHUNK, []), (96, prefill.DRY_RUN_CHUNK, [])]
+    with pytest.raises(ValueError, match="--contexts: each context must be at least the chunk"):
+        with contextlib.redirect_stdout(io.StringIO()):
+            main(["prefill", "--dry-run", "--contexts", "8", "--out", str(tmp_path)])
 
 
 @pytest.mark.parametrize("text", ["3,x", "0", "16,-1", ""])
