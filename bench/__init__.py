@@ -1,16 +1,19 @@
-"""decodelab's benchmark harness and suites: ``python -m bench <suite> [--quick] [--tune]
-[--dry-run]``.
+"""decodelab's benchmarks: ``python -m bench <suite> [--quick] [--tune] [--dry-run]``.
 
-- ``bench.harness``: the measuring method of ``benchmarking.md`` in one import, re-exported from
-  ``bench.timing`` (cold L2, dispatch amortized in one jitted loop, median of repeats),
-  ``bench.torch_timing`` (PyTorch arms in CUDA graphs), ``bench.ceiling`` (the copy ceiling),
-  ``bench.options`` (``RunOptions``) and ``bench.records`` (``CaseResult``).
-- ``bench.report``: the attribution guard, the environment, the Markdown and JSON reports.
-- ``bench.attention_inputs``: the standard attention grid and its paged KV inputs.
-- ``bench.suites``: the suites (``peers``, ``decode``) and the contract a suite follows.
-- ``bench.memcheck_decode``: a small decode workload for ``compute-sanitizer``; ``run_on_gpu.sh``:
-  the stages one GPU session runs.
+One folder a kind of script:
 
-This package imports nothing heavy at import time, so the command line can choose JAX's
-platform before JAX starts.
+- ``bench.harness``: how a figure is measured and reported, shared by everything below:
+  timing (cold L2, dispatch amortized in one jitted loop, median of repeats), PyTorch timing,
+  the copy ceiling, ``RunOptions``, ``CaseResult``, the report writer and its attribution
+  guard, the standard attention inputs, and ``python -m bench.harness.merge_reports`` (one
+  report from a suite run in parts).
+- ``bench.suites``: the suites ``python -m bench <suite>`` runs, each writing
+  ``docs/benchmark_results/<date>-<suite>.{md,json}``, and the contract a suite follows.
+- ``bench.tuning``: launch-parameter sweeps that chose kernels' defaults.
+- ``bench.probes``: one-off measurements that answered a design question.
+- ``bench.memcheck``: small workloads for ``compute-sanitizer``.
+- ``bench/run_on_gpu.sh``: the stages one GPU session runs.
+
+The method is described in ``docs/benchmarking.md``. This package imports nothing heavy at
+import time, so the command line can choose JAX's platform before JAX starts.
 """

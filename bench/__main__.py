@@ -1,10 +1,11 @@
 """Command line: ``python -m bench <suite> [--quick] [--tune] [--dry-run] [--out DIR]``.
 
 - ``python -m bench peers`` on a GPU: measures the copy ceiling, runs the suite on the
-  standard grid, prints one line a measured row, and writes
-  ``docs/benchmark_results/YYYY-MM-DD-<suite>.md`` and ``.json``.
+  standard grid, prints which case it is setting up and, once a case is done, its rows under a
+  header, and writes ``docs/benchmark_results/YYYY-MM-DD-<suite>.md`` and ``.json``.
 - ``--quick``: a subset of the grid, for a fast look.
-- ``--tune``: suites with tunable kernels (``decode``) also sweep their parameters.
+- ``--tune``: suites with tunable kernels (``decode``, ``prefill``) also sweep their launch
+  parameters.
 - ``--dry-run``: every code path on the CPU with tiny shapes and a few calls (Pallas kernels
   interpreted, PyTorch arms eager on the CPU when torch is installed); the report goes to
   ``--out`` or a fresh temporary directory, never to ``docs/benchmark_results``, and says that
@@ -36,9 +37,34 @@ DRY_RUN_COPY_BYTES = 1 << 20
 DRY_RUN_REPEATS = 3
 
 
+def positive_integers(text: str) -> tuple[int, ...]:
+    """``"256,32"`` -> ``(256, 32)``, for ``--batches`` and ``--contexts``.
+
+    Raises:
+      argparse.ArgumentTypeError: for an empty item, a non-integer or a value below 1.
+    """
+    values = []
+    for item in text.split(","):
+        try:
+            value = int(item)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected comma-separated positive integers, got {text!r}"
+            ) from None
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"expected positive integers, got {value} in {text!r}")
+        values.append(value)
+    return tuple(values)
+
+
 def parse_arguments(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="python -m bench", description="decodelab benchmarks (method: docs/benchmarking.md)"
+        prog="python -m bench",
+        description="decodelab benchmarks: times each suite's arms on a GPU and writes a report "
+        "to docs/benchmark_results/ (the method: docs/benchmarking.md)",
+        epilog="Tuners, probes and memcheck workloads run on their own: python -m "
+        "bench.tuning.<name>, bench.probes.<name>, bench.memcheck.<name>; "
+        "python -m bench.harness.merge_reports merges a suite run in parts.",
     )
     parser.add_argument("suite", choices=sorted(SUITES), help="which suite to run")
     parser.add_argument("--quick", action="store_true", help="a subset of the grid")
@@ -50,14 +76,22 @@ def parse_arguments(argv: list[str]) -> argparse.Namespace:
     parser.add_argument(
         "--tune",
         action="store_true",
-        help="also sweep kernel parameters where the suite has them (decode), and report the best",
+        help="also sweep kernel launch parameters where the suite has them (decode, prefill), "
+        "and report the best",
     )
     parser.add_argument(
         "--batches",
-        type=lambda text: tuple(int(b) for b in text.split(",")),
+        type=positive_integers,
         default=None,
         help="comma-separated batch sizes to run instead of the grid's (suites with a batch "
         "grid: sampling), e.g. 256,32",
+    )
+    parser.add_argument(
+        "--contexts",
+        type=positive_integers,
+        default=None,
+        help="comma-separated context lengths to run instead of the grid's (suites with a "
+        "context grid: prefill), e.g. 32768",
     )
     parser.add_argument(
         "--gumbel-only",
@@ -104,7 +138,8 @@ def main(argv: list[str] | None = None) -> int:
 
     import jax
 
-    from bench import harness, report
+    from bench import harness
+    from bench.harness import report
     from bench.suites import load_suite
 
     suite = load_suite(arguments.suite)
@@ -125,12 +160,14 @@ def main(argv: list[str] | None = None) -> int:
         batches=arguments.batches,
         q_len_only=arguments.q_len_only,
         gumbel_only=arguments.gumbel_only,
+        contexts=arguments.contexts,
     )
     command = shlex.join(["python", "-m", "bench", *argv])
 
     if arguments.dry_run:
         print(f"DRY RUN: {report.DRY_RUN_NOTE}.", flush=True)
     print(f"suite {arguments.suite} on {device.device_kind}: {command}", flush=True)
+    report.print_progress("measuring the copy ceiling")
     with jax.default_device(device):
         if arguments.dry_run:
             ceiling = harness.measure_copy_ceiling(

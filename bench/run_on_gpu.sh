@@ -8,7 +8,9 @@
 #   bash bench/run_on_gpu.sh sampling-32 speculative serving-a serving-b
 #   timeout -s KILL 560 bash bench/run_on_gpu.sh speculative-quick engine-bf16 serving-single; \
 #     bash bench/run_on_gpu.sh pack
-# (merge a suite's parts into one report with python -m bench.merge_reports)
+# (merge a suite's parts into one report with python -m bench.harness.merge_reports)
+# The stage names are unchanged since bench/ was split into harness/, suites/, tuning/, probes/
+# and memcheck/; only the modules they run moved (prefill is now `python -m bench prefill`).
 # Each stage has its own timeout, but a chain of stages can outlast one device command (600 s):
 # put an outer timeout on the chain and run `pack` after it, as above, so that the archive is
 # made even when the chain is killed (the device tool brings back at most 8 files).
@@ -37,15 +39,15 @@ for stage in "$@"; do
         | grep -v '^  tune' ;;
     memcheck)
       XLA_PYTHON_CLIENT_ALLOCATOR=platform XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 150 \
-        compute-sanitizer --tool memcheck python3 -m bench.memcheck_decode 2>&1 \
+        compute-sanitizer --tool memcheck python3 -m bench.memcheck.decode 2>&1 \
         | tee "$out/memcheck.log" | tail -n 12 ;;
     memcheck-prefill)  # the prefill kernel under compute-sanitizer (about 1 min)
       XLA_PYTHON_CLIENT_ALLOCATOR=platform XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 200 \
-        compute-sanitizer --tool memcheck python3 -m bench.memcheck_prefill 2>&1 \
+        compute-sanitizer --tool memcheck python3 -m bench.memcheck.prefill 2>&1 \
         | tee "$out/memcheck_prefill.log" | tail -n 8 ;;
     memcheck-sampling)  # issue 4: every sampling kernel under compute-sanitizer, NaN rows included
       XLA_PYTHON_CLIENT_ALLOCATOR=platform XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 200 \
-        compute-sanitizer --tool memcheck python3 -m bench.memcheck_sampling 2>&1 \
+        compute-sanitizer --tool memcheck python3 -m bench.memcheck.sampling 2>&1 \
         | tee "$out/memcheck_sampling.log" | tail -n 8 ;;
     sampling-tests)
       timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_sampling_kernels.py \
@@ -84,19 +86,19 @@ for stage in "$@"; do
     prefill)  # the prefill kernel's GPU tests, then one chunk at 16K and 32K (about 90 s)
       timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_paged_prefill_kernel.py \
         2>&1 | tee "$out/gpu_prefill_tests.log" | tail -n 2
-      timeout 300 python3 -m bench.prefill_bench --no-sweep --out "$out/prefill" 2>&1 \
-        | tee "$out/prefill.log" | tail -n 8 ;;
+      timeout 300 python3 -m bench prefill --out "$out/prefill" 2>&1 \
+        | tee "$out/prefill.log" | grep -E '^note|wrote|^B=' ;;
     prefill-sweep)  # the launch sweep at 32K alone (54 launches)
-      timeout 560 python3 -m bench.prefill_bench --contexts 32768 --out "$out/prefill-sweep" 2>&1 \
-        | tee "$out/prefill-sweep.log" | tail -n 12 ;;
+      timeout 560 python3 -m bench prefill --tune --contexts 32768 --out "$out/prefill-sweep" \
+        2>&1 | tee "$out/prefill-sweep.log" | grep -E '^note|wrote' ;;
     gumbel-two-level)  # issue 4: what a two-level exponential race would cost (about 60 s)
-      timeout 200 python3 -m bench.gumbel_two_level_probe 2>&1 \
+      timeout 200 python3 -m bench.probes.gumbel_two_level 2>&1 \
         | tee "$out/gumbel_two_level_probe.log" | grep -E '^B=|FAILED' ;;
     tune-gumbel)  # issue 4: the Gumbel kernel's agreement and launch variants (about 3 min)
-      timeout 550 python3 -m bench.tune_gumbel --out "$out" 2>&1 | tee "$out/tune_gumbel.log" \
+      timeout 550 python3 -m bench.tuning.gumbel --out "$out" 2>&1 | tee "$out/tune_gumbel.log" \
         | grep -vE '^B=' ;;
     gumbel-variants)  # issue 4: where the Gumbel kernel's time goes (about 3 min)
-      timeout 300 python3 -m bench.gumbel_variants_probe --set "${GUMBEL_PROBE_SET:-internals}" 2>&1 \
+      timeout 300 python3 -m bench.probes.gumbel_variants --set "${GUMBEL_PROBE_SET:-internals}" 2>&1 \
         | tee "$out/gumbel_variants_probe.log" | grep -E '^B=|FAILED' ;;
     pack)  # the device tool brings back at most 8 files: one archive of everything so far
       (cd "$out" && tar czf ../decodelab-gpu.tgz . && rm -rf ./* && mv ../decodelab-gpu.tgz .) ;;

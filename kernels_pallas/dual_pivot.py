@@ -57,13 +57,13 @@ from kernels_pallas.row_select import (
 )
 
 ORDERS = ("joint", "top_k_first")
-# Measured on the H200 (bench/tune_sampling.py, 2026-11-30): 16 elements a thread; 8192 columns
+# Measured on the H200 (bench/tuning/sampling.py, 2026-11-30): 16 elements a thread; 8192 columns
 # with 8 warps spills registers (4x slower), 4096 with 8 warps is 1.2x to 1.4x slower.
 DEFAULT_BLOCK = 8192
 DEFAULT_NUM_WARPS = 16
 # The streaming passes (first table, min-p table, pivot tests) issue a block's loads one block
 # early (row_select.fold_blocks; the radix-selection passes do not). Measured on the
-# H200 (bench/tune_sampling.py, 2026-12-01, B=256, times including a 60 us slice copy): top-k
+# H200 (bench/tuning/sampling.py, 2026-12-01, B=256, times including a 60 us slice copy): top-k
 # 334 -> 263 us, top-p 250 -> 201 us, min-p 181 -> 156 us; 8192 columns and 16 warps stay best.
 DEFAULT_PREFETCH = True
 

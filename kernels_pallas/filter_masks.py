@@ -133,7 +133,7 @@ def filter_rows(
     parameter: jax.Array,
     *,
     mode: str,
-    block: int = 2048,  # the faster of 1024 and 2048 on the H200 (bench/tune_sampling.py)
+    block: int = 2048,  # the faster of 1024 and 2048 on the H200 (bench/tuning/sampling.py)
     num_warps: int = 4,
     num_stages: int = 1,
     interpret: bool = False,

@@ -72,7 +72,7 @@ from kernels_pallas.online_softmax import LOG2_E, MASKED_LOGIT
 from kernels_pallas.paged_decode import dot_rows, head_major, token_major
 from kernels_pallas.platform import whole_array
 
-# Launch parameters. Not yet swept on a GPU (``python -m bench.prefill_bench`` does it; these
+# Launch parameters. Not yet swept on a GPU (``python -m bench prefill`` does it; these
 # defaults reached 288-295 TFLOP/s on an H200, module docstring). They are FlashAttention-2's
 # usual Hopper shape scaled to what 4 warps hold in registers: a 64-row query tile (16 tokens x
 # G = 4) against 64 keys a step (4 pages of 16), so the float32 accumulator (64 x 128) and the

@@ -45,7 +45,7 @@ Counter layout (the contract; changing it changes every sampled token):
   (``sampling.api.EXPONENTIAL_STREAM``, Philox, column = token); 1, rejection-round uniforms
   (``sampling.api.ROUND_STREAM``, column = round); 2, speculative verification
   (``speculative.api.SPECULATIVE_STREAM``, columns ``4i .. 4i + 2`` for draft position ``i``);
-  3, the block noise of a cost probe (``bench/gumbel_two_level_probe.py``, column = block; no
+  3, the block noise of a cost probe (``bench/probes/gumbel_two_level.py``, column = block; no
   sampler uses it).
 - Domain separation of the Threefry draws, by counter word 0 (Philox noise is another block
   function, with its own counters from 0): element draws use ``[2**31, 2**32)``, row-key

@@ -145,7 +145,7 @@ def fold_blocks(num_blocks, load, body, init, *, prefetch: bool):
     table entry, a count) that wait for the whole block. Without prefetching, a block's loads
     start only after the previous block's reductions, so each iteration pays a full memory
     latency; Triton's software pipeliner does not take these masked loads (``num_stages``
-    changed nothing in ``bench/tune_sampling.py``). With ``prefetch=True`` iteration ``i``
+    changed nothing in ``bench/tuning/sampling.py``). With ``prefetch=True`` iteration ``i``
     first issues block ``i + 1``'s loads, then reduces block ``i``, whose values it received
     in the carry: the latency hides behind the arithmetic, at the cost of a second block of
     registers. The last iteration loads block ``num_blocks``, past the range: ``load`` must

@@ -85,7 +85,7 @@ from kernels_pallas.row_select import RowReader, fold_blocks, pick_by_table
 
 COLUMNS_PER_POSITION = 4
 ACCEPT_COLUMN, CHUNK_COLUMN, TOKEN_COLUMN = 0, 1, 2
-# Chosen by bench/tune_speculative.py on the H200 at B=64, n=4 (2026-12-01): 512 columns of
+# Chosen by bench/tuning/speculative.py on the H200 at B=64, n=4 (2026-12-01): 512 columns of
 # two rows a block, 4 warps (4 elements a thread per row), each block's loads issued one block
 # early (row_select.fold_blocks): 25.26 us, against 25.59 us for the previous 1024 columns
 # without prefetching (27.14 us with it; 2048 and 4096 columns: 29 to 32 us). With eight

@@ -5,7 +5,9 @@ finish) are decoded with top-p sampling and speculative decoding by the tiny tar
 of ``serving/weights/``, then once more without speculation. It prints the generated text, the
 measured acceptance against the formula's prediction, tokens per second, where a step's time
 goes (host against device), and which backend ran each operation. It ends with ``OK`` when
-every request finished and both pools came back full.
+every request finished and both pools came back full. Requests are numbered from 1 (``spec-1``
+.. ``spec-6``, ``plain-1`` ..), as everywhere on the command line; request ``k`` samples from
+``seed + k - 1``.
 
 The prediction: with drafts accepted independently at rate ``alpha``, a verification step
 emits ``(1 - alpha^(n + 1)) / (1 - alpha)`` tokens on average. ``alpha`` is measured (accepted
@@ -21,11 +23,11 @@ from __future__ import annotations
 import pathlib
 import time
 
-import jax
 import numpy as np
 
 from serving.engine import Engine
 from serving.model import load_model
+from serving.paged_demo import device_description
 from serving.requests import Request, SamplingParams
 
 WEIGHTS = pathlib.Path(__file__).parent / "weights"
@@ -88,7 +90,7 @@ def run_demo(
     top_p: float = 0.9,
 ) -> int:
     """Runs the demonstration; returns the exit status (0 when everything checked out)."""
-    print(f"decodelab serving demo on {jax.default_backend()} ({jax.devices()[0].device_kind})")
+    print(f"decodelab serving demo on {device_description()}")
     target, draft = load_tiny_pair()
     print(
         f"target {target[0].num_layers} layers x {target[0].hidden}, draft "
@@ -100,13 +102,13 @@ def run_demo(
     def requests(prefix: str) -> list[Request]:
         params = [
             SamplingParams(
-                temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed + i
+                temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed + index
             )
-            for i in range(len(PROMPTS))
+            for index in range(len(PROMPTS))
         ]
         return [
-            Request(f"{prefix}-{i}", encode_text(prompt), p)
-            for i, (prompt, p) in enumerate(zip(PROMPTS, params, strict=True))
+            Request(f"{prefix}-{number}", encode_text(prompt), p)
+            for number, (prompt, p) in enumerate(zip(PROMPTS, params, strict=True), start=1)
         ]
 
     pages = -(-(max(map(len, PROMPTS)) + max_tokens + num_speculative) // 16)

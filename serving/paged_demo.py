@@ -38,9 +38,17 @@ def dense_attention_float64(q, keys_per_request, values_per_request, sm_scale):
     return np.stack(outputs)
 
 
+def device_description() -> str:
+    """Where JAX runs: the platform, and the device's kind where it says more (``"gpu (NVIDIA
+    H200)"``; a CPU's kind is ``"cpu"`` again, so just ``"cpu"``)."""
+    platform, kind = jax.default_backend(), jax.devices()[0].device_kind
+    return platform if kind.lower() == platform.lower() else f"{platform} ({kind})"
+
+
 def run_paged_demo(seed: int = 0, backend: str = "auto") -> int:
+    """Runs the demonstration; returns the exit status (0 when the output checked out)."""
     rng = np.random.default_rng(seed)
-    print(f"decodelab demo on {jax.default_backend()} ({jax.devices()[0].device_kind})")
+    print(f"decodelab paged KV cache demo on {device_description()}")
 
     # Pages come from a pool in which earlier requests have come and gone, so they scatter.
     pool = paged.PagePool(NUM_POOL_PAGES)

@@ -1,7 +1,7 @@
 """Tests of the benchmark harness (``bench/``): the report's shape, the guards, the timing loop.
 
 Speed figures need a GPU; here everything runs on the CPU with tiny shapes (``--dry-run``),
-which checks that every code path runs and that reports have the shape ``benchmarking.md``
+which checks that every code path runs and that reports have the shape ``docs/benchmarking.md``
 fixes, not how fast anything is.
 """
 
@@ -24,10 +24,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import paged
-from bench import harness, report
+from bench import harness
 from bench.__main__ import NO_GPU_MESSAGE, REPORTS_DIRECTORY, main
-from bench.attention_inputs import ATTENTION_GRID, kv_bytes_per_set, make_attention_setup
-from bench.harness import CASE_FIELDS, CaseResult, RunOptions, Timing
+from bench.harness import CASE_FIELDS, CaseResult, RunOptions, Timing, report
+from bench.harness.attention_inputs import ATTENTION_GRID, kv_bytes_per_set, make_attention_setup
 from bench.suites import decode as decode_suite
 from bench.suites import fused_ops as fused_ops_suite
 from bench.suites import peers
@@ -381,7 +381,7 @@ def _decode_dry_run(out_dir, *flags):
     for case in document["cases"]:
         assert set(CASE_FIELDS) <= set(case), case
         arms_by_case.setdefault(case["case"], set()).add(case["arm"])
-    return document, arms_by_case
+    return document, arms_by_case, printed.getvalue()
 
 
 @pytest.fixture(scope="module")
@@ -390,8 +390,26 @@ def decode_dry_run(tmp_path_factory):
     return _decode_dry_run(tmp_path_factory.mktemp("decode_dry_run"))
 
 
+def test_decode_dry_run_says_what_it_does_and_heads_its_rows(decode_dry_run):
+    """Before each case's rows (minutes of compiling on a GPU) a progress line names the case;
+    every block of rows starts with the column headers."""
+    document, _, printed = decode_dry_run
+    lines = printed.splitlines()
+    header = report._result_line(*report.RESULT_COLUMNS)
+    assert lines.index("... measuring the copy ceiling") < next(
+        index for index, line in enumerate(lines) if line.startswith("copy ceiling")
+    )
+    for case in dict.fromkeys(row["case"] for row in document["cases"]):
+        first_row = next(index for index, line in enumerate(lines) if line.startswith(case + "  "))
+        assert lines[first_row - 1] == header, case
+        announced = [
+            index for index, line in enumerate(lines[:first_row]) if line.startswith(f"... {case}:")
+        ]
+        assert announced, case
+
+
 def test_decode_dry_run_times_every_decodelab_arm_beside_the_peers(decode_dry_run):
-    document, arms_by_case = decode_dry_run
+    document, arms_by_case, _ = decode_dry_run
     standard = {case: arms for case, arms in arms_by_case.items() if "q_len=" not in case}
     assert standard
     for arms in standard.values():
@@ -414,7 +432,7 @@ def test_decode_dry_run_times_every_decodelab_arm_beside_the_peers(decode_dry_ru
 def test_decode_dry_run_times_several_new_tokens_per_request(decode_dry_run):
     """The q_len cases: the API (its kernel with the causal q_len rows, split and merged in the
     dry run) and the causal XLA arm on the same pool, checked against each other."""
-    document, arms_by_case = decode_dry_run
+    document, arms_by_case, _ = decode_dry_run
     q_lens = decode_suite.DRY_RUN_MULTI_TOKEN_Q_LENS
     expected = {decode_suite.multi_token_case(2, 40, q_len) for q_len in q_lens}
     assert expected <= set(arms_by_case)
@@ -463,7 +481,7 @@ def test_xla_causal_arm_equals_the_paged_reference():
 
 
 def test_decode_tuning_dry_run_sweeps_launch_and_planner_parameters(tmp_path):
-    document, arms_by_case = _decode_dry_run(tmp_path, "--tune")
+    document, arms_by_case, _ = _decode_dry_run(tmp_path, "--tune")
     for arms in arms_by_case.values():
         assert "xla_gather" not in arms  # a tuning run compares our parameters only
     for row in (c for c in document["cases"] if c["arm"] == "decodelab"):
@@ -837,39 +855,89 @@ def test_fused_ops_pallas_arms_run_their_kernel_and_nothing_else_in_the_loop(
 
 
 # ----------------------------------------------------------------------------------------------
-# The prefill benchmark's smoke mode (bench/prefill_bench.py)
+# The prefill suite's dry run
 
 
-def test_prefill_bench_smoke_times_every_arm_and_writes_json(tmp_path):
-    """``--smoke``: tiny shapes, interpreted on the CPU; the reference, the API and each launch
-    of the smoke sweep are timed, the API agrees with the reference, and the table is last."""
-    from bench import prefill_bench
+def test_prefill_dry_run_times_every_arm_and_writes_a_report(tmp_path):
+    """``python -m bench prefill --dry-run --tune``: tiny shapes, interpreted on the CPU; the
+    reference, the API and each launch of the dry-run sweep are timed, the API agrees with the
+    reference, and the report is the one every suite writes, with FLOP figures in each row."""
+    from bench.suites import prefill
 
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
-        status = prefill_bench.main(["--smoke", "--out", str(tmp_path)])
+        status = main(["prefill", "--dry-run", "--tune", "--out", str(tmp_path)])
     assert status == 0
-    document = json.loads((tmp_path / "prefill_bench.json").read_text())
-    assert document["suite"] == "prefill" and document["smoke"] and document["notes"] == []
+    [json_path] = tmp_path.glob("*-prefill.json")
+    document = json.loads(json_path.read_text())
+    assert TOP_LEVEL_KEYS <= set(document) <= TOP_LEVEL_KEYS | OPTIONAL_TOP_LEVEL_KEYS
+    assert document["suite"] == "prefill" and report.DRY_RUN_NOTE in document["notes"]
+    assert not any("differs" in note or "failed" in note for note in document["notes"])
     arms = [case["arm"] for case in document["cases"]]
-    assert arms == ["reference", "decodelab"] + ["kernel"] * len(prefill_bench.SMOKE_SWEEP)
+    sweep = [prefill.kernel_arm(launch) for launch in prefill.DRY_RUN_SWEEP]
+    assert arms == ["reference", "decodelab", *sweep]
+    case_name = prefill.case_name(prefill.DRY_RUN_CONTEXTS[0], prefill.DRY_RUN_CHUNK)
     for case in document["cases"]:
+        assert case["case"] == case_name
+        assert list(case)[: len(CASE_FIELDS)] == list(CASE_FIELDS)
         assert 0 < case["min_us"] <= case["median_us"] <= case["max_us"]
-        assert case["flops"] > 0 and case["achieved_tflops"] > 0
-    assert document["cases"][1]["relative_error_vs_reference"] < 1e-5  # float32 in a smoke run
-    assert printed.getvalue().rstrip().splitlines()[-1].endswith("x")  # the table's ratio line
+        assert case["flops"] > 0
+        assert case["achieved_tflops"] == pytest.approx(case["flops"] / case["median_us"] / 1e6)
+    assert document["cases"][1]["relative_error_vs_reference"] < 1e-5  # float32 in a dry run
+    assert f"### {case_name}" in (json_path.with_suffix(".md")).read_text()
+    assert f"... {case_name}: setting up" in printed.getvalue()
+
+
+def test_prefill_without_tune_sweeps_nothing_and_contexts_replace_the_grid(tmp_path, monkeypatch):
+    """Without ``--tune`` no launch is swept (the committed report's arms: reference and API);
+    ``--contexts`` replaces the grid. The cases themselves are not run (the test above does)."""
+    from bench.suites import prefill
+
+    calls = []
+
+    def fake_run_case(context, chunk, shape, options, ceiling_tbps, notes, *, sweep, dtype):
+        calls.append((context, chunk, sweep))
+        return []
+
+    monkeypatch.setattr(prefill, "run_case", fake_run_case)
+    with contextlib.redirect_stdout(io.StringIO()):
+        status = main(["prefill", "--dry-run", "--contexts", "48,96", "--out", str(tmp_path)])
+    assert status == 0
+    assert calls == [(48, prefill.DRY_RUN_CHUNK, []), (96, prefill.DRY_RUN_CHUNK, [])]
+    with pytest.raises(ValueError, match="--contexts: each context must be at least the chunk"):
+        with contextlib.redirect_stdout(io.StringIO()):
+            main(["prefill", "--dry-run", "--contexts", "8", "--out", str(tmp_path)])
+
+
+@pytest.mark.parametrize("text", ["3,x", "0", "16,-1", ""])
+def test_bench_list_flags_name_the_bad_value(text, capsys):
+    """``--contexts`` and ``--batches`` take comma-separated positive integers."""
+    with pytest.raises(SystemExit) as raised:
+        main(["prefill", "--dry-run", "--contexts", text])
+    assert raised.value.code == 2
+    error = capsys.readouterr().err
+    assert "argument --contexts" in error and repr(text) in error
+
+
+def test_bench_help_points_to_the_repository_docs(capsys):
+    """``--help`` cites the method page shipped with the repository, never a path outside it."""
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    printed = capsys.readouterr().out
+    assert "docs/benchmarking.md" in printed and "../" not in printed
+    assert "prefill" in printed
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the Pallas Triton backend's
 def test_two_level_race_probe_draws_the_softmax_and_lowers_for_an_h200(
     monkeypatch, verify_triton_modules
 ):
-    """``bench/gumbel_two_level_probe.py`` (a cost probe for issue 4): its two kernels,
+    """``bench/probes/gumbel_two_level.py`` (a cost probe for issue 4): its two kernels,
     interpreted, draw ``softmax(logits)`` (calibrated check, 16 blocks of 32 tokens with a
     masked tail), and lower to Triton modules an H200 accepts at the probe's shapes."""
     import functools
 
-    from bench import gumbel_two_level_probe as probe
+    from bench.probes import gumbel_two_level as probe
     from tests.test_sampling_api import assert_distributed_as
 
     vocab, draws = 500, 20_000  # 16 blocks of 32, the last one partial; the bound scales

@@ -1,4 +1,4 @@
-"""``bench.merge_reports``: a suite run in parts becomes one report, rows unchanged."""
+"""``bench.harness.merge_reports``: a suite run in parts becomes one report, rows unchanged."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from bench import merge_reports
+from bench.harness import merge_reports
 
 
 def _part(cases, *, ceiling=4.2, commit="abc1234", notes=("shared note",)):

@@ -384,7 +384,7 @@ def test_prefill_kernel_lowers_to_triton_for_an_h200(monkeypatch, verify_triton_
     head_dim 128, bfloat16, a 512-token chunk), the kernel lowers to one Triton call for an
     H200 in both layouts, with the default launch and the corners of the benchmark's sweep, and
     every Triton module passes the MLIR verifier (as the GPU host's parser requires).
-    Compiling needs the GPU (``python -m bench.prefill_bench``)."""
+    Compiling needs the GPU (``python -m bench prefill``)."""
     gpu_info = pytest.importorskip("jax._src.pallas.triton.gpu_info")
     h200 = gpu_info._get_gpu_info_impl(gpu_info.GpuVersion.H200)
     monkeypatch.setitem(gpu_info.registry, jax.devices()[0].device_kind, lambda: h200)

@@ -413,7 +413,7 @@ def test_gumbel_kernel_agrees_with_the_reference_at_the_full_vocabulary():
 # float32 rounding error of its threshold can therefore go the other way. How often grows with
 # the vocabulary (the running sums' rounding grows like sqrt(V) ulps while tail tokens shrink
 # like 1 / V): on the H200 at vocab 128256, 1 row in 64 differed for top-p, top-k and joint, 0
-# for min-p (bench/tune_sampling.py, 2026-11-30). At the vocabularies here the rate is far lower;
+# for min-p (bench/tuning/sampling.py, 2026-11-30). At the vocabularies here the rate is far lower;
 # the bound below is 1 row in 32 over 96 rows, so up to 3 flips pass and a kernel that breaks a
 # rule (wrong pivot, wrong tie) fails it: such a bug flips a large share of the rows.
 

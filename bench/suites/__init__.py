@@ -17,14 +17,16 @@ defines::
 - ``run`` returns every measured row as a ``bench.harness.CaseResult`` (case names lead with
   the method for sampling, ``"top_p B=32"``, and are ``"B=<n> ctx=<n>"`` for attention), plus
   notes for the report (an arm that failed, a disagreement between arms). It prints a case's
-  rows once the case is complete with ``bench.report.print_results``; the command line then
+  rows once the case is complete with ``bench.harness.report.print_results`` (after a
+  ``bench.harness.report.print_progress`` line naming the case as it starts, so that minutes of
+  setup and compiling are not silent); the command line then
   writes the report. Both refuse rows whose arms cannot be told apart
-  (``bench.report.check_distinguishable``).
+  (``bench.harness.report.check_distinguishable``).
 - ``SuiteOutput.peers_for_ratio`` names the arms each row is compared with in the report
   (None: every arm of the case).
 
 A decode suite that times our kernel beside the peers in the same run builds its inputs with
-``bench.attention_inputs.make_attention_setup(..., layouts=("HND", "head_major"))``, times its
+``bench.harness.attention_inputs.make_attention_setup(..., layouts=("HND", "head_major"))``, times its
 own arms, and adds ``bench.suites.peers.peer_attention_results(setup, options, ceiling.tbps)``
 for the same setup, then registers itself here: ``"decode": "bench.suites.decode"``.
 """
@@ -46,6 +48,7 @@ SUITES = {
     "fused_ops": "bench.suites.fused_ops",
     "speculative": "bench.suites.speculative",
     "serving": "bench.suites.serving",
+    "prefill": "bench.suites.prefill",
 }
 
 

@@ -1,7 +1,7 @@
 """The ``decode`` suite: decodelab's fused paged decode beside the peers, in the same run.
 
 Standard grid (32 query heads, 8 KV heads, head_dim 128, page_size 16, bfloat16, HND pool),
-cold L2, dispatch amortized (``bench/harness.py``). Bytes = K and V of the real tokens. Arms:
+cold L2, dispatch amortized (``bench.harness``). Bytes = K and V of the real tokens. Arms:
 
 - ``decodelab``: the public ``paged.decode_attention(..., plan=plan, backend="pallas")`` with
   the plan ``paged.plan_decode`` made for the step: what a user gets.
@@ -50,8 +50,16 @@ import jax.numpy as jnp
 import numpy as np
 
 import paged
-from bench import report
-from bench.attention_inputs import (
+from bench.harness import (
+    CaseResult,
+    CopyCeiling,
+    RunOptions,
+    TimedLoop,
+    expected_us,
+    repeat_arm,
+    report,
+)
+from bench.harness.attention_inputs import (
     ATTENTION_GRID,
     DRY_RUN_GRID,
     DRY_RUN_SHAPE,
@@ -62,7 +70,6 @@ from bench.attention_inputs import (
     kv_bytes_per_set,
     make_attention_setup,
 )
-from bench.harness import CaseResult, CopyCeiling, RunOptions, TimedLoop, expected_us, repeat_arm
 from bench.suites import SuiteOutput, peers
 from kernels_pallas import paged_decode_tuning as tuning
 from kernels_pallas.merge_states import merge_partial_states
@@ -106,6 +113,10 @@ def run(options: RunOptions, ceiling: CopyCeiling) -> SuiteOutput:
         grid = ()
     for batch, context in grid:
         num_sets = options.num_sets_for(kv_bytes_per_set(batch, context, **shape))
+        report.print_progress(
+            f"{case_name(batch, context)}: setting up {num_sets} rotating sets, then timing "
+            + ("the tuning sweep" if options.tune else "decodelab's arms and the peers")
+        )
         setup = make_attention_setup(
             batch, context, **shape, layouts=("HND", peers.PEER_ATTENTION_LAYOUT), num_sets=num_sets
         )
@@ -559,6 +570,7 @@ def multi_token_results(
         plan = plan_for(setup)  # one plan serves every q_len: plans do not depend on it
         for q_len in q_lens:
             case = multi_token_case(batch, context, q_len)
+            report.print_progress(f"{case}: timing decodelab and xla_gather")
             queries = multi_token_queries(setup, q_len)
             try:
                 loop = api_loop(setup, plan, queries)

@@ -1,7 +1,7 @@
 """The ``fused_ops`` suite: fused residual-add RMSNorm and fused RoPE + paged KV append, beside
 XLA's fusion of the unfused JAX expressions, in the same run.
 
-Dispatch amortized, median of repeats (``bench/harness.py``), in a loop of its own
+Dispatch amortized, median of repeats (``bench.harness``), in a loop of its own
 (``ChainedCallsLoop``), because these operations write as many bytes as they read and a call
 of the small cases is bound by kernel launches, so anything around a call is timed as if it
 were the call:
@@ -84,7 +84,6 @@ import numpy as np
 from jax import lax
 
 import paged
-from bench import report
 from bench.harness import (
     CaseResult,
     CopyCeiling,
@@ -93,6 +92,7 @@ from bench.harness import (
     checksum_of,
     expected_us,
     repeat_arm,
+    report,
 )
 from bench.suites import SuiteOutput, peers
 from kernels_pallas import norm as norm_kernels
@@ -166,6 +166,7 @@ def run(options: RunOptions, ceiling: CopyCeiling) -> SuiteOutput:
         token_counts = QUICK_NORM_TOKENS if options.quick else NORM_TOKENS
     for hidden in hidden_sizes:
         for tokens in token_counts:
+            report.print_progress(f"add+RMSNorm tokens={tokens} hidden={hidden}")
             inputs = make_norm_inputs(tokens, hidden, options)
             try:
                 results += norm_case_results(inputs, options, ceiling.tbps, notes)
@@ -173,6 +174,7 @@ def run(options: RunOptions, ceiling: CopyCeiling) -> SuiteOutput:
                 inputs.delete()
                 gc.collect()
     shape = DRY_RUN_ROPE_SHAPE if options.dry_run else ROPE_SHAPE
+    report.print_progress("RoPE + paged append")
     inputs = make_rope_inputs(shape, options)
     try:
         results += rope_case_results(inputs, options, ceiling.tbps, notes)

@@ -1,4 +1,4 @@
-"""The ``peers`` suite: what people use today, measured the ``benchmarking.md`` way.
+"""The ``peers`` suite: what people use today, measured the ``docs/benchmarking.md`` way.
 
 These figures are the yardstick decodelab's kernels are compared with, so they are measured
 with the same method in the same run: cold L2 (rotating page tables over one large pool,
@@ -25,7 +25,7 @@ Sampling at vocab 128256, float32 logits, batch 1, 32 and 256; bytes = ``B x V x
 - ``read_only`` in both: summing the set, about the byte floor of reading the logits once.
   Every rotating set is an array of its own, visited by a static index
   (``timing.SetsInTurnLoop``): a set sliced out of a stacked ``[R, B, V]`` array by a traced
-  index was copied before each Pallas call (60 us at batch 256, ``bench/slice_probe.py``).
+  index was copied before each Pallas call (60 us at batch 256, ``bench/probes/slice.py``).
 
 Every arm records an attribution only it produces, and each case ends with its reference arm
 timed again (``"<arm> (repeat)"``) so the report shows the noise level.
@@ -44,17 +44,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from bench import report
-from bench.attention_inputs import (
-    ATTENTION_GRID,
-    DRY_RUN_GRID,
-    DRY_RUN_SHAPE,
-    QUICK_GRID,
-    STANDARD_SHAPE,
-    AttentionSetup,
-    kv_bytes_per_set,
-    make_attention_setup,
-)
 from bench.harness import (
     CaseResult,
     CopyCeiling,
@@ -65,7 +54,19 @@ from bench.harness import (
     expected_us,
     release_torch_memory,
     repeat_arm,
+    report,
     torch_from_jax,
+)
+from bench.harness.attention_inputs import (
+    ATTENTION_GRID,
+    DRY_RUN_GRID,
+    DRY_RUN_SHAPE,
+    QUICK_GRID,
+    STANDARD_SHAPE,
+    AttentionSetup,
+    case_name,
+    kv_bytes_per_set,
+    make_attention_setup,
 )
 from bench.suites import SuiteOutput
 
@@ -107,6 +108,9 @@ def run(options: RunOptions, ceiling: CopyCeiling) -> SuiteOutput:
     grid = DRY_RUN_GRID if options.dry_run else QUICK_GRID if options.quick else ATTENTION_GRID
     for batch, context in grid:
         num_sets = options.num_sets_for(kv_bytes_per_set(batch, context, **shape))
+        report.print_progress(
+            f"{case_name(batch, context)}: setting up {num_sets} rotating sets, timing the peers"
+        )
         setup = make_attention_setup(
             batch, context, **shape, layouts=(PEER_ATTENTION_LAYOUT,), num_sets=num_sets
         )
@@ -122,6 +126,7 @@ def run(options: RunOptions, ceiling: CopyCeiling) -> SuiteOutput:
     else:
         batches = QUICK_SAMPLING_BATCHES if options.quick else SAMPLING_BATCHES
     for batch in batches:
+        report.print_progress(f"sampling B={batch} vocab={vocab}: timing the peers")
         results += sampling_results(batch, vocab, options, ceiling.tbps, notes=notes)
     if options.torch_device is None:
         needed = "torch" if options.dry_run else "torch with CUDA"

@@ -1,7 +1,7 @@
 """The ``sampling`` suite: decodelab's samplers beside the sampling peers, in the same run.
 
 Vocab 128256, float32, batch 1, 32 and 256 (``--quick``: batch 32; dry run: vocab 1000, batch 1
-and 4), cold L2, dispatch amortized (``bench/harness.py``). Inputs rotate the way
+and 4), cold L2, dispatch amortized (``bench.harness``). Inputs rotate the way
 ``peers.sampling_results`` rotates them: R sets, each its own ``[B, V]`` array visited by a
 static index (``timing.SetsInTurnLoop``: no slice is copied before a Pallas call), R from
 ``options.unrolled_sets_for(B x V x 4)`` (cold L2, but at most 32 sets: at batch 1 the 16 MB
@@ -59,7 +59,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench import report
 from bench.harness import (
     CaseResult,
     CopyCeiling,
@@ -68,6 +67,7 @@ from bench.harness import (
     TimedLoop,
     expected_us,
     repeat_arm,
+    report,
 )
 from bench.suites import SuiteOutput, peers
 from kernels_pallas import rng
@@ -158,6 +158,7 @@ def run(options: RunOptions, ceiling: CopyCeiling) -> SuiteOutput:
         batches = peers.QUICK_SAMPLING_BATCHES if options.quick else peers.SAMPLING_BATCHES
     batches = options.batches or batches
     for batch in batches:
+        report.print_progress(f"B={batch} vocab={vocab}: setting up, then timing every sampler")
         inputs = make_sampling_inputs(batch, vocab, options.unrolled_sets_for(batch * vocab * 4))
         try:
             results += batch_results(inputs, options, ceiling.tbps, notes)

@@ -49,7 +49,7 @@ Arms, each a fresh engine per scenario, one after the other (``ARMS``):
 
 ``attribution`` is what ``Engine.backend_report()`` reads off the traced programs: the kernel
 names each op calls, or ``reference``. Two arms that ran the same code have the same
-attribution and the report is refused (``bench.report.check_distinguishable``).
+attribution and the report is refused (``bench.harness.report.check_distinguishable``).
 
 Each (scenario, arm) runs the scenario twice on fresh engines of the same shapes: the first run
 compiles every program (prefill chunks, decode steps of each table bucket and split plan), the
@@ -100,13 +100,13 @@ a file name.
 Op level against the call site (``attention_op_us``, ``sampling_op_us``): the same ops alone
 at the step's shapes, ``bench.harness`` method (rotating sets for a cold L2, dispatch amortized
 in one jitted loop): ``paged.decode_attention`` on a batch of ``B`` requests of the step's mean
-context (``bench.attention_inputs``, ``page_indices`` padded to the engine's bucket, the engine's
+context (``bench.harness.attention_inputs``, ``page_indices`` padded to the engine's bucket, the engine's
 split plan), and tempered softmax + ``sampling.filtered_sample`` on float32 logits ``[B, V]``.
 The notes compare each op's speedup (reference / default) alone with the same op's speedup at
 the call site (``attention_callsite_us`` = (full - no-attention) / layers), and the step's.
 The sampler's input differs between the two: synthetic logits alone, the model's at the call
 site, which with random weights are flatter and take the dual-pivot kernel more rounds
-(``bench/rounds_probe.py``); the reference (one sort, then a fixed number of rounds in a
+(``bench/probes/rounds.py``); the reference (one sort, then a fixed number of rounds in a
 ``fori_loop``) costs the same on both.
 """
 
@@ -129,8 +129,8 @@ from jax import lax
 
 import paged
 import sampling
-from bench.attention_inputs import make_attention_setup
-from bench.harness import CaseResult, CopyCeiling, RunOptions, TimedLoop, expected_us
+from bench.harness import CaseResult, CopyCeiling, RunOptions, TimedLoop, expected_us, report
+from bench.harness.attention_inputs import make_attention_setup
 from bench.suites import SuiteOutput
 from kernels_pallas.platform import KILL_SWITCH_VARIABLE, resolve_backend
 from serving import engine as engine_lib
@@ -155,11 +155,11 @@ MAX_MEASURED_RUNS = 3
 ATTENTION_PRIOR = {"pallas": (1.0, 10.0), "reference": (0.1, 30.0)}
 SAMPLING_PRIOR = {"pallas": (0.5, 20.0), "reference": (0.02, 100.0)}
 LOGITS_SCALE = 3.0  # the sampling suites' logits scale for the op-level sampler
-# Why the sampler's op-level speedup shrinks at the call site (bench/rounds_probe.py).
+# Why the sampler's op-level speedup shrinks at the call site (bench/probes/rounds.py).
 SAMPLING_SHRINK_NOTE = (
     "why the sampler's speedup shrinks at the call site: the op-level arm samples synthetic "
     "logits (LOGITS_SCALE x normal), the call site the random-weight model's, which are flatter; "
-    "dual-pivot rejection takes more rounds on a flatter row (python -m bench.rounds_probe: "
+    "dual-pivot rejection takes more rounds on a flatter row (python -m bench.probes.rounds: "
     "3.54 against 2.06 mean rounds, docs/benchmark_results/archive/2026-12-01-rounds-probe.json), "
     "while the reference (one sort, then a fixed number of rounds in a fori_loop) costs the "
     "same on both"
@@ -868,6 +868,7 @@ def run(options: RunOptions, ceiling: CopyCeiling) -> SuiteOutput:
     for arm in arms_for(options):
         with arm_environment(arm):
             for scenario in scenarios:
+                report.print_progress(f"{scenario.case}, arm {arm.name}")
                 try:
                     row, case_notes = run_case(model, scenario, arm, num_pages, options, ops)
                 except Exception as error:  # one failing case must not lose the others

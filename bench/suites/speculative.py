@@ -16,7 +16,7 @@ probability ``a_i = min(1, p_i(t_i) / q_i(t_i))`` and position ``i`` reached wit
 ``prod_{j<i} a_j``, so the expected bytes are exact: ``sum_b [8 sum_{i<n} reach_i + 4V + 4V
 (1 - reach_n)]``, averaged over the sets (``expected_bytes``). About 1 MB a request.
 
-Timing (``bench/harness.py``'s method, one change of form): every set is its own argument, and a
+Timing (``bench.harness``'s method, one change of form): every set is its own argument, and a
 timed program visits the sets in turn with static indices (``SetsInTurnLoop``): round ``r`` of a
 ``fori_loop`` calls the arm on set 0, 1, ..., R - 1, each with the key ``fold_in(key_s, r)``. No
 large input is sliced by a traced index (a ``dynamic_slice`` feeding a custom call may be copied
@@ -48,17 +48,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench import report
 from bench.harness import (
     CaseResult,
     CopyCeiling,
     RunOptions,
     SetsInTurnLoop,
     expected_us,
+    report,
     unrolled_num_sets,
 )
+from bench.harness.timing import MAX_UNROLLED_SETS
 from bench.suites import SuiteOutput, peers
-from bench.timing import MAX_UNROLLED_SETS
 from speculative import api
 
 VOCAB = peers.VOCAB
@@ -99,6 +99,7 @@ def run(options: RunOptions, ceiling: CopyCeiling) -> SuiteOutput:
     else:
         cases = [(batch, drafts) for batch in BATCHES for drafts in DRAFTS]
     for batch, num_drafts in cases:
+        report.print_progress(f"B={batch} drafts={num_drafts} vocab={vocab}")
         sets = make_sets(batch, num_drafts, vocab, options)
         try:
             results += case_results(sets, options, ceiling.tbps, notes)

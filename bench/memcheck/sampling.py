@@ -1,7 +1,7 @@
 """A small sampling workload to run under NVIDIA compute-sanitizer (memcheck) on a GPU.
 
     XLA_PYTHON_CLIENT_ALLOCATOR=platform XLA_PYTHON_CLIENT_PREALLOCATE=false \\
-        compute-sanitizer --tool memcheck python -m bench.memcheck_sampling
+        compute-sanitizer --tool memcheck python -m bench.memcheck.sampling
 
 The platform allocator gives every array its own allocation, so a read past a row's end is a
 read past an allocation that memcheck reports. Every kernel of ``kernels_pallas/sampling.py``

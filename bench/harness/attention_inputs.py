@@ -5,7 +5,7 @@ Every attention suite (the peers and our own kernel) times the same inputs, buil
 - a query per rotating set, ``[num_sets, B, H, D]`` (small);
 - ONE large K pool and ONE large V pool holding ``num_sets`` disjoint sets of pages, each set's
   pages a random permutation scattered over the pool, so that a timed loop rotates small page
-  tables over one pool instead of slicing large inputs (``bench/harness.py`` says why);
+  tables over one pool instead of slicing large inputs (``bench.harness`` says why);
 - each set's pages twice: as a CSR page table (``page_indptr``, ``page_indices``,
   ``last_page_len``, our form) and as a dense ``block_tables [B, pages_per_seq]`` (the form of
   JAX's Pallas ``paged_attention`` and of gather-based peers).
@@ -33,7 +33,7 @@ from bench.harness import num_rotating_sets
 
 LAYOUTS = ("HND", "NHD", "head_major")
 
-# (batch, context) of benchmarking.md's standard grid.
+# (batch, context) of docs/benchmarking.md's standard grid.
 ATTENTION_GRID = (
     (1, 4096),
     (1, 32768),

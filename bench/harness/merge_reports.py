@@ -13,7 +13,7 @@ highest of the parts' (its ``ceiling_detail`` lists each part's), its command li
 and notes are kept in order without repeats.
 
 Usage:
-  python -m bench.merge_reports OUT_DIR part1.json part2.json ... [--note TEXT ...]
+  python -m bench.harness.merge_reports OUT_DIR part1.json part2.json ... [--note TEXT ...]
 
 ``--note`` adds a sentence that no part's run wrote (an explanation found later), marked as
 added when merging.
@@ -28,8 +28,8 @@ import pathlib
 import sys
 from typing import Any
 
-from bench.records import CASE_FIELDS, CaseResult
-from bench.report import check_distinguishable, render_markdown
+from bench.harness.records import CASE_FIELDS, CaseResult
+from bench.harness.report import check_distinguishable, render_markdown
 
 SAME_IN_EVERY_PART = ("suite", "date", "gpu", "driver", "jax_version", "timing_method")
 
@@ -92,7 +92,7 @@ def merge(
             },
         },
         "notes": [
-            f"merged from {len(parts)} processes (bench/merge_reports.py); each row's share of "
+            f"merged from {len(parts)} processes (bench/harness/merge_reports.py); each row's share of "
             "the ceiling is against its own process's copy ceiling (ceiling_detail lists them)",
             *notes,
             *(f"(added when merging) {note}" for note in added_notes),

@@ -1,7 +1,7 @@
 """A small decode workload to run under NVIDIA compute-sanitizer (memcheck) on a GPU.
 
     XLA_PYTHON_CLIENT_ALLOCATOR=platform XLA_PYTHON_CLIENT_PREALLOCATE=false \\
-        compute-sanitizer --tool memcheck python -m bench.memcheck_decode
+        compute-sanitizer --tool memcheck python -m bench.memcheck.decode
 
 The platform allocator gives every array its own allocation, so a read past the end of one is
 a read past an allocation that memcheck reports, not a read into a neighbour inside JAX's pool.

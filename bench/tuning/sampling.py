@@ -1,4 +1,4 @@
-"""Checks and tunes the sampling kernels on a GPU: ``python -m bench.tune_sampling [options]``.
+"""Checks and tunes the sampling kernels on a GPU: ``python -m bench.tuning.sampling [options]``.
 
 For vocab 128256 and batch 1, 32 and 256 (``--batches``), float32, and each kernel of
 ``kernels_pallas/sampling.py``:
@@ -7,7 +7,7 @@ For vocab 128256 and batch 1, 32 and 256 (``--batches``), float32, and each kern
    (float32 summation order may flip a near-tie; ``kernels_pallas/dual_pivot.py``), and for the
    renorm and mask kernels the largest difference from the reference's output;
 2. the time of each launch variant (``block`` x ``num_warps``), cold L2 and dispatch amortized
-   as in ``bench/timing.py``.
+   as in ``bench/harness/timing.py``.
 
 It prints one line a variant and a table of the best variants last, and writes everything to
 ``$OUT/sampling-tuning.json`` (or ``--out``). The committed defaults of the kernels come from
@@ -28,8 +28,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from bench.harness.timing import TimedLoop, expected_us, num_rotating_sets
 from bench.suites import peers
-from bench.timing import TimedLoop, expected_us, num_rotating_sets
 from kernels_pallas import rng
 from kernels_pallas.sampling import dual_pivot_sample, filter_rows
 from sampling import api
@@ -107,7 +107,7 @@ def check_agreement(probs, logits, keys) -> dict:
 
 def time_variants(batch: int, filters: tuple[str, ...], renorm: bool) -> list[dict]:
     """Times every launch variant of the dual-pivot and renorm kernels at ``batch`` (the Gumbel
-    kernel's are ``bench/tune_gumbel.py``'s)."""
+    kernel's are ``bench/tuning/gumbel.py``'s)."""
     num_sets = num_rotating_sets(batch * VOCAB * 4)
     logits_sets = peers.random_logits(jax.random.key(batch), (num_sets, batch, VOCAB))
     probs_sets = jax.jit(functools.partial(jax.nn.softmax, axis=-1))(logits_sets)
@@ -191,7 +191,7 @@ def time_variants(batch: int, filters: tuple[str, ...], renorm: bool) -> list[di
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.tune_sampling")
+    parser = argparse.ArgumentParser(prog="python -m bench.tuning.sampling")
     parser.add_argument("--batches", default="1,32,256", help="comma-separated batch sizes")
     parser.add_argument(
         "--filters", default=",".join(FILTERS), help=f"comma-separated, of {list(FILTERS)}"

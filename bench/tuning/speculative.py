@@ -1,5 +1,5 @@
 """A launch-parameter sweep of the speculative kernel at the target case (B=64, n=4, vocab
-128256): ``python -m bench.tune_speculative`` times ``chain_speculative_sample`` on the suite's
+128256): ``python -m bench.tuning.speculative`` times ``chain_speculative_sample`` on the suite's
 own rotating sets for each (block, warps, prefetch) and prints the table, best first. The suite's
 ``decodelab`` arm runs the defaults of ``kernels_pallas/spec_accept.py``; this picks them."""
 

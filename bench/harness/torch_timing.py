@@ -1,6 +1,6 @@
 """How a PyTorch peer's figure is timed, and how its tensors share JAX's buffers.
 
-The PyTorch counterpart of ``bench/timing.py``: ``time_torch_calls`` captures N calls (cycling
+The PyTorch counterpart of ``bench/harness/timing.py``: ``time_torch_calls`` captures N calls (cycling
 over the rotating sets, each result folded into a checksum tensor) in one CUDA graph and times
 its replays with CUDA events, median of repeats, so a PyTorch arm is timed with dispatch
 amortized like a JAX arm. ``torch_device_for`` says where PyTorch arms run,
@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from bench.timing import DEFAULT_REPEATS, DEFAULT_TARGET_SECONDS, Timing, _round_up
+from bench.harness.timing import DEFAULT_REPEATS, DEFAULT_TARGET_SECONDS, Timing, _round_up
 
 
 def torch_device_for(dry_run: bool) -> str | None:

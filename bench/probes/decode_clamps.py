@@ -26,7 +26,7 @@ The earlier versions' sources are read from ``--sources`` (default ``.probe_src/
 ``git show da44cf9:kernels_pallas/paged_decode.py > .probe_src/old_paged_decode.py`` and the
 same for ``old_merge_states.py``, ``head_paged_decode.py``, ``head_merge_states.py``.
 
-Usage (GPU): ``python -m bench.decode_clamp_probe --out $OUT``; ``--smoke`` runs one tiny case
+Usage (GPU): ``python -m bench.probes.decode_clamps --out $OUT``; ``--smoke`` runs one tiny case
 in interpret mode on a CPU (no figure).
 """
 
@@ -44,8 +44,8 @@ import numpy as np
 
 import paged
 import paged.decode as decode_module
-from bench.attention_inputs import make_attention_setup
-from bench.timing import TimedLoop
+from bench.harness.attention_inputs import make_attention_setup
+from bench.harness.timing import TimedLoop
 from kernels_pallas import merge_states as merge_module
 from kernels_pallas import paged_decode as kernel_module
 

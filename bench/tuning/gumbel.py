@@ -1,4 +1,4 @@
-"""Checks and tunes the Gumbel-max kernel on a GPU: ``python -m bench.tune_gumbel``.
+"""Checks and tunes the Gumbel-max kernel on a GPU: ``python -m bench.tuning.gumbel``.
 
 At vocab 128256, float32 logits, batch 256, 128, 64, 32 and 1 (``--batches``):
 
@@ -7,7 +7,7 @@ At vocab 128256, float32 logits, batch 256, 128, 64, 32 and 1 (``--batches``):
    rounding of a near-tie may flip one: the bits are the same, ``lg2.approx`` moves the noise by
    about ``2**-20``);
 2. the time of each launch variant (``quads`` x ``chunks a row`` x ``num_warps`` x
-   ``fast_math``), the public API on both backends (where ``backend="auto"`` should switch), cold L2 and dispatch amortized (``bench/gumbel_probe.time_arm``), beside
+   ``fast_math``), the public API on both backends (where ``backend="auto"`` should switch), cold L2 and dispatch amortized (``bench/probes/gumbel.time_arm``), beside
    ``jnp.argmax`` alone (the read floor) and ``jax.random.categorical``.
 
 It prints a line a variant and a table of the best variants last, and writes everything to
@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-from bench import gumbel_probe
+from bench.probes import gumbel as gumbel_probe
 from kernels_pallas import rng
 from kernels_pallas.gumbel import gumbel_sample
 from sampling import api

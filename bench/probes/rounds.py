@@ -14,7 +14,7 @@ timing; it runs on a CPU in about a minute): the model is ``serving.model.llama3
 the suite's layer count, dtype and seed, fed random prompts; the sampler gets the suite's
 temperature, top-k and top-p.
 
-Usage: ``python -m bench.rounds_probe [--out FILE.json]``; prints one line per input.
+Usage: ``python -m bench.probes.rounds [--out FILE.json]``; prints one line per input.
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ def rounds_on(logits: np.ndarray) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(prog="python -m bench.rounds_probe", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m bench.probes.rounds", description=__doc__)
     parser.add_argument("--out", type=pathlib.Path, default=None, help="write the JSON here")
     args = parser.parse_args(argv)
     config = model_lib.llama3_8b_like(serving_suite.NUM_LAYERS, "bfloat16")

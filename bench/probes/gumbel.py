@@ -1,6 +1,6 @@
 """Where does the Gumbel-max kernel's time go? A GPU probe of generator and noise variants.
 
-``python -m bench.gumbel_probe`` times, at vocab 128256 and batch 1, 32 and 256 (float32
+``python -m bench.probes.gumbel`` times, at vocab 128256 and batch 1, 32 and 256 (float32
 logits, cold L2, one set per call passed as its own argument so no slice is copied), a
 Gumbel-max race whose noise is made in one of several ways:
 
@@ -31,7 +31,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from bench.timing import num_rotating_sets
+from bench.harness.timing import num_rotating_sets
 from kernels_pallas import rng
 from kernels_pallas.platform import whole_array
 

@@ -1,9 +1,9 @@
 """The copy ceiling: the device-to-device copy bandwidth measured in the same run
-(``benchmarking.md``, method points 1 and 2).
+(``docs/benchmarking.md``, method points 1 and 2).
 
 Achieved bandwidths are reported as a fraction of ``CopyCeiling.tbps``, which
 ``measure_copy_ceiling`` takes as the largest of several copy methods (a copy in one jitted
-loop, timed like the benchmarks by ``bench/timing.py``; jitted copies back to back; PyTorch's
+loop, timed like the benchmarks by ``bench/harness/timing.py``; jitted copies back to back; PyTorch's
 ``copy_`` when available), so that a method falling short of the hardware cannot make every
 kernel look closer to the limit than it is.
 """
@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from bench.timing import (
+from bench.harness.timing import (
     DEFAULT_REPEATS,
     DEFAULT_TARGET_SECONDS,
     MAX_CALLS_PER_PROGRAM,
@@ -28,7 +28,7 @@ from bench.timing import (
     calls_for,
     expected_us,
 )
-from bench.torch_timing import torch_device_for
+from bench.harness.torch_timing import torch_device_for
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""``CaseResult``: one row of a report, with exactly the JSON fields of ``benchmarking.md``
+"""``CaseResult``: one row of a report, with exactly the JSON fields of ``docs/benchmarking.md``
 (``CASE_FIELDS``), and the naming of an arm timed a second time in the same run
 (``repeat_arm`` / ``original_arm``, its noise level, method point 5).
 """
@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from bench.timing import Timing
+from bench.harness.timing import Timing
 
 REPEAT_SUFFIX = " (repeat)"
 
@@ -28,7 +28,7 @@ CASE_FIELDS = (
 
 @dataclasses.dataclass
 class CaseResult:
-    """One arm of one case: a row of a report, with the JSON fields of ``benchmarking.md``.
+    """One arm of one case: a row of a report, with the JSON fields of ``docs/benchmarking.md``.
 
     Attributes:
       case: what was measured, batch as ``B=<n>``: ``"B=4 ctx=4096"``, ``"top_p B=32"``.

@@ -1,5 +1,5 @@
 """How one JAX figure is timed: cold L2 by rotating input sets, dispatch amortized in one
-jitted loop, median of repeats (``benchmarking.md``, method points 3 to 5).
+jitted loop, median of repeats (``docs/benchmarking.md``, method points 3 to 5).
 
 - ``num_rotating_sets``: how many independent input sets keep the L2 cold (the data touched
   between two visits of one set is at least 4x the L2).
@@ -12,8 +12,8 @@ jitted loop, median of repeats (``benchmarking.md``, method points 3 to 5).
   (``expected_us``, ``calls_for``).
 - ``timing_method_description``: the sentence every report states about this method.
 
-The PyTorch counterpart lives in ``bench/torch_timing.py``, the copy ceiling the figures are
-divided by in ``bench/ceiling.py``; both reuse the constants and the program sizing here.
+The PyTorch counterpart lives in ``bench/harness/torch_timing.py``, the copy ceiling the figures are
+divided by in ``bench/harness/ceiling.py``; both reuse the constants and the program sizing here.
 """
 
 from __future__ import annotations
@@ -194,7 +194,7 @@ def _time_fixed_length_programs(
     runs it once and returns the elapsed seconds. Why fixed: XLA knows the trip count of a loop
     with constant bounds and runs its body back to back, while a loop bounded by a runtime value
     copies its predicate to the host and waits after every iteration, which is the "synchronized
-    after every call" timing ``benchmarking.md`` warns against.
+    after every call" timing ``docs/benchmarking.md`` warns against.
 
     With ``iters`` None, the first program is sized from ``expected_us_per_call``; if its warm
     run lasts less than a quarter or more than four times ``target_seconds``, one more program
@@ -343,7 +343,7 @@ def time_in_loop(
     target_seconds: float = DEFAULT_TARGET_SECONDS,
     expected_us_per_call: float = 100.0,
 ) -> Timing:
-    """Times one call of ``step`` the ``benchmarking.md`` way; see ``TimedLoop``.
+    """Times one call of ``step`` the ``docs/benchmarking.md`` way; see ``TimedLoop``.
 
     Timing method: dispatch amortized, N calls in one jitted fori_loop, host clock around the
     program, median of R repeats.
@@ -386,7 +386,7 @@ class SetsInTurnLoop(TimedLoop):
     Why: ``stacked[set_index]`` with a traced index is a ``dynamic_slice``, and XLA copies the
     slice into a buffer of its own before a custom call (a Pallas kernel) can read it: at
     ``256 x 128256`` float32 that copy cost 60 us a call on the H200
-    (``bench/slice_probe.py``), timed as if it were the kernel's. Here every set is a separate
+    (``bench/probes/slice.py``), timed as if it were the kernel's. Here every set is a separate
     array and the program names each one statically, so nothing is copied; the price is a
     program that holds R calls (compile time grows with R).
 

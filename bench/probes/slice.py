@@ -1,6 +1,6 @@
 """Does slicing a rotating set out of a stacked array cost a copy before a Pallas call?
 
-``python -m bench.slice_probe`` times, at vocab 128256 and batch 256, the Gumbel kernel and the
+``python -m bench.probes.slice`` times, at vocab 128256 and batch 256, the Gumbel kernel and the
 dual-pivot kernel (top-p 0.9) two ways: on ``sets[i]`` sliced inside the timed loop (how
 ``bench/suites/sampling.py`` feeds them) and on one unsliced ``[B, V]`` array (131 MB, twice
 the L2, so mostly cold anyway). A difference near the time of a ``B x V`` copy (about 62 us)
@@ -8,7 +8,7 @@ means the suite's kernel figures include XLA materializing the slice for the cus
 
 Result (H200, 2026-11-30, commit d55ddd6): Gumbel 237.7 us sliced against 178.0 us unsliced,
 dual-pivot top-p 226.1 against 169.4 us: the copy is real, and the suites now give each set its
-own arrays (``bench.timing.SetsInTurnLoop``).
+own arrays (``bench.harness.timing.SetsInTurnLoop``).
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from bench.harness.timing import TimedLoop
 from bench.suites import peers
-from bench.timing import TimedLoop
 from kernels_pallas import rng
 from kernels_pallas.sampling import dual_pivot_sample, gumbel_sample
 from sampling import api

@@ -1,6 +1,7 @@
-"""How one benchmark figure is measured: cold L2, dispatch amortized, median of repeats.
+"""The harness: how one benchmark figure is measured and reported, shared by every suite.
 
-The method of ``benchmarking.md``, implemented once so that every suite measures the same way:
+The method (``docs/benchmarking.md``), implemented once so that every suite measures the same
+way:
 
 1. Count the bytes a call must move; report achieved bandwidth (bytes / median time) as a
    fraction of a device-to-device copy measured in the same run.
@@ -10,29 +11,38 @@ The method of ``benchmarking.md``, implemented once so that every suite measures
    each result folded into a carried checksum so no call is dead code.
 4. Warm up, repeat, take the median (report min and max); time an arm twice to see the noise.
 
-One idea a file; this module only gathers their public names, so ``from bench.harness import
-X`` and ``bench.harness.X`` work for all of them:
+One idea a file; this package gathers the public names of the measuring modules, so ``from
+bench.harness import X`` and ``bench.harness.X`` work for all of them:
 
-- ``bench/timing.py``: the JAX timing method: ``num_rotating_sets`` (cold L2), ``TimedLoop``,
+- ``timing.py``: the JAX timing method: ``num_rotating_sets`` (cold L2), ``TimedLoop``,
   ``time_in_loop``, ``Timing``, ``checksum_of``, ``expected_us``, ``calls_for``,
   ``timing_method_description`` and the constants (``DEFAULT_REPEATS``, ...).
-- ``bench/torch_timing.py``: PyTorch peers: ``time_torch_calls`` (CUDA graph, CUDA events),
+- ``torch_timing.py``: PyTorch peers: ``time_torch_calls`` (CUDA graph, CUDA events),
   ``torch_device_for``, ``torch_from_jax``, ``release_torch_memory``.
-- ``bench/ceiling.py``: the copy ceiling: ``measure_copy_ceiling``, ``CopyCeiling``.
-- ``bench/options.py``: ``RunOptions``, what the command line asked for, through which
-  suites time their arms.
-- ``bench/records.py``: ``CaseResult`` (a report row, ``CASE_FIELDS``), ``repeat_arm`` and
+- ``ceiling.py``: the copy ceiling: ``measure_copy_ceiling``, ``CopyCeiling``.
+- ``options.py``: ``RunOptions``, what the command line asked for, through which suites time
+  their arms.
+- ``records.py``: ``CaseResult`` (a report row, ``CASE_FIELDS``), ``repeat_arm`` and
   ``original_arm``.
 
-Nothing here knows about attention or sampling; suites in ``bench/suites/`` do.
+Imported by name (they import this package, so it cannot import them):
+
+- ``bench.harness.report``: the attribution guard, the environment, progress lines, the
+  Markdown and JSON reports.
+- ``bench.harness.attention_inputs``: the standard attention grid and its paged KV inputs.
+- ``bench.harness.merge_reports``: ``python -m bench.harness.merge_reports OUT part.json ...``,
+  one report from a suite run in several processes.
+
+Nothing here but ``attention_inputs`` knows about attention or sampling; suites in
+``bench/suites/`` do.
 """
 
 from __future__ import annotations
 
-from bench.ceiling import CopyCeiling, measure_copy_ceiling
-from bench.options import RunOptions
-from bench.records import CASE_FIELDS, REPEAT_SUFFIX, CaseResult, original_arm, repeat_arm
-from bench.timing import (
+from bench.harness.ceiling import CopyCeiling, measure_copy_ceiling
+from bench.harness.options import RunOptions
+from bench.harness.records import CASE_FIELDS, REPEAT_SUFFIX, CaseResult, original_arm, repeat_arm
+from bench.harness.timing import (
     COLD_L2_FACTOR,
     DEFAULT_REPEATS,
     DEFAULT_TARGET_SECONDS,
@@ -50,7 +60,7 @@ from bench.timing import (
     timing_method_description,
     unrolled_num_sets,
 )
-from bench.torch_timing import (
+from bench.harness.torch_timing import (
     release_torch_memory,
     time_torch_calls,
     torch_device_for,

@@ -1,7 +1,7 @@
 """A small prefill workload to run under NVIDIA compute-sanitizer (memcheck) on a GPU.
 
     XLA_PYTHON_CLIENT_ALLOCATOR=platform XLA_PYTHON_CLIENT_PREALLOCATE=false \\
-        compute-sanitizer --tool memcheck python -m bench.memcheck_prefill
+        compute-sanitizer --tool memcheck python -m bench.memcheck.prefill
 
 Runs of more than 16 new tokens go to the prefill kernel (``kernels_pallas/paged_prefill.py``)
 through ``paged.decode_attention``. Interpret mode cannot show an out-of-bounds access; here
@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import paged
-from bench.memcheck_decode import random_cache
+from bench.memcheck.decode import random_cache
 from paged.attention_reference import decode_attention_reference
 
 

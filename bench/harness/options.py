@@ -1,8 +1,8 @@
 """``RunOptions``: what the command line asked for (quick, dry run, tune, repeats), handed to
 every suite.
 
-A suite times its arms through ``RunOptions.time`` (JAX, ``bench/timing.py``) and
-``RunOptions.time_torch`` (PyTorch, ``bench/torch_timing.py``) and sizes its rotating sets with
+A suite times its arms through ``RunOptions.time`` (JAX, ``bench/harness/timing.py``) and
+``RunOptions.time_torch`` (PyTorch, ``bench/harness/torch_timing.py``) and sizes its rotating sets with
 ``RunOptions.num_sets_for``, so the full method and a dry run (tiny shapes, a fixed few calls,
 on the CPU) go through the same code.
 """
@@ -15,7 +15,7 @@ from typing import Any
 
 import jax
 
-from bench.timing import (
+from bench.harness.timing import (
     DEFAULT_REPEATS,
     DEFAULT_TARGET_SECONDS,
     TimedLoop,
@@ -23,7 +23,7 @@ from bench.timing import (
     num_rotating_sets,
     unrolled_num_sets,
 )
-from bench.torch_timing import time_torch_calls, torch_device_for
+from bench.harness.torch_timing import time_torch_calls, torch_device_for
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +42,7 @@ class RunOptions:
       batches: batch sizes to run instead of a suite's grid (``--batches``), or None.
       q_len_only: the decode suite runs its multi-token cases only (``--q-len-only``).
       gumbel_only: the sampling suite skips the filtered samplers (``--gumbel-only``).
+      contexts: context lengths to run instead of a suite's grid (``--contexts``), or None.
     """
 
     quick: bool = False
@@ -54,6 +55,7 @@ class RunOptions:
     batches: tuple[int, ...] | None = None
     q_len_only: bool = False
     gumbel_only: bool = False
+    contexts: tuple[int, ...] | None = None
 
     @property
     def interpret(self) -> bool:

@@ -1,7 +1,7 @@
 """Benchmark reports: the environment, the attribution guard, and the Markdown and JSON files.
 
 A report is ``<out_dir>/YYYY-MM-DD-<suite>.md`` with a ``.json`` beside it holding the raw
-figures, in the one shape ``benchmarking.md`` fixes for every suite: top level ``suite``,
+figures, in the one shape ``docs/benchmarking.md`` fixes for every suite: top level ``suite``,
 ``date``, ``gpu``, ``driver``, ``jax_version``, ``commit``, ``command``, ``ceiling_tbps``,
 ``timing_method``, ``cases`` (plus ``ceiling_detail`` and ``notes``), each case the flat object
 of ``CaseResult.to_json``.
@@ -25,7 +25,7 @@ import jax
 
 from bench.harness import CaseResult, original_arm
 
-REPOSITORY_ROOT = pathlib.Path(__file__).resolve().parents[1]
+REPOSITORY_ROOT = pathlib.Path(__file__).resolve().parents[2]
 DRY_RUN_NOTE = "figures from a dry run on a CPU are not speed figures"
 RATIO_EXPLANATION = (
     "`vs <peer>` = peer time / this arm's time: above 1 means this arm is faster than that peer."
@@ -58,7 +58,7 @@ def check_distinguishable(results: Iterable[CaseResult]) -> None:
       >>> check_distinguishable(rows)  # doctest: +ELLIPSIS
       Traceback (most recent call last):
       ...
-      bench.report.IndistinguishableArmsError: case 'B=1 ctx=16': arms 'xla_gather' and 'other' ...
+      bench.harness.report.IndistinguishableArmsError: case 'B=1 ctx=16': arms 'xla_gather' and 'other' ...
     """
     by_case: dict[str, list[CaseResult]] = collections.defaultdict(list)
     for result in results:
@@ -354,14 +354,42 @@ def write_report(
     return markdown_path, json_path
 
 
+RESULT_COLUMNS = ("case", "arm", "median", "TB/s", "of ceiling", "attribution")
+
+
+def _result_line(case: str, arm: str, median: str, tbps: str, fraction: str, attribution: str):
+    return f"{case:<24} {arm:<30} {median:>13} {tbps:>10} {fraction:>10}  {attribution}"
+
+
+def print_progress(message: str) -> None:
+    """Prints what a suite is doing now (which case it sets up or times), so that the minutes
+    of compiling and timing before a case's rows are not silent."""
+    print(f"... {message}", flush=True)
+
+
 def print_results(results: Sequence[CaseResult]) -> None:
-    """Prints one line a row as a suite runs, once the rows of a case are complete: rows whose
-    arms cannot be told apart are not printed (``check_distinguishable`` raises)."""
+    """Prints a case's rows under a header line, once the rows of the case are complete: rows
+    whose arms cannot be told apart are not printed (``check_distinguishable`` raises).
+
+    Example:
+      >>> from bench.harness import Timing
+      >>> timing = Timing.from_samples([2.0], 1, 2, "jax_loop")
+      >>> print_results([CaseResult.from_timing("B=1 ctx=16", "xla_gather", "xla", timing,
+      ...                                       4_000_000, 4.0)])  # doctest: +NORMALIZE_WHITESPACE
+      case                     arm                                   median       TB/s of ceiling  attribution
+      B=1 ctx=16               xla_gather                           2.00 us      2.000      50.0%  xla
+    """
     check_distinguishable(results)
+    print(_result_line(*RESULT_COLUMNS), flush=True)
     for result in results:
         print(
-            f"{result.case:<18} {result.arm:<30} {result.median_us:10.2f} us "
-            f"{result.achieved_tbps:7.3f} TB/s {result.fraction_of_ceiling:6.1%}  "
-            f"{result.attribution}",
+            _result_line(
+                result.case,
+                result.arm,
+                f"{result.median_us:.2f} us",
+                f"{result.achieved_tbps:.3f}",
+                f"{result.fraction_of_ceiling:.1%}",
+                result.attribution,
+            ),
             flush=True,
         )

@@ -1,7 +1,7 @@
 """Where does the rebuilt Gumbel kernel's time go? A GPU probe of its internals (issue 4).
 
-``python -m bench.gumbel_variants_probe`` times, at vocab 128256 and batch 256 and 32 (float32
-logits, cold L2, ``bench/gumbel_probe.time_arm``), variants of ``kernels_pallas/gumbel.py``'s
+``python -m bench.probes.gumbel_variants`` times, at vocab 128256 and batch 256 and 32 (float32
+logits, cold L2, ``bench/probes/gumbel.time_arm``), variants of ``kernels_pallas/gumbel.py``'s
 race that differ in one thing each:
 
 - ``layout``: ``tile`` (the kernel's ``[quads, 4]`` tile, a Philox call's four words on one
@@ -31,7 +31,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from bench import gumbel_probe
+from bench.probes import gumbel as gumbel_probe
 from kernels_pallas import rng
 from kernels_pallas.gumbel import _log2_ptx, _mulhilo_ptx
 from kernels_pallas.platform import whole_array

@@ -2,7 +2,7 @@
 
 The issue asks Gumbel-max from logits to run at 70% of the copy ceiling at batch 256 and faster
 than ``jax.random.categorical`` at every batch. The flat race (``kernels_pallas/gumbel.py``)
-needs per-token noise from a counter-based generator, and ``bench/gumbel_probe.py`` measured
+needs per-token noise from a counter-based generator, and ``bench/probes/gumbel.py`` measured
 that noise alone above what 70% allows. This probe times an alternative that needs noise for
 only one block of a row, for a decision by the issue's author. It is exact but not the one-pass
 per-token race the issue specifies:
@@ -20,7 +20,7 @@ per-token race the issue specifies:
 Times ``block_lse + pick`` at vocab 128256, batch 1, 32 and 256, float32 logits, cold L2 (one
 set per call, each its own array), beside ``jnp.argmax`` (the read floor) and
 ``jax.random.categorical``. Tokens are checked against nothing: this is a cost probe, run with
-``python -m bench.gumbel_two_level_probe`` (``--smoke``: tiny shapes interpreted on a CPU, to
+``python -m bench.probes.gumbel_two_level`` (``--smoke``: tiny shapes interpreted on a CPU, to
 exercise the code; not speed figures).
 """
 
@@ -38,7 +38,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from bench import gumbel_probe as flat_probe
+from bench.probes import gumbel as flat_probe
 from kernels_pallas import rng
 from kernels_pallas.platform import whole_array
 

@@ -1,0 +1,14 @@
+"""Tuners: launch-parameter sweeps that chose a kernel's committed defaults, run on a GPU.
+
+Each times every launch variant of one kernel family (and checks its agreement with the
+reference first), prints a table best first, and writes a JSON of everything it timed; the
+kernel's defaults cite the run. Committed speed figures come from the suites
+(``python -m bench <suite>``), not from here. Run one as ``python -m bench.tuning.<name>``:
+
+- ``gumbel``: the Gumbel-max kernel (``kernels_pallas/gumbel.py``).
+- ``sampling``: the dual-pivot samplers, renorm and mask kernels (``kernels_pallas/sampling.py``).
+- ``speculative``: the chain speculative sampling kernel (``kernels_pallas/spec_accept.py``).
+
+The decode kernel's sweep is part of its suite: ``python -m bench decode --tune``; the prefill
+kernel's: ``python -m bench prefill --tune``.
+"""
