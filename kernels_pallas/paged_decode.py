@@ -102,7 +102,7 @@ def paged_decode_kernel(
     # stored) and a page range is cut to page_indices (an end before the start is an empty
     # range). A bad last-page length only changes which keys are masked, so it is not clamped.
     # Each clamp is one unsigned minimum: on the H200 the two-sided clips of the first
-    # version cost 6% at B=4 x 32768 (docs/benchmark_results/2026-12-01-clamp-probe.md).
+    # version cost 6% at B=4 x 32768 (docs/benchmark_results/archive/2026-12-01-clamp-probe.md).
     request = work_request_ref[work]
     is_padding = request.astype(jnp.uint32) >= batch  # -1 (the planner's padding) wraps up
     request = jnp.where(is_padding, 0, request)

@@ -9,6 +9,6 @@ its answer is quoted where it was used. Run one as ``python -m bench.probes.<nam
 - ``gumbel_two_level``: what a two-level exponential race (noise for one block a row) costs.
 - ``rounds``: dual-pivot rounds on the serving model's logits against synthetic ones (CPU).
 - ``decode_clamps``: what the decode kernel's bounds clamps cost, against the kernels of
-  earlier commits (issue 15; ``docs/benchmark_results/2026-12-01-clamp-probe.md``).
+  earlier commits (``docs/benchmark_results/archive/2026-12-01-clamp-probe.md``).
 - ``slice``: whether slicing a rotating set out of a stacked array copies before a Pallas call.
 """
