@@ -15,7 +15,7 @@ PYTHON312 ?= $(shell \
     done; \
   fi)
 
-.PHONY: venv demo test lint bench clean
+.PHONY: venv demo test lint bench notebooks clean
 
 venv: $(STAMP)
 
@@ -37,6 +37,15 @@ demo: $(STAMP)
 test: $(STAMP)
 	@HYPOTHESIS_PROFILE=ci $(PY) -m pytest -q -n 2 --nbmake notebooks tests paged kernels_pallas sampling speculative serving bench; \
 	status=$$?; if [ $$status -eq 5 ]; then echo "error: pytest collected no tests"; fi; exit $$status
+
+# Execute every notebook on this machine's CPU and save it with its outputs and figures, so a
+# reader on GitHub sees them; CI executes them again (without saving) in `make test`.
+notebooks: $(STAMP)
+	@for nb in notebooks/*.ipynb; do echo "executing $$nb"; \
+	  JAX_PLATFORMS=cpu $(PY) -c 'import sys, nbformat, nbclient; path = sys.argv[1]; \
+	nb = nbformat.read(path, as_version=4); \
+	nbclient.NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": "notebooks"}}).execute(); \
+	nbformat.write(nb, path)' "$$nb" || exit 1; done
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
