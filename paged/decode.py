@@ -45,9 +45,12 @@ def kernel_supports(q: jax.Array, cache: KVCache) -> str | None:
 
     Triton tiles must have power-of-two sides: ``head_dim`` and ``page_size`` (the group size is
     padded in registers, so any group works), and ``head_dim`` is the inner dimension of the
-    ``q . k`` dot, at least 16 for a tensor-core tile. Any ``q_len`` runs: up to
+    ``q . k`` dot, at least 16 for a tensor-core tile; float64 (x64 mode) stays on the
+    reference, the kernels compute in 32 bits. Any ``q_len`` runs: up to
     ``MAX_KERNEL_Q_LEN`` on the decode kernel, beyond on the prefill kernel (``kernel_name_for``).
     """
+    if jnp.dtype(q.dtype).itemsize > 4:
+        return f"dtype {q.dtype}: the kernels compute in 32 bits"
     if not _is_power_of_two(q.shape[-1]):
         return f"head_dim={q.shape[-1]} is not a power of two"
     if q.shape[-1] < MIN_KERNEL_HEAD_DIM:
