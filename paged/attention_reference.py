@@ -178,6 +178,10 @@ def merge_state(
     Returns:
       ``(v [..., D], s [...])`` in float32 (float64 for float64 inputs).
 
+    Raises:
+      ValueError: for shapes that do not match. Values are never checked: a NaN in a state, or
+        ``s = +inf``, makes that entry's result NaN.
+
     Example:
       >>> v, s = merge_state(jnp.ones((1, 2)), jnp.zeros(1), jnp.zeros((1, 2)), jnp.zeros(1))
       >>> v.tolist(), round(float(s[0]), 6)

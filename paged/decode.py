@@ -152,6 +152,15 @@ def decode_attention(
     needs no plan (its query blocks fill the GPU without splitting the keys): a plan passed with
     a long run is checked against the table, then not used.
 
+    Invalid input under ``jit`` (``docs/invalid_input.md``): the table's values cannot be
+    checked there, and none ever makes a read outside the pool. A page index outside the pool
+    reads a page of the pool: the kernels clamp it into ``[0, num_pages)``, the reference
+    follows JAX indexing (a negative index counts from the end, then clamps). The result is
+    attention over the wrong keys. A ``last_page_len`` above ``page_size`` reads the whole page,
+    one of 0 or less leaves the last page out. A request whose ``page_indptr`` decreases has no
+    keys, and a stale plan attends over its own page ranges. Call once outside ``jit`` to
+    check the inputs.
+
     Args:
       q: ``[B, H, D]`` or ``[B, L, H, D]`` queries, in the cache's dtype.
       cache: the KV pool (``HND`` or ``NHD``).

@@ -80,7 +80,8 @@ class PageTable:
         return self.page_indptr[1:] - self.page_indptr[:-1]
 
     def seq_lens(self) -> jax.Array:
-        """int32[B]: tokens of each request (0 for an empty request)."""
+        """int32[B]: tokens of each request (0 for an empty request, and for one whose
+        ``page_indptr`` decreases: unchecked here, ``validate_page_table`` refuses it)."""
         num_pages = self.num_pages()
         return jnp.where(
             num_pages > 0, self.page_size * (num_pages - 1) + self.last_page_len, 0
