@@ -222,6 +222,27 @@ def test_plan_decode_refuses_an_invalid_table(indptr, last_page_len, message):
         paged.plan_decode(_raw_table(indptr, last_page_len), NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM)
 
 
+@pytest.mark.parametrize(
+    "argument, value, error, message",
+    [
+        ("min_chunk_pages", 0, ValueError, "min_chunk_pages must be >= 1, got 0"),
+        ("max_grid", 0, ValueError, "max_grid must be >= 1, got 0"),
+        ("num_work_items", -1, ValueError, "num_work_items must be >= 0, got -1"),
+        (
+            "fixed_split_pages",
+            2.5,
+            TypeError,
+            r"fixed_split_pages must be an int or None, got 2\.5",
+        ),
+        ("min_chunk_pages", 1.5, TypeError, r"min_chunk_pages must be an int or None, got 1\.5"),
+    ],
+)
+def test_plan_decode_refuses_bad_planner_arguments(argument, value, error, message):
+    """A zero min_chunk_pages divided by zero; a float chunk failed inside range()."""
+    with pytest.raises(error, match=message):
+        paged.plan_decode(_table(), NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, **{argument: value})
+
+
 def test_plan_decode_accepts_empty_requests():
     plan = paged.plan_decode(
         _raw_table([0, 0, 2, 2], [0, 3, 0]), NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM
