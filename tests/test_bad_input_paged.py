@@ -158,6 +158,8 @@ def test_host_and_reference_helpers_under_x64():
         plan = paged.plan_decode(table, NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, fixed_split_pages=1)
         pool = PagePool(4)
         pages = pool.allocate(2)
+        paged.validate_page_table(table, NUM_POOL_PAGES, batch_size=len(SEQ_LENS))
+        paged.check_holds_new_tokens(table, 3, "3 new tokens")
         return (
             appended.k_pages,
             paged.merge_states(v, s),
@@ -172,6 +174,8 @@ def test_host_and_reference_helpers_under_x64():
             paged.apply_rope(v[0], jnp.array([1, 5, 9]), paged.RopeParams()),
             paged.inverse_frequencies(HEAD_DIM, paged.RopeParams()),
             np.asarray(pages),
+            paged.new_kv_cache(2, PAGE_SIZE, 1, HEAD_DIM, jnp.float32).k_pages,
+            table.padded(32).page_indices,
         )
 
     got = _same_without_and_with_x64(run)
