@@ -25,6 +25,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from kernels_pallas.platform import whole_array
+from kernels_pallas.x64 import runs_in_32_bits
 
 
 def merge_states_kernel(
@@ -90,6 +91,7 @@ def merge_states_kernel(
     plgpu.store(lse_ref.at[pl.ds(first_row, partial_rows)], lse, mask=keep)
 
 
+@runs_in_32_bits  # x64 mode: kernels_pallas/x64.py
 @functools.partial(
     jax.jit,
     static_argnames=("num_q_heads", "out_dtype", "items_per_step", "num_warps", "interpret"),

@@ -51,6 +51,7 @@ from jax.experimental.pallas import triton as plgpu
 from kernels_pallas import online_softmax
 from kernels_pallas.online_softmax import LOG2_E, MASKED_LOGIT
 from kernels_pallas.platform import whole_array
+from kernels_pallas.x64 import runs_in_32_bits
 
 MIN_ROWS = 16  # tensor-core dots need at least 16 rows
 
@@ -208,6 +209,7 @@ def paged_decode_kernel(
         plgpu.store(lse_ref.at[pl.ds(first_partial, rows)], lse, mask=keep)
 
 
+@runs_in_32_bits  # x64 mode: kernels_pallas/x64.py
 @functools.partial(
     jax.jit,
     static_argnames=(

@@ -71,6 +71,7 @@ from kernels_pallas import online_softmax
 from kernels_pallas.online_softmax import LOG2_E, MASKED_LOGIT
 from kernels_pallas.paged_decode import dot_rows, head_major, token_major
 from kernels_pallas.platform import whole_array
+from kernels_pallas.x64 import runs_in_32_bits
 
 # Launch parameters. Not yet swept on a GPU (``python -m bench prefill`` does it; these
 # defaults reached 288-295 TFLOP/s on an H200, module docstring). They are FlashAttention-2's
@@ -238,6 +239,7 @@ def _is_power_of_two(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
+@runs_in_32_bits  # x64 mode: kernels_pallas/x64.py
 @functools.partial(
     jax.jit,
     static_argnames=(

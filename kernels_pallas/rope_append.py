@@ -61,6 +61,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from kernels_pallas.platform import whole_array
+from kernels_pallas.x64 import runs_in_32_bits
 
 LAYOUTS = ("HND", "NHD")
 
@@ -197,6 +198,7 @@ def pair_view(x: jax.Array, interleaved: bool) -> jax.Array:
     return x.reshape(*x.shape[:-1], *((half, 2) if interleaved else (2, half)))
 
 
+@runs_in_32_bits  # x64 mode: kernels_pallas/x64.py
 @functools.partial(jax.jit, static_argnames=("layout", "interleaved", "num_warps", "interpret"))
 def rope_append(
     q: jax.Array,

@@ -121,14 +121,20 @@ def decode_attention_reference(
         logits = jnp.einsum("lkgd,tkd->lkgt", q_b, k, precision="highest")
         logits = scaled_logits(logits, sm_scale, logits_soft_cap)
         logits = jnp.where(visible, logits, -jnp.inf)
-        lse = jax.nn.logsumexp(logits, axis=-1)  # -inf for a query that sees no key
-        weights = jnp.where(
-            visible, jnp.exp(logits - jnp.where(jnp.isfinite(lse), lse, 0)[..., None]), 0
-        )
+        # Softmax as the kernels compute it: exponentials of the max-subtracted logits, divided
+        # by their sum. (Weighting by exp(logits - lse) instead is off by the rounding of lse,
+        # whose float32 step is 0.004 near lse = -46340: weights summing to 1 +- 0.4%.)
+        peak = jnp.max(logits, axis=-1, keepdims=True)  # -inf for a query that sees no key
+        shift = jnp.where(jnp.isfinite(peak), peak, 0)  # keeps exp() at 0 there, not NaN
+        weights = jnp.where(visible, jnp.exp(logits - shift), 0)  # the largest is exactly 1
+        total = jnp.sum(weights, axis=-1)  # [L, KVH, G], >= 1 when any key is visible
+        safe_total = jnp.where(total > 0, total, 1)
+        lse = jnp.where(total > 0, shift[..., 0] + jnp.log(safe_total), -jnp.inf)
         # Zero the values the request does not own: a weight of 0 times a NaN left in an unused
         # slot (or in another request's token) would still be NaN.
         own_values = jnp.where(mine[:, None, None], v, 0)
-        return jnp.einsum("lkgt,tkd->lkgd", weights, own_values, precision="highest"), lse
+        weighted = jnp.einsum("lkgt,tkd->lkgd", weights, own_values, precision="highest")
+        return weighted / safe_total[..., None], lse
 
     o, lse = jax.lax.map(attend, (q_grouped, owns_token, key_position, query_position))
     o = o.reshape(batch, q_len, num_heads, head_dim)
@@ -172,6 +178,10 @@ def merge_state(
     Returns:
       ``(v [..., D], s [...])`` in float32 (float64 for float64 inputs).
 
+    Raises:
+      ValueError: for shapes that do not match. Values are never checked: a NaN in a state, or
+        ``s = +inf``, makes that entry's result NaN.
+
     Example:
       >>> v, s = merge_state(jnp.ones((1, 2)), jnp.zeros(1), jnp.zeros((1, 2)), jnp.zeros(1))
       >>> v.tolist(), round(float(s[0]), 6)
@@ -194,6 +204,11 @@ def merge_states(v: jax.Array, s: jax.Array) -> tuple[jax.Array, jax.Array]:
     Returns:
       ``(v [..., H, D], s [..., H])`` in float32 (float64 for float64 inputs).
 
+    Raises:
+      ValueError: if ``s`` is not ``v``'s shape without ``D``, ``v`` has fewer than 3 axes, or
+        there are no states (``S = 0``). A NaN in a state cannot be checked under ``jit`` (and is
+        not checked outside it): it propagates to that head's result.
+
     Example:
       >>> v = jnp.array([[[1.0, 1.0]], [[3.0, 5.0]]])  # S=2, H=1, D=2
       >>> s = jnp.log(jnp.array([[1.0], [3.0]]))
@@ -204,6 +219,8 @@ def merge_states(v: jax.Array, s: jax.Array) -> tuple[jax.Array, jax.Array]:
     _check_state_shapes("v", v, "s", s)
     if v.ndim < 3:
         raise ValueError(f"v must have shape [..., S, H, D], got {v.shape}")
+    if v.shape[-3] == 0:
+        raise ValueError(f"merge_states needs at least one state, but v {v.shape} has S=0")
     return _merge_along(v, s, -2)
 
 

@@ -45,9 +45,12 @@ def kernel_supports(q: jax.Array, cache: KVCache) -> str | None:
 
     Triton tiles must have power-of-two sides: ``head_dim`` and ``page_size`` (the group size is
     padded in registers, so any group works), and ``head_dim`` is the inner dimension of the
-    ``q . k`` dot, at least 16 for a tensor-core tile. Any ``q_len`` runs: up to
+    ``q . k`` dot, at least 16 for a tensor-core tile; float64 (x64 mode) stays on the
+    reference, the kernels compute in 32 bits. Any ``q_len`` runs: up to
     ``MAX_KERNEL_Q_LEN`` on the decode kernel, beyond on the prefill kernel (``kernel_name_for``).
     """
+    if jnp.dtype(q.dtype).itemsize > 4:
+        return f"dtype {q.dtype}: the kernels compute in 32 bits"
     if not _is_power_of_two(q.shape[-1]):
         return f"head_dim={q.shape[-1]} is not a power of two"
     if q.shape[-1] < MIN_KERNEL_HEAD_DIM:
@@ -148,6 +151,15 @@ def decode_attention(
     (``paged.plan.traced_default_plan``). A plan does not depend on ``L``. The prefill kernel
     needs no plan (its query blocks fill the GPU without splitting the keys): a plan passed with
     a long run is checked against the table, then not used.
+
+    Invalid input under ``jit`` (``docs/invalid_input.md``): the table's values cannot be
+    checked there, and none ever makes a read outside the pool. A page index outside the pool
+    reads a page of the pool: the kernels clamp it into ``[0, num_pages)``, the reference
+    follows JAX indexing (a negative index counts from the end, then clamps). The result is
+    attention over the wrong keys. A ``last_page_len`` above ``page_size`` reads the whole page,
+    one of 0 or less leaves the last page out. A request whose ``page_indptr`` decreases has no
+    keys, and a stale plan attends over its own page ranges. Call once outside ``jit`` to
+    check the inputs.
 
     Args:
       q: ``[B, H, D]`` or ``[B, L, H, D]`` queries, in the cache's dtype.

@@ -195,6 +195,28 @@ def _validate_append(cache, page_table, k_new, v_new, batch_indices, positions):
         raise ValueError(
             f"(batch_indices, positions)=({batch[i]}, {pos[i]}) appears more than once"
         )
+    if is_concrete(page_table.page_indices):
+        _check_distinct_slots(page_table, batch, pos)
+
+
+def _check_distinct_slots(page_table: PageTable, batch: np.ndarray, pos: np.ndarray) -> None:
+    """Raises if two tokens land in the same (page, slot): two requests sharing a page would
+    both write it, and the scatter would silently keep one of them."""
+    page_size = page_table.page_size
+    flat = np.asarray(page_table.page_indptr)[batch] + pos // page_size
+    pages = np.asarray(page_table.page_indices)[flat].astype(np.int64)
+    slots = (pos % page_size).astype(np.int64)
+    _, first, counts = np.unique(pages * page_size + slots, return_index=True, return_counts=True)
+    if np.any(counts > 1):
+        i = int(first[np.argmax(counts > 1)])
+        clash = (pages == pages[i]) & (slots == slots[i])
+        j = int(np.flatnonzero(clash)[1])
+        raise ValueError(
+            f"tokens {i} (batch_indices={batch[i]}, positions={pos[i]}) and {j} "
+            f"(batch_indices={batch[j]}, positions={pos[j]}) would both write page {pages[i]}, "
+            f"slot {slots[i]}: the requests share that page; copy it to a private page before "
+            "writing (copy-on-write is the caller's job)"
+        )
 
 
 def append_kv(
@@ -220,9 +242,23 @@ def append_kv(
     Returns:
       The updated cache.
 
+    Pages shared between requests (a common prompt prefix, ``PagePool.share``) are read-only
+    here: writing a shared page is the caller's to avoid, by copying it to a private page first
+    (copy-on-write) and pointing the writer's table at the copy. With concrete inputs, two
+    tokens that would write the same (page, slot) raise ``ValueError``; under ``jit`` they cannot
+    be detected and one of the two writes is silently kept. The serving engine never needs the
+    copy (``serving/scheduler.py``): it shares only full prefix pages whose keys and values are
+    already computed, writes only positions past a request's shared prefix, and keeps each
+    request's last, partially filled page private.
+
+    Under ``jit`` the value checks below cannot run: a token whose request or position is outside
+    the table, or whose page index is negative or outside the pool, is dropped (not written);
+    nothing is written outside the pool.
+
     Raises:
       ValueError: for shape mismatches, and (concrete inputs) a position outside its request's
-        length, a batch index outside the batch, or the same (request, position) twice.
+        length, a batch index outside the batch, the same (request, position) twice, two tokens
+        writing the same (page, slot) of a shared page, and page-table invariants.
 
     Example:
       >>> cache = new_kv_cache(4, 2, 1, 1, jnp.float32, layout="NHD")

@@ -43,6 +43,13 @@ def bucket_size(n: int, minimum: int = 16) -> int:
     return size
 
 
+def _check_page_size(page_size) -> None:
+    if isinstance(page_size, bool) or not isinstance(page_size, (int, np.integer)):
+        raise TypeError(f"page_size must be an int, got {page_size!r}")
+    if page_size < 1:
+        raise ValueError(f"page_size must be >= 1, got {page_size}")
+
+
 @dataclasses.dataclass(frozen=True)
 class PageTable:
     """A batch's CSR page table (a pytree; ``page_size`` is static).
@@ -73,7 +80,8 @@ class PageTable:
         return self.page_indptr[1:] - self.page_indptr[:-1]
 
     def seq_lens(self) -> jax.Array:
-        """int32[B]: tokens of each request (0 for an empty request)."""
+        """int32[B]: tokens of each request (0 for an empty request, and for one whose
+        ``page_indptr`` decreases: unchecked here, ``validate_page_table`` refuses it)."""
         num_pages = self.num_pages()
         return jnp.where(
             num_pages > 0, self.page_size * (num_pages - 1) + self.last_page_len, 0
@@ -97,11 +105,11 @@ class PageTable:
           num_indices: static length to pad ``page_indices`` to (default: ``bucket_size(nnz)``).
 
         Raises:
-          ValueError: if a request's page count does not match its length, or ``num_indices`` is
-            smaller than the number of pages.
+          TypeError: if ``page_size`` is not an int.
+          ValueError: if ``page_size < 1``, a request's page count does not match its length, or
+            ``num_indices`` is smaller than the number of pages.
         """
-        if page_size < 1:
-            raise ValueError(f"page_size must be >= 1, got {page_size}")
+        _check_page_size(page_size)
         if len(page_lists) != len(seq_lens):
             raise ValueError(
                 f"page_lists has {len(page_lists)} requests but seq_lens has {len(seq_lens)}"
@@ -148,10 +156,16 @@ class PageTable:
             list, or pages from ``PagePool.allocate``, to scatter requests over a pool.
           num_indices: static length to pad ``page_indices`` to.
 
+        Raises:
+          TypeError: if ``page_size`` is not an int.
+          ValueError: if ``page_size < 1``, a length is negative, ``pages`` is too short, or
+            ``num_indices`` is smaller than the number of pages.
+
         Example:
           >>> PageTable.from_seq_lens([1, 17], page_size=16).page_indices[:3].tolist()
           [0, 1, 2]
         """
+        _check_page_size(page_size)
         counts = [-(-int(n) // page_size) for n in seq_lens]
         total = sum(counts)
         pages = list(range(total)) if pages is None else list(pages)
@@ -207,12 +221,15 @@ def check_holds_new_tokens(table: PageTable, num_new_tokens: int, what: str) -> 
         )
 
 
-def validate_page_table(table: PageTable, num_pool_pages: int, *, batch_size: int | None = None):
+def validate_page_table(
+    table: PageTable, num_pool_pages: int | None, *, batch_size: int | None = None
+) -> None:
     """Checks a page table's shapes and dtypes always, and its values when they are concrete.
 
     Args:
       table: the table to check.
       num_pool_pages: pages in the KV pool; every index in use must lie in ``[0, num_pool_pages)``.
+        None skips that check (``plan_decode``, which never sees the pool).
       batch_size: the batch the table must describe (e.g. ``q.shape[0]``), if known.
 
     Raises:
@@ -236,10 +253,9 @@ def validate_page_table(table: PageTable, num_pool_pages: int, *, batch_size: in
         raise ValueError(
             f"page_table describes {num_requests} requests but the batch has {batch_size}"
         )
-    if not is_concrete(table.page_indptr, table.page_indices, table.last_page_len):
+    if not is_concrete(table.page_indptr, table.last_page_len):
         return
     indptr = np.asarray(table.page_indptr)
-    indices = np.asarray(table.page_indices)
     last = np.asarray(table.last_page_len)
     if indptr[0] != 0:
         raise ValueError(f"page_table.page_indptr must start at 0, got {indptr[0]}")
@@ -250,16 +266,10 @@ def validate_page_table(table: PageTable, num_pool_pages: int, *, batch_size: in
             f"page_table.page_indptr must be non-decreasing, but page_indptr[{b}]={indptr[b]} > "
             f"page_indptr[{b + 1}]={indptr[b + 1]}"
         )
-    if indptr[-1] > indices.shape[0]:
+    num_indices = table.page_indices.shape[0]
+    if indptr[-1] > num_indices:
         raise ValueError(
-            f"page_table.page_indptr[-1]={indptr[-1]} exceeds len(page_indices)={indices.shape[0]}"
-        )
-    used = indices[: indptr[-1]]
-    bad = (used < 0) | (used >= num_pool_pages)
-    if np.any(bad):
-        i = int(np.argmax(bad))
-        raise ValueError(
-            f"page_table.page_indices[{i}]={used[i]} is outside the pool of {num_pool_pages} pages"
+            f"page_table.page_indptr[-1]={indptr[-1]} exceeds len(page_indices)={num_indices}"
         )
     has_pages = steps > 0
     bad_len = np.where(has_pages, (last < 1) | (last > table.page_size), last != 0)
@@ -267,3 +277,12 @@ def validate_page_table(table: PageTable, num_pool_pages: int, *, batch_size: in
         b = int(np.argmax(bad_len))
         expected = f"[1, {table.page_size}]" if has_pages[b] else "0 (the request has no pages)"
         raise ValueError(f"page_table.last_page_len[{b}]={last[b]} must be in {expected}")
+    if num_pool_pages is None or not is_concrete(table.page_indices):
+        return
+    used = np.asarray(table.page_indices)[: indptr[-1]]
+    bad = (used < 0) | (used >= num_pool_pages)
+    if np.any(bad):
+        i = int(np.argmax(bad))
+        raise ValueError(
+            f"page_table.page_indices[{i}]={used[i]} is outside the pool of {num_pool_pages} pages"
+        )

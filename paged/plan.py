@@ -33,7 +33,7 @@ import numpy as np
 
 from kernels_pallas import paged_decode_tuning as tuning
 from kernels_pallas.platform import is_concrete
-from paged.page_table import PageTable, bucket_size
+from paged.page_table import PageTable, bucket_size, validate_page_table
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,7 +161,14 @@ def plan_decode(
       A ``DecodePlan``; reuse it for every layer of the step.
 
     Raises:
-      ValueError: for a traced table, bad head counts, or a non-positive ``fixed_split_pages``.
+      TypeError: if ``fixed_split_pages``, ``max_grid``, ``min_chunk_pages`` or
+        ``num_work_items`` is neither an int nor None.
+      ValueError: for a traced table, bad head counts, ``fixed_split_pages``, ``max_grid`` or
+        ``min_chunk_pages`` below 1 (a zero chunk would divide by zero), and
+        page-table invariants (``page_indptr`` not starting at 0 or decreasing, past the end of
+        ``page_indices``; ``last_page_len`` outside ``[1, page_size]`` for a request with pages
+        or not 0 for one without; arrays not int32 and 1-D), naming the field and value. Page
+        indices are not checked here (the pool is unknown): ``decode_attention`` checks them.
 
     Example:
       >>> table = PageTable.from_seq_lens([4096], page_size=16)
@@ -174,6 +181,21 @@ def plan_decode(
         raise ValueError(
             "plan_decode needs concrete page-table arrays (call it outside jit, once per step)"
         )
+    # A non-monotone page_indptr or a non-empty request with last_page_len 0 would give work
+    # items that end before they start; the pool is not known here, so page indices are not.
+    validate_page_table(page_table, None)
+    for name, value, minimum in [
+        ("fixed_split_pages", fixed_split_pages, 1),
+        ("max_grid", max_grid, 1),
+        ("min_chunk_pages", min_chunk_pages, 1),
+        ("num_work_items", num_work_items, 0),
+    ]:
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            raise TypeError(f"{name} must be an int or None, got {value!r}")
+        if value < minimum:
+            raise ValueError(f"{name} must be >= {minimum}, got {value}")
     if num_kv_heads < 1 or num_q_heads % num_kv_heads:
         raise ValueError(
             f"num_q_heads={num_q_heads} must be a positive multiple of num_kv_heads={num_kv_heads}"
@@ -185,8 +207,6 @@ def plan_decode(
     last_page_len = np.asarray(page_table.last_page_len)
     pages = np.diff(indptr)
     if fixed_split_pages is not None:
-        if fixed_split_pages < 1:
-            raise ValueError(f"fixed_split_pages must be >= 1, got {fixed_split_pages}")
         chunk, write_final = fixed_split_pages, False
     else:
         chunk = choose_chunk_pages(

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+import numpy as np
+
 
 class PoolExhaustedError(ValueError):
     """Raised when an allocation asks for more pages than are free."""
@@ -19,6 +21,10 @@ class PagePool:
 
     Pages are handed out lowest-index first, so runs are reproducible.
 
+    Raises:
+      TypeError: if ``num_pages`` (or a count or page given to a method) is not an int.
+      ValueError: if ``num_pages < 1``.
+
     Example:
       >>> pool = PagePool(4)
       >>> a = pool.allocate(2); pool.share(a); pool.free(a); pool.num_free
@@ -28,9 +34,8 @@ class PagePool:
     """
 
     def __init__(self, num_pages: int):
-        if num_pages < 1:
-            raise ValueError(f"num_pages must be >= 1, got {num_pages}")
-        self.num_pages = num_pages
+        _check_count("num_pages", num_pages, minimum=1)
+        self.num_pages = int(num_pages)
         self._ref_counts = [0] * num_pages
         # A stack popped from the end; reversed so that page 0 goes first.
         self._free = list(range(num_pages - 1, -1, -1))
@@ -51,8 +56,8 @@ class PagePool:
         Raises:
           PoolExhaustedError: if fewer than ``n`` pages are free (nothing is taken then).
         """
-        if n < 0:
-            raise ValueError(f"n must be >= 0, got {n}")
+        _check_count("n", n, minimum=0)
+        n = int(n)
         if n > len(self._free):
             raise PoolExhaustedError(
                 f"cannot allocate {n} pages: only {len(self._free)} of {self.num_pages} are free"
@@ -94,5 +99,15 @@ class PagePool:
                 self._free.append(page)
 
     def _check_page(self, page: int) -> None:
+        if isinstance(page, bool) or not isinstance(page, (int, np.integer)):
+            raise TypeError(f"a page must be an int, got {page!r}")
         if not 0 <= page < self.num_pages:
             raise ValueError(f"page {page} is outside the pool of {self.num_pages} pages")
+
+
+def _check_count(name: str, value, *, minimum: int) -> None:
+    """A count must be an int (a float such as 2.5 pages has no meaning) of at least ``minimum``."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an int, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")

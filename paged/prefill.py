@@ -98,6 +98,10 @@ def truncated_page_table(page_table: PageTable, seq_lens) -> PageTable:
 def new_token_positions(page_table: PageTable, num_new_tokens: int) -> jax.Array:
     """int32 ``[B, L]``: positions of the last ``L`` tokens of each request, ``seq_len[b] - L + l``.
 
+    Not checked (``check_holds_new_tokens`` checks a concrete table): a request shorter than
+    ``L`` gets negative positions, whose tokens ``append_kv`` drops and ``decode_attention``
+    gives no keys.
+
     Example:
       >>> new_token_positions(PageTable.from_seq_lens([5, 2], page_size=4), 2).tolist()
       [[3, 4], [0, 1]]

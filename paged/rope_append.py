@@ -94,9 +94,12 @@ def rope_append_kv(
         cache's heads or head_dim), an odd head_dim, and, when the inputs are concrete, a
         negative position or one not below its request's length, a batch index outside the
         batch, a (request, position) given twice, and page-table invariants (page indices
-        outside the pool, ...); ``backend="pallas"`` with float64 arrays. Under ``jit`` the
-        value checks cannot run: such a token's q is still rotated but its k and v are not
-        written (the kernel masks the store; never an access outside the pool).
+        outside the pool, ...), two tokens writing one (page, slot) of a shared page (copying it
+        first, copy-on-write, is the caller's job: ``paged.append_kv``);
+        ``backend="pallas"`` with float64 arrays. Under ``jit`` the value checks cannot run:
+        such a token's q is still rotated but its k and v are not written (the kernel masks
+        the store; never an access outside the pool), and of two tokens writing one slot one
+        write is kept, unspecified which (``docs/invalid_input.md``).
 
     Example:
       >>> from paged import new_kv_cache

@@ -338,3 +338,72 @@ SHAPE_ERRORS = [
 def test_merge_shape_errors_name_the_argument_and_shape(call, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         call()
+
+
+# ------------------------------------------------------------------------------------------------
+# The merge kernel over several of its steps
+#
+# ``merge_partial_states`` folds a request's partial states ``items_per_step`` at a time (8 by
+# default, as decode calls it): the rescaling of the running sum between steps, a count that
+# does not divide the step, and a step whose states are all empty are what a bug there would get
+# wrong. These merge several steps' worth of states per request against the float64 oracle.
+
+KERNEL_KV_HEADS, KERNEL_GROUP, KERNEL_HEAD_DIM = 2, 3, 8
+KERNEL_PARTIAL_ROWS = 4  # the group of 3 padded to a power of two, as paged_decode writes it
+KERNEL_TOLERANCE = 1e-5  # float32 kernel against the float64 oracle (testing conventions)
+
+
+def _ragged_counts(items_per_step: int) -> list[int]:
+    """States per request: one, one step, a step plus one, two steps plus one, three steps minus
+    one (counts that do not divide the step), and a count below one step."""
+    step = items_per_step
+    return [1, step, step + 1, 2 * step + 1, 3 * step - 1, max(step - 1, 1)]
+
+
+@pytest.mark.parametrize("items_per_step", [4, 8])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_merge_kernel_over_several_steps_matches_the_float64_oracle(
+    interpret, items_per_step, seed
+):
+    from kernels_pallas.merge_states import merge_partial_states
+
+    rng = np.random.default_rng(seed)
+    counts = _ragged_counts(items_per_step)
+    counts.append(items_per_step + 2)  # a request whose states are all empty
+    merge_indptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    num_work = int(merge_indptr[-1])
+    shape = (num_work, KERNEL_KV_HEADS, KERNEL_PARTIAL_ROWS)
+    partial_o = rng.standard_normal((*shape, KERNEL_HEAD_DIM)).astype(np.float32)
+    # Log-sum-exps far apart, so that every step rescales what came before.
+    partial_lse = rng.uniform(-40.0, 40.0, shape).astype(np.float32)
+    empty = rng.random(shape) < 0.25  # empty states scattered among the others
+    second = slice(merge_indptr[3] + items_per_step, merge_indptr[3] + 2 * items_per_step)
+    empty[second] = True  # request 3's whole second step is empty
+    empty[merge_indptr[-2] :] = True  # the last request is empty throughout
+    partial_lse[empty] = -np.inf
+    partial_o[..., KERNEL_GROUP:, :] = np.nan  # padding rows: never read into a result
+    partial_lse[..., KERNEL_GROUP:] = np.nan
+
+    o, lse = merge_partial_states(
+        jnp.asarray(partial_o),
+        jnp.asarray(partial_lse),
+        jnp.asarray(merge_indptr),
+        num_q_heads=KERNEL_KV_HEADS * KERNEL_GROUP,
+        out_dtype=jnp.float32,
+        items_per_step=items_per_step,
+        interpret=interpret,
+    )
+    o, lse = np.asarray(o), np.asarray(lse)
+    heads = KERNEL_KV_HEADS * KERNEL_GROUP
+    assert o.shape == (len(counts), heads, KERNEL_HEAD_DIM) and lse.shape == (len(counts), heads)
+    for b in range(len(counts)):
+        items = slice(merge_indptr[b], merge_indptr[b + 1])
+        expected_o, expected_lse = merge_oracle(
+            partial_o[items, :, :KERNEL_GROUP].reshape(counts[b], heads, KERNEL_HEAD_DIM),
+            partial_lse[items, :, :KERNEL_GROUP].reshape(counts[b], heads),
+        )
+        assert not np.isnan(o[b]).any() and not np.isnan(lse[b]).any()
+        assert relative_error(o[b], expected_o) < KERNEL_TOLERANCE, f"request {b}"
+        np.testing.assert_allclose(lse[b], expected_lse, rtol=1e-6, atol=1e-5)
+    np.testing.assert_array_equal(o[-1], 0.0)
+    np.testing.assert_array_equal(lse[-1], -np.inf)
