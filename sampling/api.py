@@ -350,7 +350,9 @@ def top_k_mask_logits(logits: jax.Array, top_k, *, backend="auto") -> jax.Array:
         return out.astype(logits.dtype)
 
     def mask_row(row, k):
-        rank = jnp.zeros(vocab, jnp.int32).at[rank_order(row)].set(jnp.arange(vocab))
+        rank = (
+            jnp.zeros(vocab, jnp.int32).at[rank_order(row)].set(jnp.arange(vocab, dtype=jnp.int32))
+        )
         return jnp.where(rank < k, row, -jnp.inf)
 
     return jax.vmap(mask_row)(logits, k)
