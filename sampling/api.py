@@ -37,7 +37,7 @@ from kernels_pallas import rng
 from kernels_pallas import sampling as sampling_kernels
 from kernels_pallas.platform import interpret_mode, resolve_backend
 from sampling import reference, validation
-from sampling.filters import ORDERS, FilterParams, filtered_distribution, rank_order
+from sampling.filters import ORDERS, filtered_distribution, rank_order
 
 EXPONENTIAL_STREAM = 0
 ROUND_STREAM = 1
@@ -114,15 +114,13 @@ def sample_from_logits(
       >>> tokens.shape, int(tokens[0]) != 1
       ((1,), True)
     """
+    logits = validation.as_array("logits", logits)
     batch, vocab = validation.check_rows("logits", logits)
     chosen = _kernel_backend(backend, "gumbel", batch)
     validation.check_logits_values(logits)
     one_temperature = jnp.ndim(temperature) == 0
-    temperature = validation.per_row("temperature", temperature, batch, jnp.float32)
-    validation.check_range("temperature", temperature, 0.0, float(jnp.finfo(jnp.float32).max))
+    temperature = validation.temperature_per_row(temperature, batch)
     logits = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
-    # Under jit, clamped: NaN or negative -> 0 (greedy), +inf -> the largest float.
-    temperature = jnp.clip(jnp.nan_to_num(temperature, nan=0.0), 0, jnp.finfo(jnp.float32).max)
     temperature = temperature.astype(logits.dtype)
     if chosen == "pallas":
         tokens = sampling_kernels.gumbel_sample(
@@ -140,10 +138,15 @@ def sample_from_logits(
         )
     if not return_logprob:
         return tokens
-    greedy = temperature < reference.MIN_TEMPERATURE
-    scaled = logits / jnp.where(greedy, 1, temperature)[:, None]
+    # The distribution drawn from, read as the race reads invalid logits that only jit lets
+    # through: NaN is a masked token, and a row without a finite maximum (every token masked,
+    # or a +inf) is a point mass on the token returned, as a greedy row is: log-probability 0.
+    logits = jnp.where(jnp.isnan(logits), -jnp.inf, logits)
+    point_mass = (temperature < reference.MIN_TEMPERATURE) | ~jnp.isfinite(jnp.max(logits, axis=-1))
+    finite_logits = jnp.where(point_mass[:, None], 0, logits)  # no inf - inf where unused
+    scaled = finite_logits / jnp.where(point_mass, 1, temperature)[:, None]
     logprob = jnp.take_along_axis(jax.nn.log_softmax(scaled, axis=-1), tokens[:, None], 1)[:, 0]
-    return tokens, jnp.where(greedy, 0.0, logprob).astype(jnp.float32)
+    return tokens, jnp.where(point_mass, 0.0, logprob).astype(jnp.float32)
 
 
 def sample_from_probs(key, probs: jax.Array, *, return_logprob: bool = False, backend="auto"):
@@ -163,6 +166,7 @@ def sample_from_probs(key, probs: jax.Array, *, return_logprob: bool = False, ba
       ValueError: bad shapes; concrete NaN, infinite or negative probabilities, a row summing
         to 0.
     """
+    probs = validation.as_array("probs", probs)
     batch, vocab = validation.check_rows("probs", probs)
     chosen = _kernel_backend(backend, "gumbel", batch)
     validation.check_probs_values(probs)
@@ -184,24 +188,6 @@ def sample_from_probs(key, probs: jax.Array, *, return_logprob: bool = False, ba
         return tokens
     chosen = jnp.take_along_axis(probs, tokens[:, None], 1)[:, 0]
     return tokens, jnp.log(chosen / jnp.sum(probs, axis=-1)).astype(jnp.float32)
-
-
-def _filter_params(batch: int, vocab: int, top_k, top_p, min_p) -> FilterParams:
-    """Per-row parameters, checked when concrete and clamped into range (for jit)."""
-    if top_k is not None and not jnp.issubdtype(jnp.asarray(top_k).dtype, jnp.integer):
-        raise ValueError(f"top_k must be an integer (or integers), got {top_k!r}")
-    k = validation.per_row("top_k", vocab if top_k is None else top_k, batch, jnp.int32)
-    p = validation.per_row("top_p", 1.0 if top_p is None else top_p, batch, jnp.float32)
-    m = validation.per_row("min_p", 0.0 if min_p is None else min_p, batch, jnp.float32)
-    validation.check_range("top_k", k, 1, vocab)
-    validation.check_range("top_p", p, 0.0, 1.0, low_open=True)
-    validation.check_range("min_p", m, 0.0, 1.0)
-    tiny = jnp.finfo(jnp.float32).tiny
-    return FilterParams(
-        top_k=jnp.clip(k, 1, vocab),
-        top_p=jnp.clip(jnp.nan_to_num(p, nan=1.0), tiny, 1.0),
-        min_p=jnp.clip(jnp.nan_to_num(m, nan=0.0), 0.0, 1.0),
-    )
 
 
 def filtered_sample(
@@ -244,13 +230,14 @@ def filtered_sample(
       ValueError: bad shapes or order; concrete bad probabilities or parameters out of range.
     """
     chosen = _kernel_backend(backend, "filtered")
+    probs = validation.as_array("probs", probs)
     batch, vocab = validation.check_rows("probs", probs)
     validation.check_probs_values(probs)
     if not isinstance(max_rounds, int) or max_rounds < 0:
         raise ValueError(f"max_rounds must be an integer >= 0, got {max_rounds!r}")
     if order not in ORDERS:
         raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
-    params = _filter_params(batch, vocab, top_k, top_p, min_p)
+    params = validation.filter_params(batch, vocab, top_k, top_p, min_p)
     # At least float32: bfloat16 running sums and uniforms (8 significant bits) would bias the
     # inverse transform (a 0.003 token drawn at twice its rate).
     probs = probs.astype(jnp.promote_types(probs.dtype, jnp.float32))
@@ -309,9 +296,10 @@ def top_k_top_p_sample(key, probs, top_k, top_p, *, order="joint", **options):
 def _renorm(probs: jax.Array, top_k, top_p, backend: str) -> jax.Array:
     """``probs`` restricted to each row's kept set and renormalized (float32 inside)."""
     chosen = _kernel_backend(backend, "renorm")
+    probs = validation.as_array("probs", probs)
     batch, vocab = validation.check_rows("probs", probs)
     validation.check_probs_values(probs)
-    params = _filter_params(batch, vocab, top_k, top_p, None)
+    params = validation.filter_params(batch, vocab, top_k, top_p, None)
     if chosen == "pallas":
         if top_k is not None:
             parameter, mode = params.top_k, "top_k_renorm"
@@ -338,11 +326,10 @@ def top_p_renorm_probs(probs: jax.Array, top_p, *, backend="auto") -> jax.Array:
 def top_k_mask_logits(logits: jax.Array, top_k, *, backend="auto") -> jax.Array:
     """``[B, V]``: each row's top-k logits kept, the rest ``-inf`` (ties by index)."""
     chosen = _kernel_backend(backend, "renorm")
+    logits = validation.as_array("logits", logits)
     batch, vocab = validation.check_rows("logits", logits)
     validation.check_logits_values(logits)
-    k = validation.per_row("top_k", top_k, batch, jnp.int32)
-    validation.check_range("top_k", k, 1, vocab)
-    k = jnp.clip(k, 1, vocab)
+    k = validation.top_k_per_row(top_k, batch, vocab)
     if chosen == "pallas":
         out = sampling_kernels.filter_rows(
             logits.astype(jnp.float32), k, mode="top_k_mask", interpret=interpret_mode()

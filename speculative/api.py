@@ -258,6 +258,10 @@ def chain_speculative_sampling(
       (1, 1)
     """
     chosen = _backend(backend)
+    if draft_probs is not None:
+        draft_probs = validation.as_array("draft_probs", draft_probs)
+    draft_token_ids = validation.as_array("draft_token_ids", draft_token_ids)
+    target_probs = validation.as_array("target_probs", target_probs)
     batch, num_drafts, vocab = _check_shapes(draft_probs, draft_token_ids, target_probs)
     _check_values(draft_probs, draft_token_ids, target_probs, vocab)
     if batch == 0:  # an empty batch emits nothing (documented and tested)
@@ -318,6 +322,8 @@ def chain_greedy_verify(
       >>> out.tolist(), accepted.tolist()  # draft 1 is not the arg max 0: emit 0 there
       ([[1, 0, -1]], [1])
     """
+    draft_token_ids = validation.as_array("draft_token_ids", draft_token_ids)
+    target_logits = validation.as_array("target_logits", target_logits)
     _, _, vocab = _check_shapes(None, draft_token_ids, target_logits, "target_logits")
     _check_token_ids(draft_token_ids, vocab)
     if is_concrete(target_logits):
@@ -336,24 +342,6 @@ def chain_greedy_verify(
 
 # ----------------------------------------------------------------------------------------------
 # Building p and q so that exactness holds by construction
-
-
-def _filter_params(batch: int, vocab: int, top_k, top_p, min_p) -> FilterParams:
-    """Per-request filter parameters, checked when concrete and clamped into range (for jit),
-    with the samplers' conventions (``sampling/api.py``): None disables a filter."""
-    if top_k is not None and not jnp.issubdtype(jnp.asarray(top_k).dtype, jnp.integer):
-        raise ValueError(f"top_k must be an integer (or integers), got {top_k!r}")
-    k = validation.per_row("top_k", vocab if top_k is None else top_k, batch, jnp.int32)
-    p = validation.per_row("top_p", 1.0 if top_p is None else top_p, batch, jnp.float32)
-    m = validation.per_row("min_p", 0.0 if min_p is None else min_p, batch, jnp.float32)
-    validation.check_range("top_k", k, 1, vocab)
-    validation.check_range("top_p", p, 0.0, 1.0, low_open=True)
-    validation.check_range("min_p", m, 0.0, 1.0)
-    return FilterParams(
-        top_k=jnp.clip(k, 1, vocab),
-        top_p=jnp.clip(jnp.nan_to_num(p, nan=1.0), jnp.finfo(jnp.float32).tiny, 1.0),
-        min_p=jnp.clip(jnp.nan_to_num(m, nan=0.0), 0.0, 1.0),
-    )
 
 
 def sampling_distribution(
@@ -394,7 +382,8 @@ def sampling_distribution(
       >>> [round(x, 4) for x in q[0].tolist()]
       [0.625, 0.375, 0.0]
     """
-    if getattr(logits, "ndim", 0) < 2:
+    logits = validation.as_array("logits", logits)
+    if logits.ndim < 2:
         raise ValueError(f"logits must have shape [batch, ..., vocab], got {jnp.shape(logits)}")
     if order not in ORDERS:
         raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
@@ -402,9 +391,8 @@ def sampling_distribution(
     rows = logits.reshape(-1, vocab)
     validation.check_rows("logits", rows)
     validation.check_logits_values(rows)
-    temperature = validation.per_row("temperature", temperature, batch, jnp.float32)
-    validation.check_range("temperature", temperature, 0.0, float(jnp.finfo(jnp.float32).max))
-    params = _filter_params(batch, vocab, top_k, top_p, min_p)
+    temperature = validation.temperature_per_row(temperature, batch)
+    params = validation.filter_params(batch, vocab, top_k, top_p, min_p)
     per_request = int(np.prod(logits.shape[1:-1], dtype=np.int64))
     compute = jnp.promote_types(logits.dtype, jnp.float32)
     rows = rows.astype(compute)
@@ -412,11 +400,17 @@ def sampling_distribution(
     def repeat(values):  # one value per request -> one per row (a broadcast, not a gather)
         return jnp.broadcast_to(values[:, None], (batch, per_request)).reshape(-1)
 
-    temperature = repeat(jnp.nan_to_num(temperature, nan=0.0)).astype(compute)
-    greedy = temperature < MIN_TEMPERATURE
-    tempered = jax.nn.softmax(rows / jnp.where(greedy, 1, temperature)[:, None], axis=-1)
+    temperature = repeat(temperature).astype(compute)
+    # Logits only jit lets through read as the samplers read them: NaN is a masked token, and a
+    # row without a finite maximum (every token masked, or a +inf) is a point mass on its arg
+    # max (token 0, or the first +inf): the token every sampler returns for it. A softmax there
+    # would be 0 / 0.
+    rows = jnp.where(jnp.isnan(rows), -jnp.inf, rows)
+    point_mass = (temperature < MIN_TEMPERATURE) | ~jnp.isfinite(jnp.max(rows, axis=-1))
+    finite_rows = jnp.where(point_mass[:, None], 0, rows)  # no inf - inf even where unused
+    tempered = jax.nn.softmax(finite_rows / jnp.where(point_mass, 1, temperature)[:, None], -1)
     one_hot = jax.nn.one_hot(jnp.argmax(rows, axis=-1), vocab, dtype=compute)
-    probs = jnp.where(greedy[:, None], one_hot, tempered)
+    probs = jnp.where(point_mass[:, None], one_hot, tempered)
     row_params = FilterParams(*(repeat(value) for value in params))
     kept = jax.vmap(lambda row, row_params: filtered_distribution(row, row_params, order))(
         probs, row_params
@@ -456,7 +450,8 @@ def sample_draft(
       >>> tokens.tolist(), q.tolist()
       ([1], [[0.0, 1.0, 0.0]])
     """
-    if getattr(draft_logits, "ndim", None) != 2:
+    draft_logits = validation.as_array("draft_logits", draft_logits)
+    if draft_logits.ndim != 2:
         raise ValueError(
             f"draft_logits must have shape [batch, vocab], got {jnp.shape(draft_logits)}"
         )

@@ -10,6 +10,8 @@ of ``serving.layers``, on both backends (kernels interpreted on a CPU):
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -151,3 +153,121 @@ def test_an_empty_batch_gives_an_empty_result(name, backend):
     full = jax.tree.leaves(call(_as_arrays(_inputs(BATCH)), backend))
     empty = jax.tree.leaves(call(_as_arrays(_inputs(0)), backend))
     assert [(x.dtype, (0, *x.shape[1:])) for x in full] == [(x.dtype, x.shape) for x in empty]
+
+
+# Every function that takes top_k, called with a given top_k on valid inputs.
+TOP_K_CALLS = {
+    "filtered_sample": lambda a, k: sampling.filtered_sample(
+        jax.random.key(0), a["probs"], top_k=k
+    ),
+    "top_k_sample": lambda a, k: sampling.top_k_sample(jax.random.key(0), a["probs"], k),
+    "top_k_top_p_sample": lambda a, k: sampling.top_k_top_p_sample(
+        jax.random.key(0), a["probs"], k, 0.9
+    ),
+    "top_k_renorm_probs": lambda a, k: sampling.top_k_renorm_probs(a["probs"], k),
+    "top_k_mask_logits": lambda a, k: sampling.top_k_mask_logits(a["logits"], k),
+    "sampling_distribution": lambda a, k: speculative.sampling_distribution(a["logits"], top_k=k),
+    "sample_draft": lambda a, k: speculative.sample_draft(jax.random.key(0), a["logits"], top_k=k),
+}
+
+
+@pytest.mark.parametrize("top_k", [2.7, 2.0, True, np.float32(3.0), [2.0, 3.0, 1.0]])
+@pytest.mark.parametrize("name", sorted(TOP_K_CALLS))
+def test_a_non_integer_top_k_raises_everywhere(name, top_k):
+    """One rule for top_k: an integer dtype or nothing (``top_k_mask_logits(logits, 2.7)`` kept
+    2 a row where ``top_k_sample`` raised)."""
+    with pytest.raises(
+        ValueError, match=r"top_k must be an integer .*got " + re.escape(repr(top_k))
+    ):
+        TOP_K_CALLS[name](_as_arrays(_inputs(BATCH)), top_k)
+
+
+@pytest.mark.parametrize("name", sorted(TOP_K_CALLS))
+def test_integer_top_k_of_any_integer_type_is_accepted(name):
+    arrays = _as_arrays(_inputs(BATCH))
+    expected = _described(TOP_K_CALLS[name](arrays, 3))
+    for top_k in (np.int64(3), jnp.int32(3), np.array([3, 3, 3], np.int16), [3, 3, 3]):
+        _assert_same(_described(TOP_K_CALLS[name](arrays, top_k)), expected, f"{name} {top_k!r}")
+
+
+@pytest.mark.parametrize("name", SAMPLING_CALLS)
+def test_array_likes_are_accepted_as_arrays(name):
+    """Python lists and NumPy arrays give what JAX arrays give (they raised AttributeError)."""
+    inputs = _inputs(BATCH)
+    expected = _described(CALLS[name](_as_arrays(inputs), "reference"))
+    as_lists = {key: value.tolist() for key, value in inputs.items()}
+    _assert_same(_described(CALLS[name](as_lists, "reference")), expected, f"{name}, lists")
+    _assert_same(_described(CALLS[name](inputs, "reference")), expected, f"{name}, NumPy")
+
+
+NOT_ARRAYS = [
+    (sampling.sample_from_logits, "logits", "text"),
+    (sampling.sample_from_probs, "probs", {"a": 1}),
+    (sampling.top_k_sample, "probs", [[0.5, 0.5], [1.0]]),  # ragged
+]
+
+
+@pytest.mark.parametrize("function,argument,value", NOT_ARRAYS)
+def test_what_is_not_an_array_like_raises_a_type_error_naming_it(function, argument, value):
+    extra = {"top_k": 1} if function is sampling.top_k_sample else {}
+    with pytest.raises(TypeError, match=f"{argument} must be an array or array-like"):
+        function(jax.random.key(0), **{argument: value}, **extra)
+    with pytest.raises(TypeError, match="draft_token_ids must be an array or array-like"):
+        speculative.chain_speculative_sampling(jax.random.key(0), None, "ids", jnp.ones((1, 2, 3)))
+
+
+INF = np.inf
+# Rows only jit lets through: every token masked, a NaN (read as masked), a +inf, a valid row.
+DEGENERATE_LOGITS = np.array(
+    [
+        [-INF, -INF, -INF, -INF, -INF],
+        [np.nan, 1.0, 0.5, -INF, 0.25],
+        [1.0, INF, 0.0, INF, -INF],
+        [0.0, 1.0, -INF, 2.0, 0.5],
+    ],
+    np.float32,
+)
+# The token each sampler returns for those rows whatever the key (rows 0 and 2: a point mass).
+POINT_MASS_TOKEN = {0: 0, 2: 1}
+FILTERS = {
+    "none": {},
+    "greedy": dict(temperature=0.0),
+    "hot": dict(temperature=np.inf),
+    "top_k": dict(top_k=2),
+    "top_p": dict(top_p=0.5),
+    "min_p": dict(min_p=0.2),
+    "all": dict(top_k=3, top_p=0.6, min_p=0.1, order="top_k_first"),
+}
+
+
+@pytest.mark.parametrize("filters", sorted(FILTERS))
+def test_under_jit_a_row_without_finite_logits_is_a_point_mass_never_nan(filters):
+    """A fully masked row is one-hot at token 0 (the token the samplers return), a row with
+    ``+inf`` one-hot at its first ``+inf``, and NaN is a masked token: never a NaN probability
+    (a softmax of such a row is 0 / 0). The samplers agree: they return that token, with
+    log-probability 0."""
+    kwargs = FILTERS[filters]
+    logits = jnp.asarray(DEGENERATE_LOGITS)
+    probs = np.asarray(jax.jit(lambda x: speculative.sampling_distribution(x, **kwargs))(logits))
+    assert not np.isnan(probs).any(), probs
+    np.testing.assert_allclose(probs.sum(axis=1), 1.0, rtol=1e-6)
+    for row, token in POINT_MASS_TOKEN.items():
+        assert probs[row].tolist() == np.eye(5)[token].tolist(), (row, probs[row])
+    assert probs[1, 0] == 0 and probs[1, 3] == 0  # NaN and -inf: masked
+    draft_kwargs = {k: v for k, v in kwargs.items()}
+    tokens, q = jax.jit(lambda x: speculative.sample_draft(jax.random.key(3), x, **draft_kwargs))(
+        logits
+    )
+    np.testing.assert_array_equal(np.asarray(q), probs)
+    assert q[np.arange(4), tokens].min() > 0, (tokens, q)
+    temperature = kwargs.get("temperature", 1.0)
+    for backend in BACKENDS:
+        tokens, logprob = jax.jit(
+            lambda x, backend=backend: sampling.sample_from_logits(
+                jax.random.key(3), x, temperature=temperature, return_logprob=True, backend=backend
+            )
+        )(logits)
+        for row, token in POINT_MASS_TOKEN.items():
+            assert (int(tokens[row]), float(logprob[row])) == (token, 0.0), (backend, row)
+        assert not np.isnan(np.asarray(logprob)).any(), (backend, logprob)
+        assert int(tokens[1]) not in (0, 3), backend  # NaN and -inf never drawn
