@@ -186,8 +186,9 @@ def sample_from_probs(key, probs: jax.Array, *, return_logprob: bool = False, ba
         )
     if not return_logprob:
         return tokens
-    chosen = jnp.take_along_axis(probs, tokens[:, None], 1)[:, 0]
-    return tokens, jnp.log(chosen / jnp.sum(probs, axis=-1)).astype(jnp.float32)
+    weights = validation.as_weights(probs)
+    chosen = jnp.take_along_axis(weights, tokens[:, None], 1)[:, 0]
+    return tokens, jnp.log(chosen / jnp.sum(weights, axis=-1)).astype(jnp.float32)
 
 
 def filtered_sample(
@@ -254,6 +255,7 @@ def filtered_sample(
             interpret=interpret_mode(),
         )
     else:
+        probs = validation.as_weights(probs)
         uniforms = _round_uniforms(key, batch, max_rounds)
         tokens, rounds = jax.vmap(
             lambda row, u, params: reference.filtered_sample_row_from_uniforms(
@@ -263,7 +265,7 @@ def filtered_sample(
     extras = []
     if return_logprob:
         kept = jax.vmap(lambda row, params: filtered_distribution(row, params, order))(
-            probs, params
+            validation.as_weights(probs), params
         )
         chosen = jnp.take_along_axis(kept, tokens[:, None], 1)[:, 0]
         extras.append(jnp.log(chosen).astype(jnp.float32))
@@ -309,7 +311,7 @@ def _renorm(probs: jax.Array, top_k, top_p, backend: str) -> jax.Array:
             probs.astype(jnp.float32), parameter, mode=mode, interpret=interpret_mode()
         )
         return out.astype(probs.dtype)
-    compute = probs.astype(jnp.promote_types(probs.dtype, jnp.float32))
+    compute = validation.as_weights(probs.astype(jnp.promote_types(probs.dtype, jnp.float32)))
     return jax.vmap(filtered_distribution)(compute, params).astype(probs.dtype)
 
 

@@ -85,6 +85,13 @@ def check_logits_values(logits: jax.Array) -> None:
             raise ValueError(f"logits row {row} {what}")
 
 
+def as_weights(probs: jax.Array) -> jax.Array:
+    """``probs`` with NaN and negative entries (bad input only ``jit`` lets through) set to 0:
+    the weights every kernel reads (``kernels_pallas/row_select.as_weights``), so that the
+    reference backend reads the same row."""
+    return jnp.where(probs > 0, probs, 0)
+
+
 def per_row(name: str, value, batch: int, dtype) -> jax.Array:
     """A scalar or ``[B]`` parameter as a ``[B]`` array of ``dtype``."""
     array = jnp.asarray(value, dtype)

@@ -271,3 +271,31 @@ def test_under_jit_a_row_without_finite_logits_is_a_point_mass_never_nan(filters
             assert (int(tokens[row]), float(logprob[row])) == (token, 0.0), (backend, row)
         assert not np.isnan(np.asarray(logprob)).any(), (backend, logprob)
         assert int(tokens[1]) not in (0, 3), backend  # NaN and -inf never drawn
+
+
+# Functions of probabilities, each row given as the bad row's valid reading.
+PROBABILITY_CALLS = {
+    "sample_from_probs": lambda p, b: sampling.sample_from_probs(
+        jax.random.key(1), p, return_logprob=True, backend=b
+    ),
+    "filtered_sample": lambda p, b: sampling.filtered_sample(
+        jax.random.key(1), p, top_k=3, top_p=0.7, return_logprob=True, backend=b
+    ),
+    "min_p_sample": lambda p, b: sampling.min_p_sample(
+        jax.random.key(1), p, 0.3, return_logprob=True, backend=b
+    ),
+    "top_k_renorm_probs": lambda p, b: sampling.top_k_renorm_probs(p, 2, backend=b),
+    "top_p_renorm_probs": lambda p, b: sampling.top_p_renorm_probs(p, 0.6, backend=b),
+}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", sorted(PROBABILITY_CALLS))
+def test_under_jit_nan_and_negative_probabilities_weigh_zero(name, backend):
+    """What jit lets through: NaN and negative entries read as 0 on every backend (the
+    reference counted a negative entry into the row's total, so top-p kept another set than
+    the kernel), so the result is the one of the row with those entries zeroed."""
+    bad = jnp.array([[np.nan, 0.2, 0.5, 0.3, 0.1], [0.4, -0.5, 0.3, 0.3, 0.0]], jnp.float32)
+    zeroed = jnp.where(jnp.isnan(bad) | (bad < 0), 0.0, bad)
+    call = jax.jit(lambda p: PROBABILITY_CALLS[name](p, backend))
+    _assert_same(_described(call(bad)), _described(call(zeroed)), f"{name} on {backend}")
