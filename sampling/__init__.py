@@ -1,6 +1,4 @@
-"""Samplers with explicit randomness (in progress: the sampling issue).
-
-Present:
+"""Samplers with explicit randomness.
 
 - ``sampling.filters``: what top-k, top-p (both orders) and min-p keep, by definition, in the
   total order (probability descending, index ascending): the contract and the tests' oracle.
@@ -8,12 +6,10 @@ Present:
   logits and from probabilities, and dual-pivot rejection for filtered sampling, its round
   exposed as a state transition (``pivot_round``) for exact enumeration
   (``tests/test_sampling_exact.py``, ``proofs/sampling.md``).
-
-- ``sampling.api`` (re-exported here): the public samplers with keys and ``backend=``
-  (reference backend only so far), the renorm and mask functions.
-
-To come with the rest of the issue: the Pallas kernels (``kernels_pallas/sampling.py``), the
-benchmark suite and the notebook.
+- ``sampling.api`` (re-exported here): the public samplers with keys and ``backend=``, the
+  renorm and mask functions; their Pallas kernels are ``kernels_pallas/sampling.py``.
+- ``sampling.validation``: the input checks every public sampler shares, and what each does
+  with invalid input that ``jit`` cannot check.
 """
 
 from sampling.api import (

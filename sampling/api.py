@@ -93,9 +93,15 @@ def sample_from_logits(
     ``argmax(logits / T + G)`` with ``G = -log E``, ``E ~ Exp(1)`` per token: no softmax, one pass
     (``proofs/sampling.md``, Theorem 1). bfloat16 logits are upcast to float32 first.
 
+    Invalid input under ``jit`` (not checked there): a NaN logit is a masked token; a row
+    without a finite maximum (every logit ``-inf``, or a ``+inf``) returns its arg max (token
+    0, or its first ``+inf``) with log-probability 0, as a greedy row does; a NaN or negative
+    temperature is greedy, one above ``validation.MAX_TEMPERATURE`` (``+inf`` too) is
+    ``MAX_TEMPERATURE``. The token is always inside ``[0, V)``.
+
     Args:
       key: one JAX key or ``B`` keys.
-      logits: ``[B, V]``; ``-inf`` masks a token.
+      logits: ``[B, V]`` (an array or array-like); ``-inf`` masks a token.
       temperature: scalar or ``[B]``, ``>= 0`` and finite; 0 (below
         ``reference.MIN_TEMPERATURE``) is greedy.
       return_logprob: also return ``log q(token)`` under the distribution drawn from (0 for
@@ -108,6 +114,7 @@ def sample_from_logits(
     Raises:
       ValueError: bad shapes; concrete NaN or ``+inf`` logits, a row of only ``-inf``, a negative
         or non-finite temperature.
+      TypeError: ``logits`` that is not an array-like.
 
     Example:
       >>> tokens = sample_from_logits(jax.random.key(0), jnp.array([[0.0, -jnp.inf, 5.0]]))
@@ -153,9 +160,14 @@ def sample_from_probs(key, probs: jax.Array, *, return_logprob: bool = False, ba
     """Samples one token per row in proportion to ``probs`` by the exponential race
     ``argmax(probs / E)``.
 
+    Invalid input under ``jit`` (not checked there): NaN and negative weights weigh 0 (on every
+    backend); a row without positive weight returns token 0, a row with a ``+inf`` weight its
+    first ``+inf``; a row without positive finite mass gets a NaN log-probability. The token is
+    always inside ``[0, V)``.
+
     Args:
       key: one JAX key or ``B`` keys.
-      probs: ``[B, V]`` non-negative weights (normalized by their sum).
+      probs: ``[B, V]`` non-negative weights (normalized by their sum), an array or array-like.
       return_logprob: also return ``log(probs[token] / sum(probs))``.
       backend: ``"auto"``, ``"reference"`` or ``"pallas"`` (module docstring).
 
@@ -165,6 +177,7 @@ def sample_from_probs(key, probs: jax.Array, *, return_logprob: bool = False, ba
     Raises:
       ValueError: bad shapes; concrete NaN, infinite or negative probabilities, a row summing
         to 0.
+      TypeError: ``probs`` that is not an array-like.
     """
     probs = validation.as_array("probs", probs)
     batch, vocab = validation.check_rows("probs", probs)
@@ -207,10 +220,16 @@ def filtered_sample(
     """Samples one token per row from ``probs`` restricted to the filters' kept set, by
     dual-pivot rejection (no sort; ``proofs/sampling.md``, Theorems 2 and 3).
 
+    Invalid input under ``jit`` (not checked there): per-row parameters are clamped into range
+    (``top_k`` to ``[1, V]``; ``top_p`` to ``(0, 1]``, NaN meaning 1; ``min_p`` to ``[0, 1]``,
+    NaN meaning 0); NaN and negative weights weigh 0 on every backend. A row without positive
+    finite mass (all 0, or a ``+inf``) returns some token inside ``[0, V)``, which one is
+    unspecified (backends may differ), and its log-probability is NaN.
+
     Args:
       key: one JAX key or ``B`` keys.
-      probs: ``[B, V]`` non-negative weights.
-      top_k: int, scalar or ``[B]``, in ``[1, V]``; None disables.
+      probs: ``[B, V]`` non-negative weights, an array or array-like.
+      top_k: an integer, scalar or ``[B]``, in ``[1, V]``; None disables.
       top_p: scalar or ``[B]`` in ``(0, 1]``; None disables.
       min_p: scalar or ``[B]`` in ``[0, 1]``; None disables.
       order: ``"joint"`` (intersection) or ``"top_k_first"`` (top-p of the renormalized top-k).
@@ -228,7 +247,9 @@ def filtered_sample(
       ``int32[B]`` tokens, then the requested extras in the order above.
 
     Raises:
-      ValueError: bad shapes or order; concrete bad probabilities or parameters out of range.
+      ValueError: bad shapes or order; concrete bad probabilities or parameters out of range; a
+        ``top_k`` that is not of an integer dtype.
+      TypeError: ``probs`` that is not an array-like.
     """
     chosen = _kernel_backend(backend, "filtered")
     probs = validation.as_array("probs", probs)
@@ -275,23 +296,31 @@ def filtered_sample(
 
 
 def top_k_sample(key, probs, top_k, **options):
-    """``filtered_sample`` with top-k only: the first ``top_k`` tokens of the order."""
+    """``filtered_sample`` with top-k only: the first ``top_k`` tokens of the order.
+
+    Arguments, errors and invalid input under ``jit``: as ``filtered_sample``."""
     return filtered_sample(key, probs, top_k=top_k, **options)
 
 
 def top_p_sample(key, probs, top_p, **options):
     """``filtered_sample`` with top-p only: the tokens ranked before the mass ``top_p`` is
-    reached, and the one that crosses it."""
+    reached, and the one that crosses it.
+
+    Arguments, errors and invalid input under ``jit``: as ``filtered_sample``."""
     return filtered_sample(key, probs, top_p=top_p, **options)
 
 
 def min_p_sample(key, probs, min_p, **options):
-    """``filtered_sample`` with min-p only: tokens with ``p >= min_p * max(p)``."""
+    """``filtered_sample`` with min-p only: tokens with ``p >= min_p * max(p)``.
+
+    Arguments, errors and invalid input under ``jit``: as ``filtered_sample``."""
     return filtered_sample(key, probs, min_p=min_p, **options)
 
 
 def top_k_top_p_sample(key, probs, top_k, top_p, *, order="joint", **options):
-    """``filtered_sample`` with top-k and top-p, ``order="joint"`` or ``"top_k_first"``."""
+    """``filtered_sample`` with top-k and top-p, ``order="joint"`` or ``"top_k_first"``.
+
+    Arguments, errors and invalid input under ``jit``: as ``filtered_sample``."""
     return filtered_sample(key, probs, top_k=top_k, top_p=top_p, order=order, **options)
 
 
@@ -316,17 +345,38 @@ def _renorm(probs: jax.Array, top_k, top_p, backend: str) -> jax.Array:
 
 
 def top_k_renorm_probs(probs: jax.Array, top_k, *, backend="auto") -> jax.Array:
-    """``[B, V]``: ``probs`` restricted to each row's top-k and renormalized to sum to 1."""
+    """``[B, V]``: ``probs`` restricted to each row's top-k and renormalized to sum to 1.
+
+    ``probs``: ``[B, V]`` non-negative weights (an array or array-like); ``top_k``: an integer in ``[1, V]``,
+    scalar or ``[B]``. Errors: as ``filtered_sample``. Invalid input under ``jit``: ``top_k``
+    is clamped as in ``filtered_sample``, NaN and negative weights weigh 0 (output 0); a row
+    without positive finite mass (all 0, or a ``+inf``) has no distribution to renormalize:
+    its output holds NaN (where, unspecified: backends differ).
+    """
     return _renorm(probs, top_k, None, backend)
 
 
 def top_p_renorm_probs(probs: jax.Array, top_p, *, backend="auto") -> jax.Array:
-    """``[B, V]``: ``probs`` restricted to each row's top-p set and renormalized."""
+    """``[B, V]``: ``probs`` restricted to each row's top-p set and renormalized.
+
+    ``probs``: ``[B, V]`` non-negative weights (an array or array-like); ``top_p``: in ``(0, 1]``,
+    scalar or ``[B]``. Errors: as ``filtered_sample``. Invalid input under ``jit``: ``top_p``
+    is clamped as in ``filtered_sample``, NaN and negative weights weigh 0 (output 0); a row
+    without positive finite mass (all 0, or a ``+inf``) has no distribution to renormalize:
+    its output holds NaN (where, unspecified: backends differ).
+    """
     return _renorm(probs, None, top_p, backend)
 
 
 def top_k_mask_logits(logits: jax.Array, top_k, *, backend="auto") -> jax.Array:
-    """``[B, V]``: each row's top-k logits kept, the rest ``-inf`` (ties by index)."""
+    """``[B, V]``: each row's top-k logits kept, the rest ``-inf`` (ties by index).
+
+    ``logits``: ``[B, V]`` (an array or array-like); ``top_k``: an integer in ``[1, V]``, scalar
+    or ``[B]``. Errors: as ``filtered_sample`` (NaN or ``+inf`` logits, an all ``-inf`` row, when
+    concrete). Invalid input under ``jit``: ``top_k`` is clamped into ``[1, V]``; ``+inf``
+    ranks first; where a NaN logit ranks is unspecified (the kernel ranks it first, the
+    reference last): it may be kept, as NaN, and push a finite logit out.
+    """
     chosen = _kernel_backend(backend, "renorm")
     logits = validation.as_array("logits", logits)
     batch, vocab = validation.check_rows("logits", logits)

@@ -4,8 +4,13 @@ Shape, dtype and static-parameter checks always run. Value checks (NaN, infiniti
 weights, rows without mass, per-row parameters out of range) run when the inputs are concrete,
 outside ``jit``, and raise ``ValueError`` naming the argument and the bad value. Under ``jit``
 they cannot run; the samplers then clamp per-row parameters into range (``top_k`` to ``[1, V]``,
-``top_p`` to ``(0, 1]``, ``min_p`` to ``[0, 1]``) and a row without positive finite mass returns
-token 0, so a token id is never out of range. Both behaviours are tested.
+``top_p`` to ``(0, 1]``, ``min_p`` to ``[0, 1]``, the temperature to ``[0, MAX_TEMPERATURE]``),
+read NaN and negative probabilities as weight 0 (``as_weights``, as the kernels do), and a row
+without positive finite mass still returns a token inside ``[0, V)``. Each public function's
+docstring says what it does with such input; both behaviours are tested
+(``tests/test_bad_input_sampling.py``).
+
+Inputs may be array-likes (``as_array``); ``top_k`` has one rule everywhere (``top_k_per_row``).
 """
 
 from __future__ import annotations

@@ -232,6 +232,13 @@ def chain_speculative_sampling(
     per test and the two rows at the stopping position (the kernel: ``kernels_pallas/
     spec_accept.py``).
 
+    Invalid input under ``jit`` (not checked there): draft ids are clipped into ``[0, V)``; NaN
+    and negative probabilities weigh 0; a drafted token of draft probability 0 is accepted
+    whenever its target probability is positive; a target row summing to ``S`` moves the
+    emitted token's distribution by at most ``|1 - S|`` in total variation (Theorem 6); a
+    stopping position without residual or target mass emits token 0. Emitted tokens are always
+    inside ``[0, V)``, on both backends alike.
+
     Args:
       key: one JAX key or ``B`` keys.
       draft_probs: ``[B, n, V]``, the distributions the drafts were drawn from (after the
@@ -241,6 +248,7 @@ def chain_speculative_sampling(
       target_probs: ``[B, n + 1, V]``: position ``i`` is the target's distribution (at the
         user's temperature and filters) after the prompt and drafts ``0 .. i-1``.
       backend: ``"auto"``, ``"reference"`` or ``"pallas"`` (module docstring).
+      Arrays may be given as array-likes (lists, NumPy arrays).
 
     Returns:
       ``(output_token_ids int32[B, n + 1], num_accepted int32[B])``: the first
@@ -250,6 +258,7 @@ def chain_speculative_sampling(
       ValueError: bad shapes or dtypes; concrete token ids outside the vocabulary, rows that are
         not distributions (NaN, infinite, negative, or summing away from 1), a drafted token of
         draft probability 0.
+      TypeError: an input that is not an array-like.
 
     Example:
       >>> p = jnp.array([[[0.5, 0.5], [0.9, 0.1]]])   # B=1, n=1, V=2
@@ -305,6 +314,11 @@ def chain_greedy_verify(
     max (lowest index on ties, as ``sampling.sample_from_logits`` at temperature 0), then emit
     the target's arg max at the first mismatch, or at position ``n`` when all match.
 
+    Invalid input under ``jit`` (not checked there): a NaN logit is masked (as in the greedy
+    sampler); a position whose logits are all masked has arg max 0; a draft id outside
+    ``[0, V)`` never equals the arg max, so the chain stops there. Emitted tokens are the
+    target's arg maxes, always inside ``[0, V)``.
+
     Args:
       draft_token_ids: int ``[B, n]`` inside ``[0, V)``.
       target_logits: ``[B, n + 1, V]``; ``-inf`` masks a token.
@@ -315,6 +329,7 @@ def chain_greedy_verify(
     Raises:
       ValueError: bad shapes; concrete token ids outside the vocabulary, logits with NaN or
         ``+inf``, a position whose logits are all ``-inf``.
+      TypeError: an input that is not an array-like.
 
     Example:
       >>> logits = jnp.log(jnp.array([[[0.1, 0.9], [0.8, 0.2], [0.5, 0.5]]]))
@@ -361,11 +376,18 @@ def sampling_distribution(
     user's parameters, and ``draft_probs`` from the draft's logits with the parameters the
     draft tokens were sampled with (``sample_draft`` does both at once for the draft).
 
+    Invalid input under ``jit`` (not checked there) reads as the samplers read it, and never
+    gives NaN: a NaN logit is a masked token; a row without a finite maximum (every logit
+    ``-inf``, or a ``+inf``) is one-hot at its arg max (token 0, or its first ``+inf``): the
+    token every sampler returns for it; a NaN or negative temperature is greedy, one above
+    ``sampling.validation.MAX_TEMPERATURE`` is that; parameters are clamped into range
+    (``sampling.validation.filter_params``).
+
     Args:
-      logits: ``[B, V]`` or ``[B, m, V]`` (e.g. the ``n + 1`` positions of a request); ``-inf``
-        masks a token. bfloat16 is upcast to float32.
+      logits: ``[B, V]`` or ``[B, m, V]`` (e.g. the ``n + 1`` positions of a request), an array
+        or array-like; ``-inf`` masks a token. bfloat16 is upcast to float32.
       temperature: scalar or ``[B]``, ``>= 0``.
-      top_k: int, scalar or ``[B]``, in ``[1, V]``; None disables.
+      top_k: an integer, scalar or ``[B]``, in ``[1, V]``; None disables.
       top_p: scalar or ``[B]`` in ``(0, 1]``; None disables.
       min_p: scalar or ``[B]`` in ``[0, 1]``; None disables.
       order: ``"joint"`` or ``"top_k_first"`` (``sampling/filters.py``).
@@ -375,7 +397,8 @@ def sampling_distribution(
 
     Raises:
       ValueError: bad shapes or order; concrete NaN or ``+inf`` logits, an all ``-inf`` row, a
-        parameter out of range.
+        parameter out of range; a ``top_k`` that is not of an integer dtype.
+      TypeError: ``logits`` that is not an array-like.
 
     Example:
       >>> q = sampling_distribution(jnp.log(jnp.array([[0.5, 0.3, 0.2]])), top_k=2)
@@ -435,6 +458,9 @@ def sample_draft(
     exponential race (``sampling.sample_from_probs``): the ``q`` handed to verification is, by
     construction, the one the token came from (not the draft's distribution before its filters,
     nor one computed at another precision).
+
+    Errors and invalid input under ``jit``: as ``sampling_distribution`` (so a row without a
+    finite logit draws token 0, with ``q`` one-hot there).
 
     Args:
       key: one JAX key or ``B`` keys (use another key than the verification's).

@@ -299,3 +299,23 @@ def test_under_jit_nan_and_negative_probabilities_weigh_zero(name, backend):
     zeroed = jnp.where(jnp.isnan(bad) | (bad < 0), 0.0, bad)
     call = jax.jit(lambda p: PROBABILITY_CALLS[name](p, backend))
     _assert_same(_described(call(bad)), _described(call(zeroed)), f"{name} on {backend}")
+
+
+def test_under_jit_greedy_verification_masks_nan_and_stops_at_a_bad_draft_id():
+    """NaN logits are masked, as in the greedy sampler (``jnp.argmax`` alone would pick them);
+    an all-masked position has arg max 0; a draft id outside the vocabulary never matches."""
+    logits = jnp.array(
+        [
+            [[np.nan, 1.0, 0.0], [0.0, 1.0, 2.0], [-INF, -INF, -INF]],
+            [[0.0, 1.0, 3.0], [-INF, -INF, -INF], [0.0, 0.0, 0.0]],
+            [[0.0, 5.0, 1.0], [0.0, 1.0, 2.0], [1.0, 0.0, 0.0]],
+        ]
+    )
+    draft_ids = jnp.array([[1, 2], [2, 0], [7, 2]], jnp.int32)
+    out, accepted = jax.jit(speculative.chain_greedy_verify)(draft_ids, logits)
+    assert out.tolist() == [[1, 2, 0], [2, 0, 0], [1, -1, -1]]
+    assert accepted.tolist() == [2, 2, 0]
+    greedy = jax.jit(
+        lambda x: sampling.sample_from_logits(jax.random.key(0), x[:, 0], temperature=0.0)
+    )(logits)
+    assert greedy.tolist() == out[:, 0].tolist()
