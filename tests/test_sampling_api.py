@@ -383,7 +383,9 @@ def _log_softmax64(logits: np.ndarray, temperature: float) -> np.ndarray:
     return scaled - top - np.log(np.exp(scaled - top).sum(axis=1, keepdims=True))
 
 
-def filtered_distribution64(probs: np.ndarray, top_k: int, top_p: float, min_p: float, order: str) -> np.ndarray:
+def filtered_distribution64(
+    probs: np.ndarray, top_k: int, top_p: float, min_p: float, order: str
+) -> np.ndarray:
     """float64 ``[V]``: the filtered distribution by definition (``sampling/filters.py``),
     written again in NumPy: rank by (probability descending, index ascending)."""
     vocab = probs.shape[0]
@@ -461,7 +463,8 @@ def test_filtered_logprob_is_of_the_tempered_filtered_distribution(name, backend
         tokens, logprob = np.asarray(tokens), np.asarray(logprob)
         probs64 = np.asarray(probs, np.float64)
         expected = [
-            np.log(filtered_distribution64(row, *params)[token]) for row, token in zip(probs64, tokens, strict=True)
+            np.log(filtered_distribution64(row, *params)[token])
+            for row, token in zip(probs64, tokens, strict=True)
         ]
         np.testing.assert_allclose(logprob, expected, rtol=0, atol=LOGPROB_ATOL, err_msg=name)
         draws, q = sample_draft(
@@ -478,6 +481,7 @@ def test_filtered_logprob_is_of_the_tempered_filtered_distribution(name, backend
         np.testing.assert_array_equal(np.asarray(resampled), draws)  # the same race on q
         tempered = np.exp(_log_softmax64(logits, temperature))
         expected = [
-            np.log(filtered_distribution64(row, *params)[token]) for row, token in zip(tempered, draws, strict=True)
+            np.log(filtered_distribution64(row, *params)[token])
+            for row, token in zip(tempered, draws, strict=True)
         ]
         np.testing.assert_allclose(draft_logprob, expected, rtol=0, atol=LOGPROB_ATOL, err_msg=name)
