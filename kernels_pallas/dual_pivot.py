@@ -139,7 +139,7 @@ def _pivot_pass(reader: RowReader, value, token, middle, blocks_to_read):
     counts0, table0, counts1, table1 = reader.fold(
         accumulate, (no_counts, zeros, no_counts, zeros), blocks_to_read
     )
-    return jnp.sum(counts0), table0, jnp.sum(counts1), table1
+    return jnp.sum(counts0, dtype=jnp.int32), table0, jnp.sum(counts1, dtype=jnp.int32), table1
 
 
 def dual_pivot_kernel(
@@ -263,8 +263,8 @@ def dual_pivot_kernel(
             kept, k_tie, p_tie = kept_weights(block_index, k_ties, p_ties)
             return (
                 reader.set_entry(kept_table, block_index, jnp.sum(kept)),
-                k_ties + jnp.sum(k_tie.astype(jnp.int32)),
-                p_ties + jnp.sum(p_tie.astype(jnp.int32)),
+                k_ties + jnp.sum(k_tie.astype(jnp.int32), dtype=jnp.int32),
+                p_ties + jnp.sum(p_tie.astype(jnp.int32), dtype=jnp.int32),
                 reader.set_entry(k_ties_table, block_index, k_ties),
                 reader.set_entry(p_ties_table, block_index, p_ties),
             )
@@ -348,6 +348,8 @@ def dual_pivot_sample(
     if order not in ORDERS:
         raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
     batch, vocab = probs.shape
+    if batch == 0:  # no program to launch (a grid of 0 is no launch at all)
+        return jnp.zeros((0,), jnp.int32), jnp.zeros((0,), jnp.int32)
     # A short row needs no block longer than itself, nor more warps than a block keeps busy (16
     # columns a thread); interpret mode (tests) gains the most.
     block = min(block, max(32, pl.next_power_of_2(vocab)))

@@ -104,7 +104,7 @@ def filter_kernel(
             keep, _, weights, _, is_tie = kept(block_index, ties)
             return (
                 total + jnp.sum(jnp.where(keep, weights, 0.0)),
-                ties + jnp.sum(is_tie.astype(jnp.int32)),
+                ties + jnp.sum(is_tie.astype(jnp.int32), dtype=jnp.int32),
             )
 
         kept_mass, _ = lax.fori_loop(0, num_blocks, add_kept, (jnp.float32(0.0), jnp.int32(0)))
@@ -116,11 +116,12 @@ def filter_kernel(
         else:
             out = jnp.where(keep, weights / kept_mass, 0.0)
         plgpu.store(
-            out_ref.at[row, pl.ds(block_index * block, block)],
+            # int32 under x64 too, where the loop's index is int64 (the row index is int32)
+            out_ref.at[row, pl.ds((block_index * block).astype(jnp.int32), block)],
             out.astype(out_ref.dtype),
             mask=in_row,
         )
-        return ties + jnp.sum(is_tie.astype(jnp.int32))
+        return ties + jnp.sum(is_tie.astype(jnp.int32), dtype=jnp.int32)
 
     lax.fori_loop(0, num_blocks, write, jnp.int32(0))
 
@@ -154,6 +155,8 @@ def filter_rows(
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     batch, vocab = values.shape
+    if batch == 0:  # no program to launch (a grid of 0 is no launch at all)
+        return jnp.zeros(values.shape, values.dtype)
     # A short row needs no block longer than itself, nor more warps than a block keeps busy (16
     # columns a thread); interpret mode (tests) gains the most.
     block = min(block, max(32, pl.next_power_of_2(vocab)))

@@ -33,7 +33,9 @@ writes ``normed`` and ``new_residual``: ``(4 T H + H) x 2`` bytes (four passes o
 larger buffer) normalizes rows ``[row_offset, row_offset + num_rows)`` of its inputs in place
 in memory, without a sliced copy, and writes new ``[num_rows, H]`` outputs (no aliasing then).
 
-Status: checked in interpret mode against float64 references; not yet compiled on a GPU.
+Status: checked in interpret mode against float64 references, and compiled, checked and timed
+on the H200 (``docs/benchmark_results/2026-12-01-fused_ops.md``). Works under x64 too: its
+stores take an int32 column start (see the kernel).
 """
 
 from __future__ import annotations
@@ -75,19 +77,22 @@ def rmsnorm_kernel(
         weight_ref, normed_ref = refs  # [H]; [num_rows, H]
     first_row = pl.program_id(0) * block_rows
     num_rows = normed_ref.shape[0]
-    row_is_real = first_row + jnp.arange(block_rows) < num_rows
-    column_is_real = jnp.arange(block_hidden) < hidden
+    row_is_real = first_row + jnp.arange(block_rows, dtype=jnp.int32) < num_rows
+    column_is_real = jnp.arange(block_hidden, dtype=jnp.int32) < hidden
     mask = row_is_real[:, None] & column_is_real[None, :]  # [block_rows, block_hidden]
     source_rows = pl.ds(row_offset_ref[0] + first_row, block_rows)
     out_rows = pl.ds(first_row, block_rows)
     columns = pl.ds(0, block_hidden)
+    # Stores take an int32 start, not the literal 0: under x64, interpret mode would make the
+    # literal int64 beside the int32 row index, and its store refuses mixed index types.
+    store_columns = pl.ds(jnp.int32(0), block_hidden)
 
     values = plgpu.load(x_ref.at[source_rows, columns], mask=mask, other=0.0).astype(jnp.float32)
     if fused:
         residual = plgpu.load(residual_ref.at[source_rows, columns], mask=mask, other=0.0)
         # The residual stream is stored in the input dtype; the norm reads that stored value.
         stored = (values + residual.astype(jnp.float32)).astype(new_residual_ref.dtype)
-        plgpu.store(new_residual_ref.at[out_rows, columns], stored, mask=mask)
+        plgpu.store(new_residual_ref.at[out_rows, store_columns], stored, mask=mask)
         values = stored.astype(jnp.float32)
     # Padding columns hold 0 and add nothing; the mean divides by the real hidden size.
     mean_square = jnp.sum(values * values, axis=1) / hidden  # [block_rows]
@@ -97,7 +102,7 @@ def rmsnorm_kernel(
     if gemma:
         scale = 1.0 + scale
     normed = values * inverse_rms[:, None] * scale[None, :]
-    plgpu.store(normed_ref.at[out_rows, columns], normed.astype(normed_ref.dtype), mask=mask)
+    plgpu.store(normed_ref.at[out_rows, store_columns], normed.astype(normed_ref.dtype), mask=mask)
 
 
 def launch_parameters(num_rows: int, hidden: int) -> tuple[int, int, int]:

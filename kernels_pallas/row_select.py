@@ -22,6 +22,10 @@ The pieces, each one pass over the row unless said otherwise:
 - ``pick_by_table``: inverse-transform sampling from a block table of masses and one uniform:
   the block is found in the table (no pass), then that one block is read.
 
+Integer sums and running counts name ``dtype=jnp.int32``: under x64 (``jax.enable_x64``),
+``jnp.sum`` of int32 gives int64, which a loop's int32 carry refuses; every kernel here keeps
+its integers int32 in either mode.
+
 Float sums here run in block order, not in the sorted order of ``sampling/filters.py``; a
 top-p decision within a rounding error of ``top_p * total`` can therefore differ from the
 definition's. The kernels' tests measure how often.
@@ -134,7 +138,7 @@ class RowReader:
 
     def entry(self, table: jax.Array, block_index) -> jax.Array:
         """``table[block_index]`` (0 when out of range)."""
-        return jnp.sum(jnp.where(self.table_ids() == block_index, table, 0))
+        return jnp.sum(jnp.where(self.table_ids() == block_index, table, 0), dtype=table.dtype)
 
 
 def fold_blocks(num_blocks, load, body, init, *, prefetch: bool):
@@ -207,7 +211,7 @@ def largest_key_reaching(num_blocks: int, load_block, target) -> jax.Array:
             return reached + jnp.sum(jnp.where(at_or_above, weights[:, None], 0.0), axis=0)
 
         reached = lax.fori_loop(0, num_blocks, accumulate, jnp.zeros((RADIX_LANES,), jnp.float32))
-        digit = jnp.maximum(jnp.sum((reached >= target).astype(jnp.int32)) - 1, 0)
+        digit = jnp.maximum(jnp.sum((reached >= target).astype(jnp.int32), dtype=jnp.int32) - 1, 0)
         return biased_prefix | (digit << shift)
 
     biased = lax.fori_loop(0, num_levels, level, jnp.int32(0))
@@ -222,7 +226,7 @@ def above_key(num_blocks: int, load_block, threshold) -> tuple[jax.Array, jax.Ar
         keys, weights = load_block(block_index)
         over = keys > threshold
         return (
-            count + jnp.sum(over.astype(jnp.int32)),
+            count + jnp.sum(over.astype(jnp.int32), dtype=jnp.int32),
             mass + jnp.sum(jnp.where(over, weights, 0.0)),
         )
 
@@ -333,7 +337,7 @@ def tie_ranks(keys: jax.Array, boundary_key, ties_before) -> tuple[jax.Array, ja
     key, and each one's rank among all such tokens of the row (``ties_before`` came in earlier
     blocks)."""
     is_tie = keys == boundary_key
-    inclusive = jnp.cumsum(is_tie.astype(jnp.int32))
+    inclusive = jnp.cumsum(is_tie.astype(jnp.int32), dtype=jnp.int32)
     return is_tie, ties_before + inclusive - is_tie.astype(jnp.int32)
 
 

@@ -159,7 +159,8 @@ def spec_accept_kernel(
         uniform = _uniform(words, position, ACCEPT_COLUMN, stream)  # [lanes]
         rejected = is_draft & ~(uniform * draft_prob < target_prob)
         stop = jnp.min(jnp.where(rejected, position, num_drafts))
-        stop_token = jnp.sum(jnp.where(position == stop, tokens, 0))  # 0 (unused) at s = n
+        # int32 under x64 too; 0 (unused) at s = n
+        stop_token = jnp.sum(jnp.where(position == stop, tokens, 0), dtype=jnp.int32)
 
     has_draft = stop < num_drafts
     target_row = row * (num_drafts + 1) + stop
@@ -328,8 +329,10 @@ def spec_merge_kernel(
     tokens = jnp.clip(tokens, 0, vocab - 1)
     out = jnp.where(position[None, :] < stop[:, None], tokens, -1)
     out = jnp.where(position[None, :] == stop[:, None], drawn[:, None], out)
+    # An int32 start, not the literal 0: under x64, interpret mode would make the literal
+    # int64 beside the int32 row index, and its store refuses mixed index types.
     plgpu.store(
-        out_ref.at[block, pl.ds(0, lanes)],
+        out_ref.at[block, pl.ds(jnp.int32(0), lanes)],
         out,
         mask=row_is_real[:, None] & (position < num_drafts + 1)[None, :],
     )

@@ -8,6 +8,8 @@
   (``tests/test_sampling_exact.py``, ``proofs/sampling.md``).
 - ``sampling.api`` (re-exported here): the public samplers with keys and ``backend=``, the
   renorm and mask functions.
+- ``sampling.validation``: the input checks every public sampler shares, and what each does
+  with invalid input that ``jit`` cannot check.
 
 The Pallas kernels live in ``kernels_pallas/`` (``gumbel.py``, ``dual_pivot.py``,
 ``filter_masks.py``, re-exported by ``sampling.py``); the benchmark suite is

@@ -38,7 +38,7 @@ from kernels_pallas import rng
 from kernels_pallas import sampling as sampling_kernels
 from kernels_pallas.platform import interpret_mode, resolve_backend
 from sampling import reference, validation
-from sampling.filters import ORDERS, FilterParams, filtered_distribution, rank_order
+from sampling.filters import ORDERS, filtered_distribution, rank_order
 
 EXPONENTIAL_STREAM = 0
 ROUND_STREAM = 1
@@ -94,9 +94,15 @@ def sample_from_logits(
     ``argmax(logits / T + G)`` with ``G = -log E``, ``E ~ Exp(1)`` per token: no softmax, one pass
     (``proofs/sampling.md``, Theorem 1). bfloat16 logits are upcast to float32 first.
 
+    Invalid input under ``jit`` (not checked there): a NaN logit is a masked token; a row
+    without a finite maximum (every logit ``-inf``, or a ``+inf``) returns its arg max (token
+    0, or its first ``+inf``) with log-probability 0, as a greedy row does; a NaN or negative
+    temperature is greedy, one above ``validation.MAX_TEMPERATURE`` (``+inf`` too) is
+    ``MAX_TEMPERATURE``. The token is always inside ``[0, V)``.
+
     Args:
       key: one JAX key or ``B`` keys.
-      logits: ``[B, V]``; ``-inf`` masks a token.
+      logits: ``[B, V]`` (an array or array-like); ``-inf`` masks a token.
       temperature: scalar or ``[B]``, ``>= 0`` and finite; 0 (below
         ``reference.MIN_TEMPERATURE``) is greedy.
       return_logprob: also return ``log q(token)`` under the distribution drawn from (0 for
@@ -109,21 +115,20 @@ def sample_from_logits(
     Raises:
       ValueError: bad shapes; concrete NaN or ``+inf`` logits, a row of only ``-inf``, a negative
         or non-finite temperature.
+      TypeError: ``logits`` that is not an array-like.
 
     Example:
       >>> tokens = sample_from_logits(jax.random.key(0), jnp.array([[0.0, -jnp.inf, 5.0]]))
       >>> tokens.shape, int(tokens[0]) != 1
       ((1,), True)
     """
+    logits = validation.as_array("logits", logits)
     batch, vocab = validation.check_rows("logits", logits)
     chosen = _kernel_backend(backend, "gumbel", batch)
     validation.check_logits_values(logits)
     one_temperature = jnp.ndim(temperature) == 0
-    temperature = validation.per_row("temperature", temperature, batch, jnp.float32)
-    validation.check_range("temperature", temperature, 0.0, float(jnp.finfo(jnp.float32).max))
+    temperature = validation.temperature_per_row(temperature, batch)
     logits = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
-    # Under jit, clamped: NaN or negative -> 0 (greedy), +inf -> the largest float.
-    temperature = jnp.clip(jnp.nan_to_num(temperature, nan=0.0), 0, jnp.finfo(jnp.float32).max)
     temperature = temperature.astype(logits.dtype)
     if chosen == "pallas":
         tokens = sampling_kernels.gumbel_sample(
@@ -141,19 +146,29 @@ def sample_from_logits(
         )
     if not return_logprob:
         return tokens
-    greedy = temperature < reference.MIN_TEMPERATURE
-    scaled = logits / jnp.where(greedy, 1, temperature)[:, None]
+    # The distribution drawn from, read as the race reads invalid logits that only jit lets
+    # through: NaN is a masked token, and a row without a finite maximum (every token masked,
+    # or a +inf) is a point mass on the token returned, as a greedy row is: log-probability 0.
+    logits = jnp.where(jnp.isnan(logits), -jnp.inf, logits)
+    point_mass = (temperature < reference.MIN_TEMPERATURE) | ~jnp.isfinite(jnp.max(logits, axis=-1))
+    finite_logits = jnp.where(point_mass[:, None], 0, logits)  # no inf - inf where unused
+    scaled = finite_logits / jnp.where(point_mass, 1, temperature)[:, None]
     logprob = jnp.take_along_axis(jax.nn.log_softmax(scaled, axis=-1), tokens[:, None], 1)[:, 0]
-    return tokens, jnp.where(greedy, 0.0, logprob).astype(jnp.float32)
+    return tokens, jnp.where(point_mass, 0.0, logprob).astype(jnp.float32)
 
 
 def sample_from_probs(key, probs: jax.Array, *, return_logprob: bool = False, backend="auto"):
     """Samples one token per row in proportion to ``probs`` by the exponential race
     ``argmax(probs / E)``.
 
+    Invalid input under ``jit`` (not checked there): NaN and negative weights weigh 0 (on every
+    backend); a row without positive weight returns token 0, a row with a ``+inf`` weight its
+    first ``+inf``; a row without positive finite mass gets a NaN log-probability. The token is
+    always inside ``[0, V)``.
+
     Args:
       key: one JAX key or ``B`` keys.
-      probs: ``[B, V]`` non-negative weights (normalized by their sum).
+      probs: ``[B, V]`` non-negative weights (normalized by their sum), an array or array-like.
       return_logprob: also return ``log(probs[token] / sum(probs))``.
       backend: ``"auto"``, ``"reference"`` or ``"pallas"`` (module docstring).
 
@@ -163,7 +178,9 @@ def sample_from_probs(key, probs: jax.Array, *, return_logprob: bool = False, ba
     Raises:
       ValueError: bad shapes; concrete NaN, infinite or negative probabilities, a row summing
         to 0.
+      TypeError: ``probs`` that is not an array-like.
     """
+    probs = validation.as_array("probs", probs)
     batch, vocab = validation.check_rows("probs", probs)
     chosen = _kernel_backend(backend, "gumbel", batch)
     validation.check_probs_values(probs)
@@ -183,26 +200,9 @@ def sample_from_probs(key, probs: jax.Array, *, return_logprob: bool = False, ba
         )
     if not return_logprob:
         return tokens
-    chosen = jnp.take_along_axis(probs, tokens[:, None], 1)[:, 0]
-    return tokens, jnp.log(chosen / jnp.sum(probs, axis=-1)).astype(jnp.float32)
-
-
-def _filter_params(batch: int, vocab: int, top_k, top_p, min_p) -> FilterParams:
-    """Per-row parameters, checked when concrete and clamped into range (for jit)."""
-    if top_k is not None and not jnp.issubdtype(jnp.asarray(top_k).dtype, jnp.integer):
-        raise ValueError(f"top_k must be an integer (or integers), got {top_k!r}")
-    k = validation.per_row("top_k", vocab if top_k is None else top_k, batch, jnp.int32)
-    p = validation.per_row("top_p", 1.0 if top_p is None else top_p, batch, jnp.float32)
-    m = validation.per_row("min_p", 0.0 if min_p is None else min_p, batch, jnp.float32)
-    validation.check_range("top_k", k, 1, vocab)
-    validation.check_range("top_p", p, 0.0, 1.0, low_open=True)
-    validation.check_range("min_p", m, 0.0, 1.0)
-    tiny = jnp.finfo(jnp.float32).tiny
-    return FilterParams(
-        top_k=jnp.clip(k, 1, vocab),
-        top_p=jnp.clip(jnp.nan_to_num(p, nan=1.0), tiny, 1.0),
-        min_p=jnp.clip(jnp.nan_to_num(m, nan=0.0), 0.0, 1.0),
-    )
+    weights = validation.as_weights(probs)
+    chosen = jnp.take_along_axis(weights, tokens[:, None], 1)[:, 0]
+    return tokens, jnp.log(chosen / jnp.sum(weights, axis=-1)).astype(jnp.float32)
 
 
 def filtered_sample(
@@ -221,10 +221,16 @@ def filtered_sample(
     """Samples one token per row from ``probs`` restricted to the filters' kept set, by
     dual-pivot rejection (no sort; ``proofs/sampling.md``, Theorems 2 and 3).
 
+    Invalid input under ``jit`` (not checked there): per-row parameters are clamped into range
+    (``top_k`` to ``[1, V]``; ``top_p`` to ``(0, 1]``, NaN meaning 1; ``min_p`` to ``[0, 1]``,
+    NaN meaning 0); NaN and negative weights weigh 0 on every backend. A row without positive
+    finite mass (all 0, or a ``+inf``) returns some token inside ``[0, V)``, which one is
+    unspecified (backends may differ), and its log-probability is NaN.
+
     Args:
       key: one JAX key or ``B`` keys.
-      probs: ``[B, V]`` non-negative weights.
-      top_k: int, scalar or ``[B]``, in ``[1, V]``; None disables.
+      probs: ``[B, V]`` non-negative weights, an array or array-like.
+      top_k: an integer, scalar or ``[B]``, in ``[1, V]``; None disables.
       top_p: scalar or ``[B]`` in ``(0, 1]``; None disables.
       min_p: scalar or ``[B]`` in ``[0, 1]``; None disables.
       order: ``"joint"`` (intersection) or ``"top_k_first"`` (top-p of the renormalized top-k).
@@ -242,16 +248,19 @@ def filtered_sample(
       ``int32[B]`` tokens, then the requested extras in the order above.
 
     Raises:
-      ValueError: bad shapes or order; concrete bad probabilities or parameters out of range.
+      ValueError: bad shapes or order; concrete bad probabilities or parameters out of range; a
+        ``top_k`` that is not of an integer dtype.
+      TypeError: ``probs`` that is not an array-like.
     """
     chosen = _kernel_backend(backend, "filtered")
+    probs = validation.as_array("probs", probs)
     batch, vocab = validation.check_rows("probs", probs)
     validation.check_probs_values(probs)
     if not isinstance(max_rounds, int) or max_rounds < 0:
         raise ValueError(f"max_rounds must be an integer >= 0, got {max_rounds!r}")
     if order not in ORDERS:
         raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
-    params = _filter_params(batch, vocab, top_k, top_p, min_p)
+    params = validation.filter_params(batch, vocab, top_k, top_p, min_p)
     # At least float32: bfloat16 running sums and uniforms (8 significant bits) would bias the
     # inverse transform (a 0.003 token drawn at twice its rate).
     probs = probs.astype(jnp.promote_types(probs.dtype, jnp.float32))
@@ -268,6 +277,7 @@ def filtered_sample(
             interpret=interpret_mode(),
         )
     else:
+        probs = validation.as_weights(probs)
         uniforms = _round_uniforms(key, batch, max_rounds)
         tokens, rounds = jax.vmap(
             lambda row, u, params: reference.filtered_sample_row_from_uniforms(
@@ -277,7 +287,7 @@ def filtered_sample(
     extras = []
     if return_logprob:
         kept = jax.vmap(lambda row, params: filtered_distribution(row, params, order))(
-            probs, params
+            validation.as_weights(probs), params
         )
         chosen = jnp.take_along_axis(kept, tokens[:, None], 1)[:, 0]
         extras.append(jnp.log(chosen).astype(jnp.float32))
@@ -287,32 +297,41 @@ def filtered_sample(
 
 
 def top_k_sample(key, probs, top_k, **options):
-    """``filtered_sample`` with top-k only: the first ``top_k`` tokens of the order."""
+    """``filtered_sample`` with top-k only: the first ``top_k`` tokens of the order.
+
+    Arguments, errors and invalid input under ``jit``: as ``filtered_sample``."""
     return filtered_sample(key, probs, top_k=top_k, **options)
 
 
 def top_p_sample(key, probs, top_p, **options):
     """``filtered_sample`` with top-p only: the tokens ranked before the mass ``top_p`` is
-    reached, and the one that crosses it."""
+    reached, and the one that crosses it.
+
+    Arguments, errors and invalid input under ``jit``: as ``filtered_sample``."""
     return filtered_sample(key, probs, top_p=top_p, **options)
 
 
 def min_p_sample(key, probs, min_p, **options):
-    """``filtered_sample`` with min-p only: tokens with ``p >= min_p * max(p)``."""
+    """``filtered_sample`` with min-p only: tokens with ``p >= min_p * max(p)``.
+
+    Arguments, errors and invalid input under ``jit``: as ``filtered_sample``."""
     return filtered_sample(key, probs, min_p=min_p, **options)
 
 
 def top_k_top_p_sample(key, probs, top_k, top_p, *, order="joint", **options):
-    """``filtered_sample`` with top-k and top-p, ``order="joint"`` or ``"top_k_first"``."""
+    """``filtered_sample`` with top-k and top-p, ``order="joint"`` or ``"top_k_first"``.
+
+    Arguments, errors and invalid input under ``jit``: as ``filtered_sample``."""
     return filtered_sample(key, probs, top_k=top_k, top_p=top_p, order=order, **options)
 
 
 def _renorm(probs: jax.Array, top_k, top_p, backend: str) -> jax.Array:
     """``probs`` restricted to each row's kept set and renormalized (float32 inside)."""
     chosen = _kernel_backend(backend, "renorm")
+    probs = validation.as_array("probs", probs)
     batch, vocab = validation.check_rows("probs", probs)
     validation.check_probs_values(probs)
-    params = _filter_params(batch, vocab, top_k, top_p, None)
+    params = validation.filter_params(batch, vocab, top_k, top_p, None)
     if chosen == "pallas":
         if top_k is not None:
             parameter, mode = params.top_k, "top_k_renorm"
@@ -322,28 +341,48 @@ def _renorm(probs: jax.Array, top_k, top_p, backend: str) -> jax.Array:
             probs.astype(jnp.float32), parameter, mode=mode, interpret=interpret_mode()
         )
         return out.astype(probs.dtype)
-    compute = probs.astype(jnp.promote_types(probs.dtype, jnp.float32))
+    compute = validation.as_weights(probs.astype(jnp.promote_types(probs.dtype, jnp.float32)))
     return jax.vmap(filtered_distribution)(compute, params).astype(probs.dtype)
 
 
 def top_k_renorm_probs(probs: jax.Array, top_k, *, backend="auto") -> jax.Array:
-    """``[B, V]``: ``probs`` restricted to each row's top-k and renormalized to sum to 1."""
+    """``[B, V]``: ``probs`` restricted to each row's top-k and renormalized to sum to 1.
+
+    ``probs``: ``[B, V]`` non-negative weights (an array or array-like); ``top_k``: an integer in ``[1, V]``,
+    scalar or ``[B]``. Errors: as ``filtered_sample``. Invalid input under ``jit``: ``top_k``
+    is clamped as in ``filtered_sample``, NaN and negative weights weigh 0 (output 0); a row
+    without positive finite mass (all 0, or a ``+inf``) has no distribution to renormalize:
+    its output holds NaN (where, unspecified: backends differ).
+    """
     return _renorm(probs, top_k, None, backend)
 
 
 def top_p_renorm_probs(probs: jax.Array, top_p, *, backend="auto") -> jax.Array:
-    """``[B, V]``: ``probs`` restricted to each row's top-p set and renormalized."""
+    """``[B, V]``: ``probs`` restricted to each row's top-p set and renormalized.
+
+    ``probs``: ``[B, V]`` non-negative weights (an array or array-like); ``top_p``: in ``(0, 1]``,
+    scalar or ``[B]``. Errors: as ``filtered_sample``. Invalid input under ``jit``: ``top_p``
+    is clamped as in ``filtered_sample``, NaN and negative weights weigh 0 (output 0); a row
+    without positive finite mass (all 0, or a ``+inf``) has no distribution to renormalize:
+    its output holds NaN (where, unspecified: backends differ).
+    """
     return _renorm(probs, None, top_p, backend)
 
 
 def top_k_mask_logits(logits: jax.Array, top_k, *, backend="auto") -> jax.Array:
-    """``[B, V]``: each row's top-k logits kept, the rest ``-inf`` (ties by index)."""
+    """``[B, V]``: each row's top-k logits kept, the rest ``-inf`` (ties by index).
+
+    ``logits``: ``[B, V]`` (an array or array-like); ``top_k``: an integer in ``[1, V]``, scalar
+    or ``[B]``. Errors: as ``filtered_sample`` (NaN or ``+inf`` logits, an all ``-inf`` row, when
+    concrete). Invalid input under ``jit``: ``top_k`` is clamped into ``[1, V]``; ``+inf``
+    ranks first; where a NaN logit ranks is unspecified (the kernel ranks it first, the
+    reference last): it may be kept, as NaN, and push a finite logit out.
+    """
     chosen = _kernel_backend(backend, "renorm")
+    logits = validation.as_array("logits", logits)
     batch, vocab = validation.check_rows("logits", logits)
     validation.check_logits_values(logits)
-    k = validation.per_row("top_k", top_k, batch, jnp.int32)
-    validation.check_range("top_k", k, 1, vocab)
-    k = jnp.clip(k, 1, vocab)
+    k = validation.top_k_per_row(top_k, batch, vocab)
     if chosen == "pallas":
         out = sampling_kernels.filter_rows(
             logits.astype(jnp.float32), k, mode="top_k_mask", interpret=interpret_mode()
@@ -351,7 +390,9 @@ def top_k_mask_logits(logits: jax.Array, top_k, *, backend="auto") -> jax.Array:
         return out.astype(logits.dtype)
 
     def mask_row(row, k):
-        rank = jnp.zeros(vocab, jnp.int32).at[rank_order(row)].set(jnp.arange(vocab))
+        rank = (
+            jnp.zeros(vocab, jnp.int32).at[rank_order(row)].set(jnp.arange(vocab, dtype=jnp.int32))
+        )
         return jnp.where(rank < k, row, -jnp.inf)
 
     return jax.vmap(mask_row)(logits, k)

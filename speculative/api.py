@@ -232,6 +232,13 @@ def chain_speculative_sampling(
     per test and the two rows at the stopping position (the kernel: ``kernels_pallas/
     spec_accept.py``).
 
+    Invalid input under ``jit`` (not checked there): draft ids are clipped into ``[0, V)``; NaN
+    and negative probabilities weigh 0; a drafted token of draft probability 0 is accepted
+    whenever its target probability is positive; a target row summing to ``S`` moves the
+    emitted token's distribution by at most ``|1 - S|`` in total variation (Theorem 6); a
+    stopping position without residual or target mass emits token 0. Emitted tokens are always
+    inside ``[0, V)``, on both backends alike.
+
     Args:
       key: one JAX key or ``B`` keys.
       draft_probs: ``[B, n, V]``, the distributions the drafts were drawn from (after the
@@ -241,6 +248,7 @@ def chain_speculative_sampling(
       target_probs: ``[B, n + 1, V]``: position ``i`` is the target's distribution (at the
         user's temperature and filters) after the prompt and drafts ``0 .. i-1``.
       backend: ``"auto"``, ``"reference"`` or ``"pallas"`` (module docstring).
+      Arrays may be given as array-likes (lists, NumPy arrays).
 
     Returns:
       ``(output_token_ids int32[B, n + 1], num_accepted int32[B])``: the first
@@ -250,6 +258,7 @@ def chain_speculative_sampling(
       ValueError: bad shapes or dtypes; concrete token ids outside the vocabulary, rows that are
         not distributions (NaN, infinite, negative, or summing away from 1), a drafted token of
         draft probability 0.
+      TypeError: an input that is not an array-like.
 
     Example:
       >>> p = jnp.array([[[0.5, 0.5], [0.9, 0.1]]])   # B=1, n=1, V=2
@@ -258,6 +267,10 @@ def chain_speculative_sampling(
       (1, 1)
     """
     chosen = _backend(backend)
+    if draft_probs is not None:
+        draft_probs = validation.as_array("draft_probs", draft_probs)
+    draft_token_ids = validation.as_array("draft_token_ids", draft_token_ids)
+    target_probs = validation.as_array("target_probs", target_probs)
     batch, num_drafts, vocab = _check_shapes(draft_probs, draft_token_ids, target_probs)
     _check_values(draft_probs, draft_token_ids, target_probs, vocab)
     if batch == 0:  # an empty batch emits nothing (documented and tested)
@@ -301,6 +314,11 @@ def chain_greedy_verify(
     max (lowest index on ties, as ``sampling.sample_from_logits`` at temperature 0), then emit
     the target's arg max at the first mismatch, or at position ``n`` when all match.
 
+    Invalid input under ``jit`` (not checked there): a NaN logit is masked (as in the greedy
+    sampler); a position whose logits are all masked has arg max 0; a draft id outside
+    ``[0, V)`` never equals the arg max, so the chain stops there. Emitted tokens are the
+    target's arg maxes, always inside ``[0, V)``.
+
     Args:
       draft_token_ids: int ``[B, n]`` inside ``[0, V)``.
       target_logits: ``[B, n + 1, V]``; ``-inf`` masks a token.
@@ -311,6 +329,7 @@ def chain_greedy_verify(
     Raises:
       ValueError: bad shapes; concrete token ids outside the vocabulary, logits with NaN or
         ``+inf``, a position whose logits are all ``-inf``.
+      TypeError: an input that is not an array-like.
 
     Example:
       >>> logits = jnp.log(jnp.array([[[0.1, 0.9], [0.8, 0.2], [0.5, 0.5]]]))
@@ -318,6 +337,8 @@ def chain_greedy_verify(
       >>> out.tolist(), accepted.tolist()  # draft 1 is not the arg max 0: emit 0 there
       ([[1, 0, -1]], [1])
     """
+    draft_token_ids = validation.as_array("draft_token_ids", draft_token_ids)
+    target_logits = validation.as_array("target_logits", target_logits)
     _, _, vocab = _check_shapes(None, draft_token_ids, target_logits, "target_logits")
     _check_token_ids(draft_token_ids, vocab)
     if is_concrete(target_logits):
@@ -338,24 +359,6 @@ def chain_greedy_verify(
 # Building p and q so that exactness holds by construction
 
 
-def _filter_params(batch: int, vocab: int, top_k, top_p, min_p) -> FilterParams:
-    """Per-request filter parameters, checked when concrete and clamped into range (for jit),
-    with the samplers' conventions (``sampling/api.py``): None disables a filter."""
-    if top_k is not None and not jnp.issubdtype(jnp.asarray(top_k).dtype, jnp.integer):
-        raise ValueError(f"top_k must be an integer (or integers), got {top_k!r}")
-    k = validation.per_row("top_k", vocab if top_k is None else top_k, batch, jnp.int32)
-    p = validation.per_row("top_p", 1.0 if top_p is None else top_p, batch, jnp.float32)
-    m = validation.per_row("min_p", 0.0 if min_p is None else min_p, batch, jnp.float32)
-    validation.check_range("top_k", k, 1, vocab)
-    validation.check_range("top_p", p, 0.0, 1.0, low_open=True)
-    validation.check_range("min_p", m, 0.0, 1.0)
-    return FilterParams(
-        top_k=jnp.clip(k, 1, vocab),
-        top_p=jnp.clip(jnp.nan_to_num(p, nan=1.0), jnp.finfo(jnp.float32).tiny, 1.0),
-        min_p=jnp.clip(jnp.nan_to_num(m, nan=0.0), 0.0, 1.0),
-    )
-
-
 def sampling_distribution(
     logits: jax.Array,
     *,
@@ -373,11 +376,18 @@ def sampling_distribution(
     user's parameters, and ``draft_probs`` from the draft's logits with the parameters the
     draft tokens were sampled with (``sample_draft`` does both at once for the draft).
 
+    Invalid input under ``jit`` (not checked there) reads as the samplers read it, and never
+    gives NaN: a NaN logit is a masked token; a row without a finite maximum (every logit
+    ``-inf``, or a ``+inf``) is one-hot at its arg max (token 0, or its first ``+inf``): the
+    token every sampler returns for it; a NaN or negative temperature is greedy, one above
+    ``sampling.validation.MAX_TEMPERATURE`` is that; parameters are clamped into range
+    (``sampling.validation.filter_params``).
+
     Args:
-      logits: ``[B, V]`` or ``[B, m, V]`` (e.g. the ``n + 1`` positions of a request); ``-inf``
-        masks a token. bfloat16 is upcast to float32.
+      logits: ``[B, V]`` or ``[B, m, V]`` (e.g. the ``n + 1`` positions of a request), an array
+        or array-like; ``-inf`` masks a token. bfloat16 is upcast to float32.
       temperature: scalar or ``[B]``, ``>= 0``.
-      top_k: int, scalar or ``[B]``, in ``[1, V]``; None disables.
+      top_k: an integer, scalar or ``[B]``, in ``[1, V]``; None disables.
       top_p: scalar or ``[B]`` in ``(0, 1]``; None disables.
       min_p: scalar or ``[B]`` in ``[0, 1]``; None disables.
       order: ``"joint"`` or ``"top_k_first"`` (``sampling/filters.py``).
@@ -387,14 +397,16 @@ def sampling_distribution(
 
     Raises:
       ValueError: bad shapes or order; concrete NaN or ``+inf`` logits, an all ``-inf`` row, a
-        parameter out of range.
+        parameter out of range; a ``top_k`` that is not of an integer dtype.
+      TypeError: ``logits`` that is not an array-like.
 
     Example:
       >>> q = sampling_distribution(jnp.log(jnp.array([[0.5, 0.3, 0.2]])), top_k=2)
       >>> [round(x, 4) for x in q[0].tolist()]
       [0.625, 0.375, 0.0]
     """
-    if getattr(logits, "ndim", 0) < 2:
+    logits = validation.as_array("logits", logits)
+    if logits.ndim < 2:
         raise ValueError(f"logits must have shape [batch, ..., vocab], got {jnp.shape(logits)}")
     if order not in ORDERS:
         raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
@@ -402,9 +414,8 @@ def sampling_distribution(
     rows = logits.reshape(-1, vocab)
     validation.check_rows("logits", rows)
     validation.check_logits_values(rows)
-    temperature = validation.per_row("temperature", temperature, batch, jnp.float32)
-    validation.check_range("temperature", temperature, 0.0, float(jnp.finfo(jnp.float32).max))
-    params = _filter_params(batch, vocab, top_k, top_p, min_p)
+    temperature = validation.temperature_per_row(temperature, batch)
+    params = validation.filter_params(batch, vocab, top_k, top_p, min_p)
     per_request = int(np.prod(logits.shape[1:-1], dtype=np.int64))
     compute = jnp.promote_types(logits.dtype, jnp.float32)
     rows = rows.astype(compute)
@@ -412,11 +423,17 @@ def sampling_distribution(
     def repeat(values):  # one value per request -> one per row (a broadcast, not a gather)
         return jnp.broadcast_to(values[:, None], (batch, per_request)).reshape(-1)
 
-    temperature = repeat(jnp.nan_to_num(temperature, nan=0.0)).astype(compute)
-    greedy = temperature < MIN_TEMPERATURE
-    tempered = jax.nn.softmax(rows / jnp.where(greedy, 1, temperature)[:, None], axis=-1)
+    temperature = repeat(temperature).astype(compute)
+    # Logits only jit lets through read as the samplers read them: NaN is a masked token, and a
+    # row without a finite maximum (every token masked, or a +inf) is a point mass on its arg
+    # max (token 0, or the first +inf): the token every sampler returns for it. A softmax there
+    # would be 0 / 0.
+    rows = jnp.where(jnp.isnan(rows), -jnp.inf, rows)
+    point_mass = (temperature < MIN_TEMPERATURE) | ~jnp.isfinite(jnp.max(rows, axis=-1))
+    finite_rows = jnp.where(point_mass[:, None], 0, rows)  # no inf - inf even where unused
+    tempered = jax.nn.softmax(finite_rows / jnp.where(point_mass, 1, temperature)[:, None], -1)
     one_hot = jax.nn.one_hot(jnp.argmax(rows, axis=-1), vocab, dtype=compute)
-    probs = jnp.where(greedy[:, None], one_hot, tempered)
+    probs = jnp.where(point_mass[:, None], one_hot, tempered)
     row_params = FilterParams(*(repeat(value) for value in params))
     kept = jax.vmap(lambda row, row_params: filtered_distribution(row, row_params, order))(
         probs, row_params
@@ -442,6 +459,9 @@ def sample_draft(
     construction, the one the token came from (not the draft's distribution before its filters,
     nor one computed at another precision).
 
+    Errors and invalid input under ``jit``: as ``sampling_distribution`` (so a row without a
+    finite logit draws token 0, with ``q`` one-hot there).
+
     Args:
       key: one JAX key or ``B`` keys (use another key than the verification's).
       draft_logits: ``[B, V]``.
@@ -456,7 +476,8 @@ def sample_draft(
       >>> tokens.tolist(), q.tolist()
       ([1], [[0.0, 1.0, 0.0]])
     """
-    if getattr(draft_logits, "ndim", None) != 2:
+    draft_logits = validation.as_array("draft_logits", draft_logits)
+    if draft_logits.ndim != 2:
         raise ValueError(
             f"draft_logits must have shape [batch, vocab], got {jnp.shape(draft_logits)}"
         )

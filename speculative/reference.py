@@ -296,7 +296,9 @@ def chain_greedy_verify_reference(
       ``(output_token_ids int32[B, n + 1], num_accepted int32[B])``, ``-1`` past the emitted.
     """
     num_drafts = draft_token_ids.shape[-1]
-    greedy = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)  # [B, n + 1]
+    # A NaN logit (bad input only jit lets through) is masked, as in the greedy sampler.
+    logits = jnp.where(jnp.isnan(target_logits), -jnp.inf, target_logits)
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B, n + 1]
     matches = draft_token_ids.astype(jnp.int32) == greedy[:, :num_drafts]
     num_accepted = jnp.sum(jnp.cumprod(matches, axis=-1), axis=-1).astype(jnp.int32)
     emitted = jnp.arange(num_drafts + 1)[None, :] <= num_accepted[:, None]

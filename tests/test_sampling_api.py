@@ -350,3 +350,138 @@ def test_nan_under_jit_never_wins_in_reference_or_kernel():
     )
     assert np.asarray(sample(logits, "reference")).tolist() == [200] * 4
     assert np.asarray(sample(logits, "pallas")).tolist() == [200] * 4
+
+
+# ----------------------------------------------------------------------------------------------
+# Log-probabilities against float64 definitions, at several temperatures and with every filter.
+#
+# What each function documents: ``sample_from_logits`` returns ``log softmax(logits / T)`` at the
+# token (the tempered distribution it draws from; 0 for greedy rows); ``filtered_sample`` and
+# its wrappers ``log q(token)`` with ``q`` the filtered distribution of the probabilities given
+# (kept mass renormalized, ``sampling/filters.py``); ``sample_from_probs`` ``log(p / sum p)``.
+# An engine samples at temperature T through filters by passing ``softmax(logits / T)`` to a
+# filtered sampler (or ``speculative.sample_draft``'s ``q`` to ``sample_from_probs``), so the
+# logprob it reports is that of the tempered, filtered distribution: checked below at several
+# temperatures, so that a logprob of the untempered logits (equal only at T = 1) fails.
+#
+# Tolerance: float32 log-softmax of logits up to about 30 in magnitude is within a few ulps of
+# 30 (absolute, about 1e-5); the bugs this guards against move a logprob by O(1).
+LOGPROB_TEMPERATURES = (0.25, 0.6, 1.0, 1.7, 4.0)
+LOGPROB_ATOL = 2e-5
+
+
+def _logprob_logits(batch: int = 32, vocab: int = VOCAB) -> np.ndarray:
+    generator = np.random.default_rng(6)
+    logits = (3 * generator.standard_normal((batch, vocab))).astype(np.float32)
+    logits[:, 11] = -np.inf  # a masked token
+    return logits
+
+
+def _log_softmax64(logits: np.ndarray, temperature: float) -> np.ndarray:
+    scaled = np.asarray(logits, np.float64) / temperature
+    top = scaled.max(axis=1, keepdims=True)
+    return scaled - top - np.log(np.exp(scaled - top).sum(axis=1, keepdims=True))
+
+
+def filtered_distribution64(
+    probs: np.ndarray, top_k: int, top_p: float, min_p: float, order: str
+) -> np.ndarray:
+    """float64 ``[V]``: the filtered distribution by definition (``sampling/filters.py``),
+    written again in NumPy: rank by (probability descending, index ascending)."""
+    vocab = probs.shape[0]
+    ranked = np.lexsort((np.arange(vocab), -probs))
+    sorted_probs = probs[ranked]
+    mass_before = np.concatenate([[0.0], np.cumsum(sorted_probs)[:-1]])
+    rank = np.arange(vocab)
+    in_top_k = rank < top_k
+    nucleus = sorted_probs.sum() if order == "joint" else sorted_probs[:top_k].sum()
+    in_top_p = (rank == 0) | (top_p >= 1) | (mass_before < top_p * nucleus)
+    in_min_p = sorted_probs >= min_p * sorted_probs[0]
+    keep = np.zeros(vocab, bool)
+    keep[ranked] = in_top_k & in_top_p & in_min_p & (sorted_probs > 0)
+    kept = np.where(keep, probs, 0.0)
+    return kept / kept.sum()
+
+
+LOGPROB_FILTERS = {
+    "top_k": dict(top_k=5),
+    "top_p": dict(top_p=0.8),
+    "min_p": dict(min_p=0.1),
+    "joint": dict(top_k=8, top_p=0.7),
+    "top_k_first": dict(top_k=8, top_p=0.7, order="top_k_first"),
+    "all": dict(top_k=10, top_p=0.9, min_p=0.05),
+}
+
+
+@pytest.mark.parametrize("backend", ["reference", "pallas"])
+def test_logits_logprob_is_the_tempered_log_softmax(backend):
+    """Per-row temperatures (one greedy row, logprob 0) in one call, then each temperature
+    alone: ``log_softmax(logits / T)[token]`` in float64."""
+    logits = _logprob_logits()
+    batch = logits.shape[0]
+    temperatures = np.resize(np.asarray((0.0, *LOGPROB_TEMPERATURES), np.float32), batch)
+    sample = jax.jit(
+        lambda x, t: sampling.sample_from_logits(
+            jax.random.key(4), x, temperature=t, return_logprob=True, backend=backend
+        )
+    )
+    for temperature in [temperatures, *LOGPROB_TEMPERATURES]:
+        per_row = np.broadcast_to(np.asarray(temperature, np.float32), (batch,))
+        tokens, logprob = (np.asarray(x) for x in sample(logits, per_row))
+        greedy = per_row == 0
+        expected = np.zeros(batch)
+        for temperature_value in np.unique(per_row[~greedy]):
+            rows = per_row == temperature_value
+            table = _log_softmax64(logits[rows], float(temperature_value))
+            expected[rows] = table[np.arange(rows.sum()), tokens[rows]]
+        assert (logprob[greedy] == 0).all()
+        np.testing.assert_allclose(logprob, expected, rtol=0, atol=LOGPROB_ATOL)
+
+
+@pytest.mark.parametrize("backend", ["reference", "pallas"])
+@pytest.mark.parametrize("name", sorted(LOGPROB_FILTERS))
+def test_filtered_logprob_is_of_the_tempered_filtered_distribution(name, backend):
+    """``softmax(logits / T)`` through the filters: the reported logprob is ``log`` of the
+    filtered, renormalized, tempered distribution at the token (float64 definition), at every
+    temperature; and ``speculative.sample_draft``'s ``q`` sampled by ``sample_from_probs``
+    reports the same number."""
+    from speculative import sample_draft
+
+    logits = _logprob_logits()
+    filters = LOGPROB_FILTERS[name]
+    params = (
+        filters.get("top_k", VOCAB),
+        filters.get("top_p", 1.0),
+        filters.get("min_p", 0.0),
+        filters.get("order", "joint"),
+    )
+    for temperature in LOGPROB_TEMPERATURES:
+        probs = jax.nn.softmax(jnp.asarray(logits) / temperature, axis=-1)
+        tokens, logprob = sampling.filtered_sample(
+            jax.random.key(8), probs, return_logprob=True, backend=backend, **filters
+        )
+        tokens, logprob = np.asarray(tokens), np.asarray(logprob)
+        probs64 = np.asarray(probs, np.float64)
+        expected = [
+            np.log(filtered_distribution64(row, *params)[token])
+            for row, token in zip(probs64, tokens, strict=True)
+        ]
+        np.testing.assert_allclose(logprob, expected, rtol=0, atol=LOGPROB_ATOL, err_msg=name)
+        draws, q = sample_draft(
+            jax.random.key(9),
+            jnp.asarray(logits),
+            temperature=temperature,
+            backend=backend,
+            **filters,
+        )
+        draws, q = np.asarray(draws), np.asarray(q, np.float64)
+        resampled, draft_logprob = sampling.sample_from_probs(
+            jax.random.key(9), jnp.asarray(q, jnp.float32), return_logprob=True, backend=backend
+        )
+        np.testing.assert_array_equal(np.asarray(resampled), draws)  # the same race on q
+        tempered = np.exp(_log_softmax64(logits, temperature))
+        expected = [
+            np.log(filtered_distribution64(row, *params)[token])
+            for row, token in zip(tempered, draws, strict=True)
+        ]
+        np.testing.assert_allclose(draft_logprob, expected, rtol=0, atol=LOGPROB_ATOL, err_msg=name)

@@ -190,3 +190,79 @@ def test_min_p_alone_decides_in_one_round_from_its_kept_set(probs, min_p, unifor
         token, rounds = reference.filtered_sample_from_uniforms(probs[None], uniforms, min_p=min_p)
     assert int(rounds[0]) == 1
     assert bool(kept[int(token[0])])
+
+
+# ----------------------------------------------------------------------------------------------
+# Many exact ties at the cut-off. Weights are integer counts / 64, so every sum is exact in
+# float64 and the decisions below are not near a rounding: a block of tied tokens (count
+# TIE_COUNT, scattered over the indices) straddles each filter's cut-off, and only the index
+# decides which of them are kept. The largest count is 8, so min-p's threshold
+# ``(TIE_COUNT / 8) * max`` is exactly the tied value.
+TIE_COUNT = 3
+
+
+@st.composite
+def cut_off_tie_cases(draw):
+    """``(weights [V], params, order, expected_kept bool [V])`` with the cut-off inside a tie
+    block; ``expected_kept`` written from the rule alone (lowest indices of the tie first)."""
+    above = [*draw(st.lists(st.sampled_from([5, 6, 7]), max_size=3)), 8]
+    ties = draw(st.integers(2, 6))
+    below = draw(st.lists(st.sampled_from([0, 1, 2]), max_size=3))
+    counts = np.array(above + [TIE_COUNT] * ties + below, np.float64)
+    counts = counts[draw(st.permutations(range(counts.size)))]
+    weights = counts / 64
+    vocab = weights.size
+    tied = np.flatnonzero(counts == TIE_COUNT)  # ascending index: the order among the ties
+    kept_ties = draw(st.integers(1, ties - 1))  # the cut-off falls after this many
+    kind = draw(st.sampled_from(["top_k", "top_p", "joint", "top_k_first", "min_p"]))
+    mass_above = weights[counts > TIE_COUNT].sum()
+    total = weights.sum()
+    tie = TIE_COUNT / 64
+    expected = counts > TIE_COUNT
+    if kind == "min_p":
+        # Exactly the tied value: every tie is kept (p >= min_p * max holds with equality).
+        params = FilterParams(vocab, 1.0, TIE_COUNT / 8)
+        expected[tied] = True
+        return weights, params, "joint", expected
+    expected[tied[:kept_ties]] = True
+    # top-p halfway into the last kept tie's mass: tokens ranked before it are short of the
+    # target, the next tie is past it.
+    top_p = (mass_above + (kept_ties - 0.5) * tie) / total
+    count_above = int((counts > TIE_COUNT).sum())
+    if kind == "top_k":
+        params = FilterParams(count_above + kept_ties, 1.0, 0.0)
+    elif kind == "top_p":
+        params = FilterParams(vocab, top_p, 0.0)
+    elif kind == "joint":  # top-k cuts at the same tie, top-p one tie later (k decides)
+        expected_p = (mass_above + (kept_ties + 0.5) * tie) / total
+        params = FilterParams(count_above + kept_ties, min(expected_p, 1.0), 0.0)
+    else:  # top-p of the renormalized top-k, where top-k keeps every tie
+        nucleus = mass_above + ties * tie
+        params = FilterParams(
+            count_above + ties, (mass_above + (kept_ties - 0.5) * tie) / nucleus, 0.0
+        )
+    return weights, params, kind if kind == "top_k_first" else "joint", expected
+
+
+@settings(max_examples=60)
+@given(cut_off_tie_cases(), st.sampled_from([1, 2, 32]))
+def test_ties_at_the_cut_off_are_kept_lowest_index_first_exactly(case, max_rounds):
+    """The enumerated output of the rejection sampler is exactly the kept weights renormalized,
+    where the kept set is written from the tie rule alone: of the tokens tied at the cut-off,
+    the lowest indices are kept (all of them at min-p's threshold)."""
+    weights, params, order, expected_kept = case
+    target = np.where(expected_kept, weights, 0.0)
+    target /= target.sum()
+    with enable_x64():
+        enumerated = enumerate_distribution(weights, params, order, max_rounds)
+        definition = np.asarray(
+            filtered_distribution(
+                jnp.asarray(weights),
+                FilterParams(
+                    jnp.int32(params.top_k), jnp.float64(params.top_p), jnp.float64(params.min_p)
+                ),
+                order,
+            )
+        )
+    np.testing.assert_allclose(definition, target, rtol=0, atol=TOLERANCE)
+    np.testing.assert_allclose(enumerated, target, rtol=0, atol=TOLERANCE)

@@ -809,3 +809,107 @@ def test_an_empty_batch_gives_no_tokens_on_the_kernel_path():
         for backend in ("pallas", "reference"):
             tokens = function(jax.random.key(0), values, backend=backend)
             assert tokens.shape == (0,) and tokens.dtype == jnp.int32, (function, backend)
+
+
+# Tie-heavy rows where no comparison can flip by rounding: counts / 1024 (every partial sum an
+# exact float32, in block order and in sorted order alike), each row with a block of tokens tied
+# at a count of 3, scattered over the row and across 32-column blocks, and per-row parameters
+# that put each filter's cut-off inside that block: top-k after some of the ties, top-p exactly
+# on a partial sum inside it and halfway into a tie, min-p exactly at the tied value. Only the
+# tie rule decides there, so the kernel must pick the reference's very token and rounds, row for
+# row (the mismatch-rate bound above let a tie bug through on 5 of 96 rows).
+TIE_BATCH, TIE_VOCAB, TIED_COUNT = 48, 200, 3
+
+
+def _tie_heavy_rows():
+    """``(probs float32[B, V], top_k int32[B], top_p_exact, top_p_halfway, min_p float32[B])``."""
+    generator = np.random.default_rng(15)
+    counts = generator.choice([0, 1, 2, 4, 5, 6, 8], size=(TIE_BATCH, TIE_VOCAB)).astype(np.int64)
+    top_k = np.zeros(TIE_BATCH, np.int32)
+    top_p_exact = np.zeros(TIE_BATCH, np.float32)
+    top_p_halfway = np.zeros(TIE_BATCH, np.float32)
+    for row in range(TIE_BATCH):
+        ties = generator.choice(TIE_VOCAB, size=int(generator.integers(8, 60)), replace=False)
+        counts[row, ties] = TIED_COUNT
+        counts[row, 0] = 8  # the largest count is 8: min-p 3/8 is exactly the tied value
+        above = counts[row] > TIED_COUNT
+        kept_ties = int(generator.integers(1, ties.size))
+        top_k[row] = above.sum() + kept_ties
+        total = counts[row].sum()
+        # The target mass lands exactly on the partial sum after kept_ties ties (that tie is
+        # kept, the next is not: "mass before < target" fails with equality), or halfway.
+        mass = counts[row][above].sum() + kept_ties * TIED_COUNT
+        top_p_exact[row] = mass / total
+        top_p_halfway[row] = (mass - TIED_COUNT / 2) / total
+    probs = jnp.asarray(counts / 1024, jnp.float32)
+    min_p = np.full(TIE_BATCH, TIED_COUNT / 8, np.float32)
+    return probs, top_k, top_p_exact, top_p_halfway, min_p
+
+
+TIE_FILTERS = ("top_k", "top_p_exact", "top_p_halfway", "min_p", "joint", "top_k_first")
+
+
+@pytest.mark.parametrize("max_rounds", [32, 0])
+@pytest.mark.parametrize("name", TIE_FILTERS)
+def test_dual_pivot_kernel_equals_the_reference_on_ties_at_every_cut_off(name, max_rounds):
+    from kernels_pallas.sampling import dual_pivot_sample
+
+    probs, top_k, top_p_exact, top_p_halfway, min_p = _tie_heavy_rows()
+    filters = {
+        "top_k": dict(top_k=top_k),
+        "top_p_exact": dict(top_p=top_p_exact),
+        "top_p_halfway": dict(top_p=top_p_halfway),
+        "min_p": dict(min_p=min_p),
+        "joint": dict(top_k=top_k, top_p=top_p_halfway, min_p=min_p / 2),
+        # top-p of the top-k mass: top-k keeps every token and top-p cuts inside the ties
+        "top_k_first": dict(top_k=np.full(TIE_BATCH, TIE_VOCAB - 1, np.int32), top_p=top_p_exact),
+    }[name]
+    order = "top_k_first" if name == "top_k_first" else "joint"
+    keys = jax.random.split(jax.random.key(max_rounds), TIE_BATCH)
+    theirs, their_rounds = sampling.filtered_sample(
+        keys,
+        probs,
+        order=order,
+        max_rounds=max_rounds,
+        return_rounds=True,
+        backend="reference",
+        **filters,
+    )
+    # The public kernel path (one block a row) and 32-column blocks (ties across blocks).
+    ours, our_rounds = sampling.filtered_sample(
+        keys,
+        probs,
+        order=order,
+        max_rounds=max_rounds,
+        return_rounds=True,
+        backend="pallas",
+        **filters,
+    )
+    np.testing.assert_array_equal(np.asarray(ours), np.asarray(theirs))
+    np.testing.assert_array_equal(np.asarray(our_rounds), np.asarray(their_rounds))
+    blocked, blocked_rounds = dual_pivot_sample(
+        probs,
+        rng.row_keys(keys, TIE_BATCH),
+        jnp.asarray(filters.get("top_k", np.full(TIE_BATCH, TIE_VOCAB)), jnp.int32),
+        jnp.asarray(filters.get("top_p", np.ones(TIE_BATCH)), jnp.float32),
+        jnp.asarray(filters.get("min_p", np.zeros(TIE_BATCH)), jnp.float32),
+        order=order,
+        max_rounds=max_rounds,
+        stream=sampling.api.ROUND_STREAM,
+        block=EXACT_BLOCK,
+        interpret=not ON_GPU,
+    )
+    np.testing.assert_array_equal(np.asarray(blocked), np.asarray(theirs))
+    np.testing.assert_array_equal(np.asarray(blocked_rounds), np.asarray(their_rounds))
+    # And the reference's tokens are kept by the definition (the tie rule, by index).
+    kept = jax.vmap(
+        lambda row, k, p, m: sampling.filters.kept_mask(
+            row, sampling.filters.FilterParams(k, p, m), order
+        )
+    )(
+        probs,
+        jnp.asarray(filters.get("top_k", np.full(TIE_BATCH, TIE_VOCAB)), jnp.int32),
+        jnp.asarray(filters.get("top_p", np.ones(TIE_BATCH)), jnp.float32),
+        jnp.asarray(filters.get("min_p", np.zeros(TIE_BATCH)), jnp.float32),
+    )
+    assert np.asarray(kept)[np.arange(TIE_BATCH), np.asarray(theirs)].all()
