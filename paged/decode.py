@@ -13,7 +13,7 @@ from kernels_pallas.merge_states import merge_partial_states
 from kernels_pallas.paged_decode import paged_decode, token_major
 from kernels_pallas.paged_prefill import launch_parameters as prefill_launch_parameters
 from kernels_pallas.paged_prefill import paged_prefill
-from kernels_pallas.platform import interpret_mode, is_concrete, resolve_backend
+from kernels_pallas.platform import choose_backend, interpret_mode, is_concrete
 from paged.attention_reference import decode_attention_reference
 from paged.kv_cache import KVCache, validate_kv_cache
 from paged.page_table import PageTable, validate_page_table
@@ -192,12 +192,12 @@ def decode_attention(
     validate_decode_inputs(q, cache, page_table, logits_soft_cap)
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(q.shape[-1])
-    chosen = resolve_backend(backend)
-    unsupported = kernel_supports(q, cache)
-    if chosen == "pallas" and unsupported:
-        if backend == "pallas":
-            raise ValueError(f"backend='pallas' cannot run these shapes: {unsupported}")
-        chosen = "reference"  # "auto" falls back, as documented
+    chosen = choose_backend(
+        "decode_attention",
+        backend,
+        unsupported=kernel_supports(q, cache),
+        kernel=kernel_name_for(q),
+    ).backend
     if chosen == "reference":
         o, lse = decode_attention_reference(
             q, cache, page_table, sm_scale=sm_scale, logits_soft_cap=logits_soft_cap

@@ -20,10 +20,10 @@ Backends: every function here has a Pallas kernel (``kernels_pallas/sampling.py`
 Gumbel-max race, dual-pivot rejection for the filtered samplers, and radix selection for the
 renorm and mask functions. ``backend="pallas"`` runs it (interpreted on a CPU).
 ``backend="auto"`` runs, on a GPU, whichever was faster on the H200 in the committed reports,
-per family (``AUTO_PICKS_KERNEL``): the dual-pivot kernel for the filtered samplers (13x to 31x
-the sort-based JAX top-p at batch 256); the Gumbel-max kernel from batch
-``GUMBEL_KERNEL_MIN_BATCH`` up and the XLA reference below it, where XLA's fusion of the
-reference is as fast or faster (``docs/benchmark_results/2026-12-01-gumbel-tuning.md``); the
+per function (``kernels_pallas.platform.AUTO_PICKS_KERNEL``): the dual-pivot kernel for the
+filtered samplers (13x to 31x the sort-based JAX top-p at batch 256); the Gumbel-max kernel
+from batch ``GUMBEL_KERNEL_MIN_BATCH`` up and the XLA reference below it, where XLA's fusion of
+the reference is as fast or faster (``docs/benchmark_results/2026-12-01-gumbel-tuning.md``); the
 reference for renorm and mask, not yet timed beside it. Elsewhere ``"auto"`` is the reference,
 and ``DECODELAB_BACKEND=reference`` forces it everywhere.
 """
@@ -35,16 +35,12 @@ import jax.numpy as jnp
 
 from kernels_pallas import rng
 from kernels_pallas import sampling as sampling_kernels
-from kernels_pallas.platform import interpret_mode, resolve_backend
+from kernels_pallas.platform import choose_backend, interpret_mode
 from sampling import reference, validation
 from sampling.filters import ORDERS, FilterParams, filtered_distribution, rank_order
 
 EXPONENTIAL_STREAM = 0
 ROUND_STREAM = 1
-# Which families backend="auto" runs as a kernel on a GPU: those compiled, checked (tokens
-# against the reference, full-vocabulary statistics, memcheck) and measured faster than the
-# reference on the H200 (module docstring).
-AUTO_PICKS_KERNEL = {"gumbel": True, "filtered": True, "renorm": False}
 # Below this batch "auto" runs the XLA reference for Gumbel-max even on a GPU: in the tuning
 # probe's loop on the H200 the kernel was 1.4x faster at batch 128 and 2.3x at 256, level at 64
 # and slower below (docs/benchmark_results/2026-12-01-gumbel-tuning.md). The sampling suite's
@@ -75,14 +71,12 @@ def _round_uniforms(key, batch: int, max_rounds: int) -> jax.Array:
     return rng.uniform_open(bits)
 
 
-def _kernel_backend(backend: str, family: str, batch: int | None = None) -> str:
-    """``"pallas"`` or ``"reference"`` for a function of kernel ``family`` (module docstring);
-    for Gumbel-max, ``"auto"`` also asks for ``batch >= GUMBEL_KERNEL_MIN_BATCH``."""
-    small_gumbel = family == "gumbel" and batch is not None and batch < GUMBEL_KERNEL_MIN_BATCH
-    if backend == "auto" and (not AUTO_PICKS_KERNEL[family] or small_gumbel):
-        resolve_backend(backend)  # still validates the kill switch's value
-        return "reference"
-    return resolve_backend(backend)
+def _gumbel_backend(operation: str, backend: str, batch: int) -> str:
+    """``choose_backend`` for the Gumbel-max kernel: ``"auto"`` declines it below
+    ``GUMBEL_KERNEL_MIN_BATCH`` rows (module docstring)."""
+    small = f"batch {batch} is below GUMBEL_KERNEL_MIN_BATCH={GUMBEL_KERNEL_MIN_BATCH}"
+    declines = small if batch < GUMBEL_KERNEL_MIN_BATCH else None
+    return choose_backend(operation, backend, auto_declines=declines, kernel="gumbel").backend
 
 
 def sample_from_logits(
@@ -115,7 +109,7 @@ def sample_from_logits(
       ((1,), True)
     """
     batch, vocab = validation.check_rows("logits", logits)
-    chosen = _kernel_backend(backend, "gumbel", batch)
+    chosen = _gumbel_backend("sample_from_logits", backend, batch)
     validation.check_logits_values(logits)
     one_temperature = jnp.ndim(temperature) == 0
     temperature = validation.per_row("temperature", temperature, batch, jnp.float32)
@@ -164,7 +158,7 @@ def sample_from_probs(key, probs: jax.Array, *, return_logprob: bool = False, ba
         to 0.
     """
     batch, vocab = validation.check_rows("probs", probs)
-    chosen = _kernel_backend(backend, "gumbel", batch)
+    chosen = _gumbel_backend("sample_from_probs", backend, batch)
     validation.check_probs_values(probs)
     probs = probs.astype(jnp.promote_types(probs.dtype, jnp.float32))
     if chosen == "pallas":
@@ -243,7 +237,7 @@ def filtered_sample(
     Raises:
       ValueError: bad shapes or order; concrete bad probabilities or parameters out of range.
     """
-    chosen = _kernel_backend(backend, "filtered")
+    chosen = choose_backend("filtered_sample", backend, kernel="dual_pivot").backend
     batch, vocab = validation.check_rows("probs", probs)
     validation.check_probs_values(probs)
     if not isinstance(max_rounds, int) or max_rounds < 0:
@@ -308,7 +302,12 @@ def top_k_top_p_sample(key, probs, top_k, top_p, *, order="joint", **options):
 
 def _renorm(probs: jax.Array, top_k, top_p, backend: str) -> jax.Array:
     """``probs`` restricted to each row's kept set and renormalized (float32 inside)."""
-    chosen = _kernel_backend(backend, "renorm")
+    operation, kernel = (
+        ("top_k_renorm_probs", "top_k_renorm")
+        if top_k is not None
+        else ("top_p_renorm_probs", "top_p_renorm")
+    )
+    chosen = choose_backend(operation, backend, kernel=kernel).backend
     batch, vocab = validation.check_rows("probs", probs)
     validation.check_probs_values(probs)
     params = _filter_params(batch, vocab, top_k, top_p, None)
@@ -337,7 +336,7 @@ def top_p_renorm_probs(probs: jax.Array, top_p, *, backend="auto") -> jax.Array:
 
 def top_k_mask_logits(logits: jax.Array, top_k, *, backend="auto") -> jax.Array:
     """``[B, V]``: each row's top-k logits kept, the rest ``-inf`` (ties by index)."""
-    chosen = _kernel_backend(backend, "renorm")
+    chosen = choose_backend("top_k_mask_logits", backend, kernel="top_k_mask").backend
     batch, vocab = validation.check_rows("logits", logits)
     validation.check_logits_values(logits)
     k = validation.per_row("top_k", top_k, batch, jnp.int32)

@@ -56,9 +56,9 @@ says so (``compiled``), so benchmarks can drop it.
 Which backend ran
 -----------------
 ``backend`` goes to every public op (norms, RoPE + append, attention, samplers, acceptance), each
-choosing when traced (``kernels_pallas/platform.py``). ``backend_report()`` reads what really
-ran from the traced programs: the Pallas kernels (by name) each op's part of the program calls;
-an op with none ran its pure-JAX reference.
+choosing when traced (``kernels_pallas.platform.choose_backend``). ``backend_report()`` traces
+each program again under ``platform.record_backends`` and reports what each op's calls chose:
+the Pallas kernels (by name) or the pure-JAX reference.
 """
 
 from __future__ import annotations
@@ -70,14 +70,13 @@ from collections.abc import Callable, Hashable, Iterable
 from typing import NamedTuple
 
 import jax
-import jax.extend
 import jax.numpy as jnp
 import numpy as np
 
 import paged
 import sampling
 import speculative
-from kernels_pallas.platform import BACKENDS, resolve_backend
+from kernels_pallas.platform import BACKENDS, record_backends, resolve_backend
 from sampling.reference import MIN_TEMPERATURE
 from serving import host_inputs
 from serving import model as model_lib
@@ -91,22 +90,21 @@ from serving.scheduler import DecodeBatch, HostPageTable, Scheduler, Step
 # backend="pallas" every attention of the engine runs a kernel.
 MAX_KERNEL_QUERY_TOKENS = 16
 
-# Pallas kernel names (``kernels_pallas``) by the op of the step they implement, for
-# ``backend_report``: the name a kernel is given in its ``pl.pallas_call(name=...)`` starts so.
-OPS_BY_KERNEL_PREFIX = (
-    ("paged_decode", "attention"),
-    ("paged_prefill", "attention"),
-    ("merge_partial_states", "attention"),
-    ("rope_append", "rope + kv append"),
-    ("fused_add_rmsnorm", "rmsnorm"),
-    ("rmsnorm", "rmsnorm"),
-    ("dual_pivot", "sampling"),
-    ("gumbel", "sampling"),
-    ("top_k_renorm", "sampling"),
-    ("top_p_renorm", "sampling"),
-    ("top_k_mask", "sampling"),
-    ("spec_accept", "speculative acceptance"),
-)
+# The op of the step each public function implements (the operations of
+# ``kernels_pallas.platform.choose_backend``), for ``backend_report``.
+OP_OF_OPERATION = {
+    "decode_attention": "attention",
+    "rope_append_kv": "rope + kv append",
+    "rmsnorm": "rmsnorm",
+    "fused_add_rmsnorm": "rmsnorm",
+    "sample_from_logits": "sampling",
+    "sample_from_probs": "sampling",
+    "filtered_sample": "sampling",
+    "top_k_renorm_probs": "sampling",
+    "top_p_renorm_probs": "sampling",
+    "top_k_mask_logits": "sampling",
+    "chain_speculative_sampling": "speculative acceptance",
+}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -472,25 +470,17 @@ _prefill_step_jit = jax.jit(
 )
 
 
-def pallas_kernels_called(closed_jaxpr) -> list[str]:
-    """Names of the Pallas kernels a traced program calls, in program order, with repeats
-    removed (sub-programs of ``jit``, control flow and custom derivatives included)."""
-    names: dict[str, None] = {}
-
-    def walk(jaxpr):
-        for equation in jaxpr.eqns:
-            if equation.primitive.name == "pallas_call":
-                info = equation.params.get("name_and_src_info") or equation.params.get("name")
-                names[str(getattr(info, "name", info))] = None
-            for sub in jax.extend.core.jaxprs_in_params(equation.params):
-                walk(sub)
-            for value in equation.params.values():
-                inner = getattr(value, "jaxpr", None)  # a ClosedJaxpr in the params
-                if isinstance(inner, jax.extend.core.Jaxpr):
-                    walk(inner)
-
-    walk(closed_jaxpr.jaxpr)
-    return list(names)
+def implementation_of(records) -> str:
+    """``"pallas: <kernels>"`` for the kernels ``records`` (``platform.BackendRecord``s of one
+    op) chose, in order, repeats removed; ``"reference"`` where none chose a kernel; both,
+    ``"pallas: <kernels>; reference"``, where calls of one op chose differently."""
+    kernels = dict.fromkeys(r.kernel for r in records if r.backend == "pallas")
+    if not kernels:
+        return "reference"
+    implementation = "pallas: " + ", ".join(kernels)
+    if any(r.backend == "reference" for r in records):
+        implementation += "; reference"
+    return implementation
 
 
 def _abstract(tree):
@@ -868,43 +858,37 @@ class Engine:
         return _decode_step_jit._cache_size() + _prefill_step_jit._cache_size()
 
     def backend_report(self) -> dict[str, str]:
-        """Which implementation ran each op of the programs run so far, read from the programs.
+        """Which implementation ran each op of the programs run so far, as each op chose it.
 
-        Traces each program again (no compilation) from the shapes it last ran with.
+        Traces each program again (``jax.eval_shape``, no compilation) from the shapes it last
+        ran with, recording every public function's ``choose_backend`` decision.
 
         Returns:
           ``{"<program>: <op>": "pallas: <kernel names>" | "reference"}`` for the programs
           ``decode`` and ``prefill`` and their ops: ``rmsnorm``, ``rope + kv append``,
           ``attention``, then ``sampling`` (plain decoding) or ``draft sampling``, ``target
-          distribution`` and ``speculative acceptance``; ``"reference"`` where the program
-          calls no Pallas kernel of that op. Where prefill chunks of different lengths ran
-          different implementations, each is followed by its lengths: ``"... (L=1,2,4)"``.
-          Empty before the first step.
+          distribution`` and ``speculative acceptance`` (``implementation_of``). Where prefill
+          chunks of different lengths ran different implementations, each is followed by its
+          lengths: ``"... (L=1,2,4)"``. Empty before the first step.
         """
         model_ops = ["rmsnorm", "rope + kv append", "attention"]
         found: dict[str, dict[str, list[str]]] = {}  # "<program>: <op>" -> implementation -> L
         for program, (kind, args, static) in sorted(self._traced.items()):
             function = decode_step if kind == "decode" else prefill_step
-            closed = jax.make_jaxpr(lambda *a, f=function, s=static: f(*a, **s))(*args)
-            kernels = pallas_kernels_called(closed)
+            with record_backends() as records:
+                jax.eval_shape(lambda *a, f=function, s=static: f(*a, **s), *args)
             ops = dict.fromkeys(model_ops, "")
             if kind == "decode" and self.num_speculative:
-                # The draft's samplers are the step's only sampling kernels: the target's p
-                # comes from speculative.sampling_distribution, plain JAX with no kernel.
+                # The draft's samplers are the step's only samplers: the target's p comes
+                # from speculative.sampling_distribution, plain JAX with no backend choice.
                 ops.update({"draft sampling": "sampling", "target distribution": "none"})
                 ops["speculative acceptance"] = ""
             elif kind == "decode":
                 ops["sampling"] = ""
-            for op, kernel_op in ops.items():
-                kernel_op = kernel_op or op
-                names = [
-                    name
-                    for name in kernels
-                    for prefix, named_op in OPS_BY_KERNEL_PREFIX
-                    if named_op == kernel_op and name.startswith(prefix)
-                ]
-                implementation = (
-                    "pallas: " + ", ".join(dict.fromkeys(names)) if names else "reference"
+            for op, recorded_op in ops.items():
+                recorded_op = recorded_op or op
+                implementation = implementation_of(
+                    [r for r in records if OP_OF_OPERATION[r.operation] == recorded_op]
                 )
                 lengths = found.setdefault(f"{kind}: {op}", {}).setdefault(implementation, [])
                 lengths.append(program.removeprefix("prefill L="))
