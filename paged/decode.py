@@ -234,6 +234,32 @@ def _prefill_attention_pallas(q, cache, page_table, sm_scale, logits_soft_cap):
     )
 
 
+def decode_launch_parameters(
+    plan: DecodePlan,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    page_size: int,
+    *,
+    q_len: int = 1,
+) -> dict[str, int]:
+    """The decode kernel's launch parameters for one call: the tuned ones for the plan's split
+    (``plan.write_final``, ``plan.long_chunks``) and the attention shape
+    (``kernels_pallas/paged_decode_tuning.py``), refitted for a taller query tile when a request
+    brings ``q_len > 1`` new tokens (plans are made per step, not per ``q_len``).
+
+    Example:
+      >>> plan = plan_decode(PageTable.from_seq_lens([4096], page_size=16), 32, 8, 128)
+      >>> decode_launch_parameters(plan, 32, 8, 128, 16)
+      {'pages_per_step': 16, 'num_warps': 4, 'num_stages': 1}
+    """
+    group_size = num_q_heads // num_kv_heads
+    params = tuning.kernel_parameters(head_dim, group_size, plan.write_final, plan.long_chunks)
+    if q_len > 1:
+        params = tuning.multi_token_parameters(params, q_len * group_size, page_size)
+    return params
+
+
 def _decode_attention_pallas(q, cache, page_table, sm_scale, logits_soft_cap, plan):
     batch, num_q_heads, head_dim = q.shape[0], q.shape[-2], q.shape[-1]
     q_len = q.shape[1] if q.ndim == 4 else 1
@@ -246,14 +272,9 @@ def _decode_attention_pallas(q, cache, page_table, sm_scale, logits_soft_cap, pl
         else:
             plan = traced_default_plan(page_table, num_q_heads, num_kv_heads, head_dim)
     validate_plan(plan, page_table)
-    # A plan built by hand without launch parameters gets the defaults.
-    params = dict(plan.launch) or tuning.kernel_parameters(
-        head_dim, num_q_heads // num_kv_heads, plan.write_final, None
+    params = decode_launch_parameters(
+        plan, num_q_heads, num_kv_heads, head_dim, cache.page_size, q_len=q_len
     )
-    if q_len > 1:  # plans are made per step, not per q_len: fit the taller query tile here
-        params = tuning.multi_token_parameters(
-            params, q_len * (num_q_heads // num_kv_heads), cache.page_size
-        )
     interpret = interpret_mode()
     o, lse = paged_decode(
         q,

@@ -81,7 +81,7 @@ from sampling.reference import MIN_TEMPERATURE
 from serving import host_inputs
 from serving import model as model_lib
 from serving.requests import Request, RequestOutput
-from serving.scheduler import DecodeBatch, HostPageTable, Scheduler, Step
+from serving.scheduler import DecodeBatch, Scheduler, Step
 
 # The one-pass decode kernel of paged.decode_attention takes at most this many new tokens per
 # request (``paged.decode.MAX_KERNEL_Q_LEN``: one query tile holds all of them, so one read of the
@@ -716,7 +716,7 @@ class Engine:
             self.target_caches,
             self.draft_caches,
             chunk.token_ids[None, :],
-            _page_table(chunk.page_table),
+            chunk.page_table,
         )
         # The engine's backend at every chunk length: paged.decode_attention runs chunks of more
         # than MAX_KERNEL_QUERY_TOKENS tokens on its prefill kernel, shorter ones on decode's.
@@ -745,13 +745,13 @@ class Engine:
         for slot, request_id in enumerate(batch.request_ids):
             if request_id is not None:
                 key_data[slot] = self._key_data[request_id]
-        table = _page_table(batch.page_table)
-        draft_tables = tuple(_page_table(t) for t in batch.draft_page_tables)
+        table, draft_tables = batch.page_table, batch.draft_page_tables
         plan, draft_plans = None, (None,) * len(draft_tables)
         if resolve_backend(self.backend) == "pallas":
             # FlashInfer's plan/run split: plan once on the host, every layer reuses it.
-            plan = _plan(table, self.target_config)
-            draft_plans = tuple(_plan(t, self.draft_config) for t in draft_tables)
+            (plan,) = _plan_tables([table], self.target_config)
+            if draft_tables:  # speculating: the draft model's n + 1 tables
+                draft_plans = _plan_tables(draft_tables, self.draft_config)
         return DecodeInputs(
             token_ids=batch.token_ids,
             key_data=key_data,
@@ -927,15 +927,7 @@ def request_key_data(seed: int) -> np.ndarray:
         return np.asarray(jax.random.key_data(jax.random.key(seed)), np.uint32)
 
 
-def _page_table(table: HostPageTable) -> paged.PageTable:
-    """A ``paged.PageTable`` over the host arrays (jit transfers them with the step's inputs)."""
-    return paged.PageTable(
-        page_indptr=table.page_indptr,
-        page_indices=table.page_indices,
-        last_page_len=table.last_page_len,
-        page_size=table.page_size,
+def _plan_tables(tables, config: model_lib.ModelConfig) -> tuple[paged.DecodePlan, ...]:
+    return paged.plan_decode_tables(
+        tables, config.num_q_heads, config.num_kv_heads, config.head_dim
     )
-
-
-def _plan(table: paged.PageTable, config: model_lib.ModelConfig) -> paged.DecodePlan:
-    return paged.plan_decode(table, config.num_q_heads, config.num_kv_heads, config.head_dim)
