@@ -28,8 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import sampling
+import speculative
 from bench.suites import serving as serving_suite
-from serving import engine as engine_lib
 from serving import model as model_lib
 
 BATCH, PROMPT_TOKENS, LAST_POSITIONS = 4, 64, 16  # 64 rows of model logits
@@ -41,7 +41,7 @@ def rounds_on(logits: np.ndarray) -> dict:
     ``NUM_KEYS`` keys for each row of ``logits[R, V]``, and the rows' shape."""
     rows = jnp.asarray(logits, jnp.float32)
     temperature = jnp.full((rows.shape[0],), serving_suite.TEMPERATURE, jnp.float32)
-    probs = engine_lib.tempered_probs(rows, temperature)
+    probs = speculative.tempered_probs(rows, temperature)
     # probs is an argument, not a closed-over constant: XLA would fold a 32 MB constant.
     draw = jax.jit(
         lambda key, probs: sampling.filtered_sample(

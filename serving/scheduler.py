@@ -106,6 +106,7 @@ import numpy as np
 
 import paged
 from serving.requests import Request, RequestOutput, SamplingParams
+from serving.step_stats import StepOutput
 
 # The registry key of a prefix's first page has no parent page.
 _NO_PARENT = -1
@@ -192,20 +193,6 @@ class Step:
     decode: DecodeBatch | None
     admitted: tuple[Hashable, ...]
     preempted: tuple[Hashable, ...]
-
-
-@dataclasses.dataclass(frozen=True)
-class StepOutput:
-    """What ``commit_step`` recorded.
-
-    Attributes:
-      new_token_ids: per request that decoded, the tokens kept this step (stop and
-        ``max_tokens`` applied), for streaming.
-      finished: the requests that finished in this step.
-    """
-
-    new_token_ids: dict[Hashable, tuple[int, ...]]
-    finished: tuple[RequestOutput, ...]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -665,7 +652,7 @@ class Scheduler:
             accepted tokens, to catch an engine that mixes up its rows.
 
         Returns:
-          The ``StepOutput``.
+          The ``StepOutput``: its ``new_token_ids`` and ``finished`` (the engine adds the rest).
 
         Raises:
           ValueError: a step other than the outstanding one; shapes unlike the above; a count

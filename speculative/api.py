@@ -342,6 +342,30 @@ def _filter_params(batch: int, vocab: int, top_k, top_p, min_p) -> FilterParams:
     )
 
 
+def tempered_probs(logits: jax.Array, temperature: jax.Array) -> jax.Array:
+    """``softmax(logits / T)`` per row, in ``logits``' dtype; rows with ``T`` below
+    ``MIN_TEMPERATURE`` are one-hot at the lowest-index arg max (greedy). The temperature step
+    of ``sampling_distribution``, before its filters, without its checks (the serving engine's
+    plain decoding feeds it to ``sampling.filtered_sample``, which filters itself).
+
+    Args:
+      logits: float[R, V], float32 or wider (the softmax runs in this dtype).
+      temperature: [R] of ``logits``' dtype, ``>= 0``.
+
+    Returns:
+      ``[R, V]`` rows summing to 1.
+
+    Example:
+      >>> probs = tempered_probs(jnp.array([[0.0, 1.0], [0.0, 1.0]]), jnp.array([1.0, 0.0]))
+      >>> [[round(p, 3) for p in row] for row in probs.tolist()]
+      [[0.269, 0.731], [0.0, 1.0]]
+    """
+    greedy = temperature < MIN_TEMPERATURE
+    tempered = jax.nn.softmax(logits / jnp.where(greedy, 1, temperature)[:, None], axis=-1)
+    one_hot = jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=logits.dtype)
+    return jnp.where(greedy[:, None], one_hot, tempered)
+
+
 def sampling_distribution(
     logits: jax.Array,
     *,
@@ -399,10 +423,7 @@ def sampling_distribution(
         return jnp.broadcast_to(values[:, None], (batch, per_request)).reshape(-1)
 
     temperature = repeat(jnp.nan_to_num(temperature, nan=0.0)).astype(compute)
-    greedy = temperature < MIN_TEMPERATURE
-    tempered = jax.nn.softmax(rows / jnp.where(greedy, 1, temperature)[:, None], axis=-1)
-    one_hot = jax.nn.one_hot(jnp.argmax(rows, axis=-1), vocab, dtype=compute)
-    probs = jnp.where(greedy[:, None], one_hot, tempered)
+    probs = tempered_probs(rows, temperature)
     row_params = FilterParams(*(repeat(value) for value in params))
     kept = jax.vmap(lambda row, row_params: filtered_distribution(row, row_params, order))(
         probs, row_params

@@ -18,7 +18,7 @@ Scenarios (``SCENARIOS``; ``--quick``: the first two):
 - ``long B=1 ctx=16384`` and ``long B=1 ctx=32768``: one request, 64 new tokens; the cache is
   built by chunked prefill (chunks of 512; the default arm's attention runs them on the causal
   prefill kernel, ``kernels_pallas/paged_prefill.py``, the decode kernel taking runs of at most
-  16 queries, ``serving.engine.MAX_KERNEL_QUERY_TOKENS``).
+  16 queries, ``paged.decode.MAX_KERNEL_Q_LEN``).
 - ``shared_prefix B=32 ctx=4096``: 32 requests whose prompts share their first 4096 tokens
   (256 full pages, shared read-only by the scheduler) and differ in a 32-token tail; 64 new
   tokens each.
@@ -129,13 +129,17 @@ from jax import lax
 
 import paged
 import sampling
+import speculative
 from bench.attention_inputs import make_attention_setup
 from bench.harness import CaseResult, CopyCeiling, RunOptions, TimedLoop, expected_us
 from bench.suites import SuiteOutput
 from kernels_pallas.platform import KILL_SWITCH_VARIABLE, resolve_backend
 from serving import engine as engine_lib
+from serving import keys as keys_lib
 from serving import model as model_lib
+from serving import programs
 from serving.requests import Request, SamplingParams
+from serving.step_stats import StepStats
 
 NUM_LAYERS = 4
 PAGE_SIZE = 16
@@ -352,8 +356,8 @@ class MeasuredRun:
 
     engine: engine_lib.Engine
     requests: list[Request]
-    stats: list[engine_lib.StepStats]
-    captured: list[tuple[int, engine_lib.DecodeInputs]]
+    stats: list[StepStats]
+    captured: list[tuple[int, programs.DecodeInputs]]
 
 
 def new_engine(model, scenario: Scenario, arm: Arm, num_pages: int, options: RunOptions):
@@ -387,8 +391,8 @@ def measured_run(model, scenario, arm, num_pages, options, prompts) -> MeasuredR
 def run_engine(engine, requests: list[Request], capture: bool) -> MeasuredRun:
     """Submits ``requests`` together and steps until all finish; with ``capture``, keeps the
     decode inputs of steps in which every request decodes."""
-    captured: list[tuple[int, engine_lib.DecodeInputs]] = []
-    stats: list[engine_lib.StepStats] = []
+    captured: list[tuple[int, programs.DecodeInputs]] = []
+    stats: list[StepStats] = []
     run_decode = engine._run_decode
 
     def recording_run_decode(inputs):
@@ -421,7 +425,7 @@ def ablated(variant: str) -> Iterator[None]:
         targets = [(paged, "decode_attention", lambda q, cache, table, **_: q)]
     elif variant == "no_sampling":
         targets = [
-            (engine_lib, "tempered_probs", lambda logits, temperature: logits),
+            (speculative, "tempered_probs", lambda logits, temperature: logits),
             (
                 sampling,
                 "filtered_sample",
@@ -450,7 +454,7 @@ def _decode_loop(params, caches, inputs, *, config, backend, variant, num_calls)
             step_inputs = inputs._replace(
                 token_ids=tokens, num_generated=inputs.num_generated + call_index
             )
-            result, caches, _ = engine_lib.decode_step(
+            result, caches, _ = programs.decode_step(
                 params,
                 None,
                 caches,
@@ -594,8 +598,8 @@ def sampling_op_us(vocab: int, batch: int, backend: str, options: RunOptions) ->
 
     def step(set_index, operands):
         logits, key_data, temperature, top_k, top_p, min_p = operands
-        keys = engine_lib.step_keys(key_data, jnp.full((batch,), set_index, jnp.int32))
-        probs = engine_lib.tempered_probs(logits[set_index], temperature)
+        keys = keys_lib.step_keys(key_data, jnp.full((batch,), set_index, jnp.int32))
+        probs = speculative.tempered_probs(logits[set_index].astype(jnp.float32), temperature)
         return sampling.filtered_sample(
             keys, probs, top_k=top_k, top_p=top_p, min_p=min_p, backend=backend
         )
