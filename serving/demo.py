@@ -25,7 +25,7 @@ import jax
 import numpy as np
 
 from serving.engine import Engine
-from serving.model import load_model
+from serving.model_files import load_model
 from serving.requests import Request, SamplingParams
 
 WEIGHTS = pathlib.Path(__file__).parent / "weights"

@@ -29,18 +29,19 @@ from paged.decode import MAX_KERNEL_Q_LEN
 from serving import host_inputs, programs
 from serving import model as model_lib
 from serving.backend_report import backend_report
+from serving.config import ModelConfig
 from serving.keys import request_key_data, seedless_key_data
 from serving.requests import Request, RequestOutput
 from serving.scheduler import DecodeBatch, Scheduler, Step
 from serving.step_stats import AcceptanceStats, RequestTiming, StepOutput, StepStats
 
 
-def _check_model(name: str, model) -> tuple[model_lib.ModelConfig, dict]:
+def _check_model(name: str, model) -> tuple[ModelConfig, dict]:
     if not (isinstance(model, tuple | list) and len(model) == 2):
         raise ValueError(f"{name} must be a (ModelConfig, params) pair, got {type(model).__name__}")
     config, params = model
-    if not isinstance(config, model_lib.ModelConfig):
-        raise ValueError(f"{name}[0] must be a serving.model.ModelConfig, got {config!r}")
+    if not isinstance(config, ModelConfig):
+        raise ValueError(f"{name}[0] must be a serving.config.ModelConfig, got {config!r}")
     model_lib.validate_params(params, config)
     return config, params
 
@@ -71,7 +72,8 @@ class Engine:
         outside ``[0, 15]``, an unknown backend or layout, and whatever ``Scheduler`` refuses).
 
     Example:
-      >>> from serving.model import TINY_DRAFT, init_params
+      >>> from serving.config import TINY_DRAFT
+      >>> from serving.model import init_params
       >>> from serving.requests import SamplingParams
       >>> pair = (TINY_DRAFT, init_params(TINY_DRAFT, jax.random.key(0)))
       >>> engine = Engine(pair, num_pages=8, page_size=16, parallel=2, backend="reference")
@@ -412,7 +414,7 @@ class Engine:
         return backend_report(self._traced, self.num_speculative)
 
 
-def _plan_tables(tables, config: model_lib.ModelConfig) -> tuple[paged.DecodePlan, ...]:
+def _plan_tables(tables, config: ModelConfig) -> tuple[paged.DecodePlan, ...]:
     return paged.plan_decode_tables(
         tables, config.num_q_heads, config.num_kv_heads, config.head_dim
     )

@@ -47,6 +47,7 @@ import sampling
 import speculative
 from serving import host_inputs
 from serving import model as model_lib
+from serving.config import ModelConfig
 from serving.keys import step_keys
 
 
@@ -99,8 +100,8 @@ def decode_step(
     draft_caches,
     inputs: DecodeInputs,
     *,
-    target_config: model_lib.ModelConfig,
-    draft_config: model_lib.ModelConfig | None,
+    target_config: ModelConfig,
+    draft_config: ModelConfig | None,
     num_speculative: int,
     backend: str,
 ) -> tuple[DecodeResult, list[paged.KVCache], list[paged.KVCache] | None]:
@@ -192,8 +193,8 @@ def prefill_step(
     token_ids: jax.Array,
     page_table: paged.PageTable,
     *,
-    target_config: model_lib.ModelConfig,
-    draft_config: model_lib.ModelConfig | None,
+    target_config: ModelConfig,
+    draft_config: ModelConfig | None,
     backend: str,
 ):
     """Writes one prompt chunk's keys and values into both caches (its logits are not needed:

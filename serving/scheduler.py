@@ -122,8 +122,11 @@ def pages_needed(num_tokens: int, page_size: int) -> int:
 
 
 @dataclasses.dataclass(frozen=True)
-class PrefillChunk:
+class PromptChunk:
     """Prompt tokens written into one request's cache (both caches when speculating).
+
+    One request's chunk with its tokens, as the engine runs it; ``paged.PrefillChunk`` (from
+    ``paged.prefill_chunks``) is the bare position range and table of a batch's chunk.
 
     Attributes:
       request_id, slot: whose cache.
@@ -189,7 +192,7 @@ class Step:
     """
 
     index: int
-    prefill: tuple[PrefillChunk, ...]
+    prefill: tuple[PromptChunk, ...]
     decode: DecodeBatch | None
     admitted: tuple[Hashable, ...]
     preempted: tuple[Hashable, ...]
@@ -416,7 +419,7 @@ class Scheduler:
             raise RuntimeError("commit_step the previous step before planning another")
         preempted = self._grow_running()
         budget = self.max_prefill_tokens
-        chunks: list[PrefillChunk] = []
+        chunks: list[PromptChunk] = []
         prefill_ends: list[tuple[_Live, int]] = []
         for live in self._running:
             if live.prefilling:
@@ -536,7 +539,7 @@ class Scheduler:
         self,
         live: _Live,
         budget: int,
-        chunks: list[PrefillChunk],
+        chunks: list[PromptChunk],
         prefill_ends: list[tuple[_Live, int]],
     ) -> int:
         """Appends the request's chunks for this step (power-of-two lengths, within
@@ -548,7 +551,7 @@ class Scheduler:
             end = start + length
             pages = live.pages[: pages_needed(end, self.page_size)]
             chunks.append(
-                PrefillChunk(
+                PromptChunk(
                     request_id=live.request.request_id,
                     slot=live.slot,
                     token_ids=np.asarray(live.tokens[start:end], np.int32),

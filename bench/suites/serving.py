@@ -2,7 +2,7 @@
 switch (every op its pure-JAX reference) against the default (every kernel ``"auto"`` picks), in
 the same run (issue 7, "Speed (H200): the standard serving scenarios").
 
-Model: random weights with Llama-3-8B layer shapes (``serving.model.llama3_8b_like``: hidden 4096,
+Model: random weights with Llama-3-8B layer shapes (``serving.config.llama3_8b_like``: hidden 4096,
 32 query and 8 KV heads of 128, MLP 14336, vocabulary 128256), ``NUM_LAYERS`` = 4 layers instead
 of 32, bfloat16; pages of 16 tokens, HND pools; every request samples at temperature 1 with top-k
 50 and top-p 0.9 (the standard grid's filters), its own seed, no stop token (so it generates
@@ -134,6 +134,7 @@ from bench.attention_inputs import make_attention_setup
 from bench.harness import CaseResult, CopyCeiling, RunOptions, TimedLoop, expected_us
 from bench.suites import SuiteOutput
 from kernels_pallas.platform import KILL_SWITCH_VARIABLE, resolve_backend
+from serving import config as config_lib
 from serving import engine as engine_lib
 from serving import keys as keys_lib
 from serving import model as model_lib
@@ -252,11 +253,11 @@ def scenarios_for(options: RunOptions) -> tuple[Scenario, ...]:
     return chosen
 
 
-def model_config(options: RunOptions) -> model_lib.ModelConfig:
+def model_config(options: RunOptions) -> config_lib.ModelConfig:
     """Llama-3-8B layer shapes with ``NUM_LAYERS`` layers; the dry run's tiny target, 1 layer."""
     if options.dry_run:
-        return dataclasses.replace(model_lib.TINY_TARGET, num_layers=1)
-    return model_lib.llama3_8b_like(NUM_LAYERS, "bfloat16")
+        return dataclasses.replace(config_lib.TINY_TARGET, num_layers=1)
+    return config_lib.llama3_8b_like(NUM_LAYERS, "bfloat16")
 
 
 def pool_pages(scenarios: tuple[Scenario, ...], page_size: int) -> int:
@@ -619,7 +620,7 @@ def sampling_op_us(vocab: int, batch: int, backend: str, options: RunOptions) ->
 # Figures of a run
 
 
-def weight_bytes(config: model_lib.ModelConfig, batch: int) -> int:
+def weight_bytes(config: config_lib.ModelConfig, batch: int) -> int:
     """Bytes of the weights a decode step reads once: every layer, the final norm and
     ``lm_head``; of the embedding only the ``B`` rows fed."""
     shapes = model_lib.param_shapes(config)
@@ -632,7 +633,7 @@ def weight_bytes(config: model_lib.ModelConfig, batch: int) -> int:
     return total * itemsize
 
 
-def kv_bytes(config: model_lib.ModelConfig, context_tokens: int) -> int:
+def kv_bytes(config: config_lib.ModelConfig, context_tokens: int) -> int:
     """K and V bytes of ``context_tokens`` tokens in every layer."""
     per_token = 2 * config.num_kv_heads * config.head_dim * config.jnp_dtype.itemsize
     return context_tokens * per_token * config.num_layers
