@@ -56,22 +56,26 @@ def group_rows(group_size: int) -> int:
     return dot_rows(group_size)
 
 
+def is_long_chunk(chunk_pages: int | None) -> bool:
+    """Whether a plan's chunks count as long (``> LONG_CHUNK_PAGES`` pages); an unknown chunk (a
+    traced plan) counts as long."""
+    return chunk_pages is None or chunk_pages > LONG_CHUNK_PAGES
+
+
 def kernel_parameters(
-    head_dim: int, group_size: int, write_final: bool, chunk_pages: int | None
+    head_dim: int, group_size: int, write_final: bool, long_chunks: bool
 ) -> dict[str, int]:
     """Launch parameters for a shape bucket (the default where the table has no entry).
 
     Args:
       head_dim, group_size: the attention shape.
       write_final: whether the plan splits no request.
-      chunk_pages: the plan's chunk size in pages; None when unknown (a traced plan), which
-        counts as long.
+      long_chunks: whether the plan's chunks are long (``is_long_chunk``).
 
     Example:
-      >>> kernel_parameters(128, 4, True, 256)
+      >>> kernel_parameters(128, 4, True, is_long_chunk(256))
       {'pages_per_step': 8, 'num_warps': 4, 'num_stages': 1}
     """
-    long_chunks = chunk_pages is None or chunk_pages > LONG_CHUNK_PAGES
     key = (head_dim, group_rows(group_size), write_final, long_chunks)
     return {**DEFAULT_KERNEL, **KERNEL_TABLE.get(key, {})}
 

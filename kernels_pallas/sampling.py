@@ -9,8 +9,8 @@ its own module:
   top-k masking of logits by radix selection.
 
 All three were written against the references of ``sampling/`` and checked in interpret mode;
-``sampling.api.AUTO_PICKS_KERNEL`` records which ones were also compiled, checked and measured
-faster than the reference on a GPU.
+``kernels_pallas.platform.AUTO_PICKS_KERNEL`` records which ones were also compiled, checked and
+measured faster than the reference on a GPU.
 """
 
 from __future__ import annotations

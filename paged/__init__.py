@@ -2,8 +2,10 @@
 
 Public API (names are part of the contract):
 
-- ``PageTable``, ``PagePool``, ``KVCache``, ``new_kv_cache``, ``append_kv``
-- ``plan_decode``, ``DecodePlan``: the split-KV planner (host side, once per step)
+- ``PageTable`` (device or host arrays), ``host_page_table``, ``PagePool``, ``KVCache``,
+  ``new_kv_cache``, ``append_kv``
+- ``plan_decode``, ``plan_decode_tables``, ``DecodePlan``: the split-KV planner (host side, once
+  per step; every table of a step in one call)
 - ``decode_attention`` (``backend="auto" | "reference" | "pallas"``)
 - ``merge_state``, ``merge_states``: exact merging of partial attention states
 - ``RopeParams``, ``Llama3Scaling``, ``apply_rope``, ``inverse_frequencies``: rotary embedding
@@ -15,8 +17,14 @@ Public API (names are part of the contract):
 from paged.attention_reference import merge_state, merge_states
 from paged.decode import decode_attention
 from paged.kv_cache import KVCache, append_kv, new_kv_cache
-from paged.page_table import PageTable, bucket_size, check_holds_new_tokens, validate_page_table
-from paged.plan import DecodePlan, plan_decode
+from paged.page_table import (
+    PageTable,
+    bucket_size,
+    check_holds_new_tokens,
+    host_page_table,
+    validate_page_table,
+)
+from paged.plan import DecodePlan, plan_decode, plan_decode_tables
 from paged.pool import PagePool, PoolExhaustedError
 from paged.prefill import (
     PrefillChunk,
@@ -42,12 +50,14 @@ __all__ = [
     "bucket_size",
     "check_holds_new_tokens",
     "decode_attention",
+    "host_page_table",
     "inverse_frequencies",
     "merge_state",
     "merge_states",
     "new_kv_cache",
     "new_token_positions",
     "plan_decode",
+    "plan_decode_tables",
     "prefill_attention",
     "prefill_chunks",
     "rope_append_kv",

@@ -13,7 +13,7 @@ from kernels_pallas.merge_states import merge_partial_states
 from kernels_pallas.paged_decode import paged_decode, token_major
 from kernels_pallas.paged_prefill import launch_parameters as prefill_launch_parameters
 from kernels_pallas.paged_prefill import paged_prefill
-from kernels_pallas.platform import interpret_mode, is_concrete, resolve_backend
+from kernels_pallas.platform import choose_backend, interpret_mode, is_concrete
 from paged.attention_reference import decode_attention_reference
 from paged.kv_cache import KVCache, validate_kv_cache
 from paged.page_table import PageTable, validate_page_table
@@ -204,12 +204,12 @@ def decode_attention(
     validate_decode_inputs(q, cache, page_table, logits_soft_cap)
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(q.shape[-1])
-    chosen = resolve_backend(backend)
-    unsupported = kernel_supports(q, cache)
-    if chosen == "pallas" and unsupported:
-        if backend == "pallas":
-            raise ValueError(f"backend='pallas' cannot run these shapes: {unsupported}")
-        chosen = "reference"  # "auto" falls back, as documented
+    chosen = choose_backend(
+        "decode_attention",
+        backend,
+        unsupported=kernel_supports(q, cache),
+        kernel=kernel_name_for(q),
+    ).backend
     if chosen == "reference":
         o, lse = decode_attention_reference(
             q, cache, page_table, sm_scale=sm_scale, logits_soft_cap=logits_soft_cap
@@ -246,6 +246,32 @@ def _prefill_attention_pallas(q, cache, page_table, sm_scale, logits_soft_cap):
     )
 
 
+def decode_launch_parameters(
+    plan: DecodePlan,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    page_size: int,
+    *,
+    q_len: int = 1,
+) -> dict[str, int]:
+    """The decode kernel's launch parameters for one call: the tuned ones for the plan's split
+    (``plan.write_final``, ``plan.long_chunks``) and the attention shape
+    (``kernels_pallas/paged_decode_tuning.py``), refitted for a taller query tile when a request
+    brings ``q_len > 1`` new tokens (plans are made per step, not per ``q_len``).
+
+    Example:
+      >>> plan = plan_decode(PageTable.from_seq_lens([4096], page_size=16), 32, 8, 128)
+      >>> decode_launch_parameters(plan, 32, 8, 128, 16)
+      {'pages_per_step': 16, 'num_warps': 4, 'num_stages': 1}
+    """
+    group_size = num_q_heads // num_kv_heads
+    params = tuning.kernel_parameters(head_dim, group_size, plan.write_final, plan.long_chunks)
+    if q_len > 1:
+        params = tuning.multi_token_parameters(params, q_len * group_size, page_size)
+    return params
+
+
 def _decode_attention_pallas(q, cache, page_table, sm_scale, logits_soft_cap, plan):
     batch, num_q_heads, head_dim = q.shape[0], q.shape[-2], q.shape[-1]
     q_len = q.shape[1] if q.ndim == 4 else 1
@@ -258,14 +284,9 @@ def _decode_attention_pallas(q, cache, page_table, sm_scale, logits_soft_cap, pl
         else:
             plan = traced_default_plan(page_table, num_q_heads, num_kv_heads, head_dim)
     validate_plan(plan, page_table)
-    # A plan built by hand without launch parameters gets the defaults.
-    params = dict(plan.launch) or tuning.kernel_parameters(
-        head_dim, num_q_heads // num_kv_heads, plan.write_final, None
+    params = decode_launch_parameters(
+        plan, num_q_heads, num_kv_heads, head_dim, cache.page_size, q_len=q_len
     )
-    if q_len > 1:  # plans are made per step, not per q_len: fit the taller query tile here
-        params = tuning.multi_token_parameters(
-            params, q_len * (num_q_heads // num_kv_heads), cache.page_size
-        )
     interpret = interpret_mode()
     o, lse = paged_decode(
         q,

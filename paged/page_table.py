@@ -11,11 +11,16 @@ FlashInfer's form (``design.md``), three int32 arrays for a batch of ``B`` reque
 
 Token ``t`` of request ``b`` lives in page ``page_indices[page_indptr[b] + t // page_size]`` at
 slot ``t % page_size``. Sequence length is ``page_size * (num_pages - 1) + last_page_len``.
+
+One type serves the device and the host: a ``PageTable``'s arrays are JAX arrays, or NumPy
+arrays where a host builds tables every step (the serving scheduler, ``host_page_table``) and a
+jitted call transfers them with its other inputs; nothing re-wraps them on the way.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Sequence
 
 import jax
@@ -54,6 +59,9 @@ def _check_page_size(page_size) -> None:
 class PageTable:
     """A batch's CSR page table (a pytree; ``page_size`` is static).
 
+    The three arrays are JAX arrays or, for a table built on the host each step, NumPy arrays
+    (``host_page_table``; ``num_pages`` and ``seq_lens`` then answer in NumPy too).
+
     Attributes:
       page_indptr: int32[B + 1], non-decreasing, starting at 0.
       page_indices: int32[nnz_padded], ``nnz_padded >= page_indptr[-1]``.
@@ -66,26 +74,32 @@ class PageTable:
       ([0, 2, 3], [4, 5], [20, 5])
     """
 
-    page_indptr: jax.Array
-    page_indices: jax.Array
-    last_page_len: jax.Array
+    page_indptr: jax.Array | np.ndarray
+    page_indices: jax.Array | np.ndarray
+    last_page_len: jax.Array | np.ndarray
     page_size: int
 
     @property
     def batch_size(self) -> int:
         return self.last_page_len.shape[0]
 
-    def num_pages(self) -> jax.Array:
+    @property
+    def on_host(self) -> bool:
+        """Whether the arrays are NumPy arrays (a host table) rather than JAX arrays."""
+        return isinstance(self.page_indptr, np.ndarray)
+
+    def num_pages(self) -> jax.Array | np.ndarray:
         """int32[B]: pages owned by each request."""
         return self.page_indptr[1:] - self.page_indptr[:-1]
 
-    def seq_lens(self) -> jax.Array:
+    def seq_lens(self) -> jax.Array | np.ndarray:
         """int32[B]: tokens of each request (0 for an empty request, and for one whose
         ``page_indptr`` decreases: unchecked here, ``validate_page_table`` refuses it)."""
+        xp = np if self.on_host else jnp  # a host table stays off the device
         num_pages = self.num_pages()
-        return jnp.where(
+        return xp.where(
             num_pages > 0, self.page_size * (num_pages - 1) + self.last_page_len, 0
-        ).astype(jnp.int32)
+        ).astype(np.int32)
 
     @staticmethod
     def from_page_lists(
@@ -199,6 +213,65 @@ jax.tree_util.register_dataclass(
     data_fields=["page_indptr", "page_indices", "last_page_len"],
     meta_fields=["page_size"],
 )
+
+
+def host_page_table(
+    page_lists: Sequence[Sequence[int]],
+    seq_lens: Sequence[int] | np.ndarray,
+    page_size: int,
+    *,
+    num_indices: int | None = None,
+) -> PageTable:
+    """A ``PageTable`` of NumPy arrays: rows of ``seq_lens`` tokens, each reading the first
+    pages of its list (a host's per-step table; a jitted call transfers it with its inputs).
+
+    Unlike ``PageTable.from_page_lists`` a list may hold more pages than its row needs (a
+    request's pages beyond the tokens this table covers); the extra ones are left out.
+
+    Args:
+      page_lists: per row, at least ``ceil(seq_lens[b] / page_size)`` pages.
+      seq_lens: int[B] tokens per row, each ``>= 0``.
+      page_size: tokens per page, ``>= 1``.
+      num_indices: static length of ``page_indices`` (default ``bucket_size(nnz)``).
+
+    Raises:
+      ValueError: a bad ``page_size``, a negative length, a row with too few pages, or
+        ``num_indices`` below the pages the rows need.
+
+    Example:
+      >>> table = host_page_table([[3, 1, 7], [2]], [5, 4], page_size=4)
+      >>> table.on_host, table.page_lists(), table.seq_lens().tolist()
+      (True, [[3, 1], [2]], [5, 4])
+    """
+    if page_size < 1:
+        raise ValueError(f"page_size must be >= 1, got {page_size}")
+    seq_lens = np.asarray(seq_lens, np.int32)
+    if len(page_lists) != len(seq_lens):
+        raise ValueError(f"page_lists has {len(page_lists)} rows but seq_lens has {len(seq_lens)}")
+    if np.any(seq_lens < 0):
+        b = int(np.argmax(seq_lens < 0))
+        raise ValueError(f"seq_lens[{b}] must be >= 0, got {seq_lens[b]}")
+    counts = -(-seq_lens // page_size)
+    for b, (pages, count) in enumerate(zip(page_lists, counts.tolist(), strict=True)):
+        if len(pages) < count:
+            raise ValueError(
+                f"row {b} has seq_len {seq_lens[b]}, which needs {count} pages of {page_size}, "
+                f"but page_lists[{b}] has {len(pages)}"
+            )
+    indptr = np.zeros(len(counts) + 1, np.int32)
+    np.cumsum(counts, out=indptr[1:])
+    nnz = int(indptr[-1])
+    size = bucket_size(nnz) if num_indices is None else num_indices
+    if size < nnz:
+        raise ValueError(f"num_indices={size} is smaller than the {nnz} pages in the table")
+    indices = np.zeros(size, np.int32)
+    indices[:nnz] = list(
+        itertools.chain.from_iterable(
+            pages[:count] for pages, count in zip(page_lists, counts.tolist(), strict=True)
+        )
+    )
+    last = np.where(counts > 0, seq_lens - page_size * (counts - 1), 0).astype(np.int32)
+    return PageTable(indptr, indices, last, page_size)
 
 
 def check_holds_new_tokens(table: PageTable, num_new_tokens: int, what: str) -> None:

@@ -17,15 +17,18 @@ its own length only).
 
 Work-item arrays are padded to ``bucket_size`` so that lengths changing inside a bucket reuse
 the compiled program; padding items have request ``-1`` and an empty page range. Two fields are
-static and select a compiled variant: ``write_final`` (split or not) and ``launch`` (the tuned
-launch parameters for the chunk length). As a batch grows from one token to long contexts a
-jitted step meets a few variants (measured: three for four requests growing to 4096 tokens),
-each compiled once; a plan with ``fixed_split_pages`` keeps both fixed.
+static and select a compiled variant: ``write_final`` (split or not) and ``long_chunks`` (the
+chunk length's class, which selects the tuned launch). The plan describes the work, not how to
+launch it: ``paged.decode`` chooses the kernel's launch parameters where it calls the kernel,
+from these two fields and the shapes of the call. As a batch grows from one token to long
+contexts a jitted step meets a few variants (measured: three for four requests growing to 4096
+tokens), each compiled once; a plan with ``fixed_split_pages`` keeps both fixed.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -38,7 +41,7 @@ from paged.page_table import PageTable, bucket_size, validate_page_table
 
 @dataclasses.dataclass(frozen=True)
 class DecodePlan:
-    """Work items for one decode step (a pytree; ``write_final`` and ``launch`` are static).
+    """Work items for one decode step (a pytree; ``write_final`` and ``long_chunks`` are static).
 
     ``plan_decode`` fills the arrays with host NumPy arrays (the jitted step that takes the plan
     transfers them with its other inputs); ``traced_default_plan`` with traced arrays.
@@ -51,8 +54,8 @@ class DecodePlan:
       chunk_pages: int32 scalar, the chunk size chosen (pages), for reports.
       num_work_items: int32 scalar, the real (unpadded) items, for reports.
       write_final: every request is one item and results need no merge (static).
-      launch: the kernel's launch parameters for this plan, ``((name, value), ...)``, from
-        ``kernels_pallas/paged_decode_tuning.py`` (static).
+      long_chunks: the chunks are long (``paged_decode_tuning.is_long_chunk``; static). True,
+        the default, where the chunk is unknown (a traced plan, or one built by hand).
     """
 
     work_request: np.ndarray | jax.Array
@@ -63,7 +66,7 @@ class DecodePlan:
     chunk_pages: np.ndarray | jax.Array
     num_work_items: np.ndarray | jax.Array
     write_final: bool
-    launch: tuple[tuple[str, int], ...] = ()
+    long_chunks: bool = True
 
     def splits_per_request(self) -> np.ndarray:
         """Host-side: the number of work items of each request."""
@@ -81,7 +84,7 @@ jax.tree_util.register_dataclass(
         "chunk_pages",
         "num_work_items",
     ],
-    meta_fields=["write_final", "launch"],
+    meta_fields=["write_final", "long_chunks"],
 )
 
 
@@ -150,7 +153,7 @@ def plan_decode(
     Args:
       page_table: the batch's table (concrete arrays; it is read on the host).
       num_q_heads, num_kv_heads, head_dim: the attention shape (``head_dim`` and the group size
-        select tuned planner and launch parameters).
+        select tuned planner parameters).
       fixed_split_pages: cut every request into chunks of exactly this many pages (the last one
         shorter) and always merge: batch-invariant, deterministic results.
       max_grid: programs that fill the GPU (default: the tuned ``blocks_per_sm`` x SM count).
@@ -229,8 +232,6 @@ def plan_decode(
     def padded(values, fill):
         return np.array(values + [fill] * padding, np.int32)
 
-    launch = tuning.kernel_parameters(head_dim, num_q_heads // num_kv_heads, write_final, chunk)
-
     return DecodePlan(
         work_request=padded(requests, -1),
         work_page_start=padded(starts, 0),
@@ -240,8 +241,35 @@ def plan_decode(
         chunk_pages=np.asarray(chunk, np.int32),
         num_work_items=np.asarray(real, np.int32),
         write_final=write_final,
-        launch=tuple(sorted(launch.items())),
+        long_chunks=tuning.is_long_chunk(chunk),
     )
+
+
+def plan_decode_tables(
+    page_tables: Sequence[PageTable], num_q_heads: int, num_kv_heads: int, head_dim: int
+) -> tuple[DecodePlan, ...]:
+    """Plans every table a step runs attention over with one model: ``plan_decode`` of each.
+
+    A speculative step reads its draft model's cache through ``n + 1`` tables (one per draft
+    pass) and its target's through one; the engine plans each model's tables in one call, once
+    a step, and every layer of every pass reuses them.
+
+    Args:
+      page_tables: the step's tables (concrete; host NumPy arrays are fine).
+      num_q_heads, num_kv_heads, head_dim: the model's attention shape.
+
+    Returns:
+      One ``DecodePlan`` per table, in order (the same plans ``plan_decode`` makes).
+
+    Raises:
+      ValueError: whatever ``plan_decode`` refuses.
+
+    Example:
+      >>> tables = [PageTable.from_seq_lens([n], page_size=16) for n in (4095, 4096)]
+      >>> [int(plan.num_work_items) for plan in plan_decode_tables(tables, 32, 8, 128)]
+      [32, 32]
+    """
+    return tuple(plan_decode(table, num_q_heads, num_kv_heads, head_dim) for table in page_tables)
 
 
 def traced_default_plan(page_table: PageTable, num_q_heads: int, num_kv_heads: int, head_dim: int):
@@ -273,13 +301,7 @@ def traced_default_plan(page_table: PageTable, num_q_heads: int, num_kv_heads: i
         chunk_pages=jnp.max(chunk, initial=0).astype(jnp.int32),
         num_work_items=jnp.asarray(batch * splits, jnp.int32),
         write_final=splits == 1,
-        launch=tuple(
-            sorted(
-                tuning.kernel_parameters(
-                    head_dim, num_q_heads // num_kv_heads, splits == 1, None
-                ).items()
-            )
-        ),
+        long_chunks=tuning.is_long_chunk(None),
     )
 
 

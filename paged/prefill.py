@@ -14,7 +14,7 @@ causal bound) on the Pallas backend. Scores exist for one chunk at a time (``L``
 against the table's slots), never for the whole prompt at once.
 
 - ``prefill_chunks``: the host-side schedule (each chunk's token range and truncated table).
-  A model runs every layer on one chunk before the next chunk (``serving.model.prefill``).
+  A model runs every layer on one chunk before the next chunk (``serving.programs.prefill_step``).
 - ``new_token_positions``: where the new tokens sit (every paged forward needs it).
 - ``prefill_attention``: one attention layer's chunked prefill, the reference for "new tokens
   attending causally to the paged cache", chunk by chunk.

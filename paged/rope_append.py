@@ -4,8 +4,9 @@ The reference is the composition of the two definitions, ``paged.rope.apply_rope
 ``paged.append_kv``; the Pallas backend (``kernels_pallas/rope_append.py``) does both in one
 launch. The kernel was compiled, checked against the reference and timed on an H200 at commit
 07ce647 (``docs/benchmark_results/2026-12-01-fused_ops.md``), so ``backend="auto"`` runs it on a
-GPU and the reference elsewhere; ``backend="pallas"`` runs it everywhere (interpreted on a CPU),
-and ``DECODELAB_BACKEND=reference`` turns ``"auto"`` back to the reference.
+GPU (``kernels_pallas.platform.AUTO_PICKS_KERNEL``) and the reference elsewhere or for float64
+arrays; ``backend="pallas"`` runs it everywhere (interpreted on a CPU), and
+``DECODELAB_BACKEND=reference`` turns ``"auto"`` back to the reference.
 """
 
 from __future__ import annotations
@@ -14,16 +15,12 @@ import jax
 import jax.numpy as jnp
 
 from kernels_pallas import rope_append as rope_append_kernels
-from kernels_pallas.platform import interpret_mode, resolve_backend
+from kernels_pallas.platform import choose_backend, interpret_mode
 from paged.kv_cache import KVCache, _validate_append, append_kv, validate_kv_cache
 from paged.page_table import PageTable
 from paged.rope import RopeParams, apply_rope, inverse_frequencies
 
 DEFAULT_ROPE = RopeParams()  # Llama 2's: theta 10000, rotate-half, no scaling
-# Whether "auto" may pick the kernel on a GPU. True since it was compiled, checked and timed on the
-# H200 (docs/benchmark_results/2026-12-01-fused_ops.md: 1.52x the unfused rotate-then-scatter path
-# at batch 64, 32 query heads, 8 KV heads, head_dim 128).
-ROPE_APPEND_KERNEL_CHECKED_ON_GPU = True
 
 
 def _validate_rope_append(q, k, v, positions, batch_indices, cache, page_table, rope) -> None:
@@ -112,7 +109,12 @@ def rope_append_kv(
       [0.5403, 0.8415, 0.5403, 0.8415]
     """
     _validate_rope_append(q, k, v, positions, batch_indices, cache, page_table, rope)
-    chosen = _rope_append_backend(backend, (q, k, v, cache.k_pages))
+    chosen = choose_backend(
+        "rope_append_kv",
+        backend,
+        unsupported=kernel_supports(q, k, v, cache),
+        kernel="rope_append",
+    ).backend
     if q.shape[0] == 0:  # nothing to rotate or write
         return q, cache
     if chosen == "reference":
@@ -137,21 +139,13 @@ def rope_append_kv(
     return q_rotated, KVCache(k_pages, v_pages, cache.layout)
 
 
-def _rope_append_backend(backend: str, arrays) -> str:
-    """``"reference"`` or ``"pallas"`` (module docstring). The kernel rotates in float32: for
+def kernel_supports(q, k, v, cache: KVCache) -> str | None:
+    """Why the kernel cannot run these arrays, or None if it can: it rotates in float32, so for
     float64 arrays ``"auto"`` keeps the reference and ``"pallas"`` raises."""
-    if backend == "auto" and not ROPE_APPEND_KERNEL_CHECKED_ON_GPU:
-        resolve_backend(backend)  # still validates the kill switch's value
-        return "reference"
-    chosen = resolve_backend(backend)
-    wide = [a.dtype for a in arrays if jnp.dtype(a.dtype).itemsize > 4]
-    if chosen == "pallas" and wide:
-        if backend == "pallas":
-            raise ValueError(
-                f"backend='pallas' rotates in float32: dtype {wide[0]} would lose precision"
-            )
-        return "reference"
-    return chosen
+    wide = [a.dtype for a in (q, k, v, cache.k_pages) if jnp.dtype(a.dtype).itemsize > 4]
+    if wide:
+        return f"it rotates in float32: dtype {wide[0]} would lose precision"
+    return None
 
 
 def _rope_append_reference(q, k, v, positions, batch_indices, cache, page_table, rope):

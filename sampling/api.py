@@ -20,9 +20,9 @@ Backends: every function here has a Pallas kernel (``kernels_pallas/sampling.py`
 Gumbel-max race, dual-pivot rejection for the filtered samplers, and radix selection for the
 renorm and mask functions. ``backend="pallas"`` runs it (interpreted on a CPU).
 ``backend="auto"`` runs, on a GPU, whichever was faster on the H200 in the committed reports,
-per family (``AUTO_PICKS_KERNEL``): the dual-pivot kernel for the filtered samplers; the
-Gumbel-max kernel from batch ``GUMBEL_KERNEL_MIN_BATCH`` up and the XLA reference below it, where
-XLA's fusion of the reference is as fast or faster
+per function (``kernels_pallas.platform.AUTO_PICKS_KERNEL``): the dual-pivot kernel for the
+filtered samplers; the Gumbel-max kernel from batch ``GUMBEL_KERNEL_MIN_BATCH`` up and the XLA
+reference below it, where XLA's fusion of the reference is as fast or faster
 (``docs/benchmark_results/archive/2026-12-01-gumbel-tuning.md``); the reference for renorm and
 mask, not yet timed beside it. The figures are in the sampling reports
 (``docs/benchmark_results/README.md`` lists them). Elsewhere ``"auto"`` is the reference, and
@@ -36,16 +36,12 @@ import jax.numpy as jnp
 
 from kernels_pallas import rng
 from kernels_pallas import sampling as sampling_kernels
-from kernels_pallas.platform import interpret_mode, resolve_backend
+from kernels_pallas.platform import choose_backend, interpret_mode
 from sampling import reference, validation
 from sampling.filters import ORDERS, filtered_distribution, rank_order
 
 EXPONENTIAL_STREAM = 0
 ROUND_STREAM = 1
-# Which families backend="auto" runs as a kernel on a GPU: those compiled, checked (tokens
-# against the reference, full-vocabulary statistics, memcheck) and measured faster than the
-# reference on the H200 (module docstring).
-AUTO_PICKS_KERNEL = {"gumbel": True, "filtered": True, "renorm": False}
 # Below this batch "auto" runs the XLA reference for Gumbel-max even on a GPU: in the tuning
 # probe's loop on the H200 the kernel was 1.4x faster at batch 128 and 2.3x at 256, level at 64
 # and slower below (docs/benchmark_results/archive/2026-12-01-gumbel-tuning.md). The sampling
@@ -76,14 +72,12 @@ def _round_uniforms(key, batch: int, max_rounds: int) -> jax.Array:
     return rng.uniform_open(bits)
 
 
-def _kernel_backend(backend: str, family: str, batch: int | None = None) -> str:
-    """``"pallas"`` or ``"reference"`` for a function of kernel ``family`` (module docstring);
-    for Gumbel-max, ``"auto"`` also asks for ``batch >= GUMBEL_KERNEL_MIN_BATCH``."""
-    small_gumbel = family == "gumbel" and batch is not None and batch < GUMBEL_KERNEL_MIN_BATCH
-    if backend == "auto" and (not AUTO_PICKS_KERNEL[family] or small_gumbel):
-        resolve_backend(backend)  # still validates the kill switch's value
-        return "reference"
-    return resolve_backend(backend)
+def _gumbel_backend(operation: str, backend: str, batch: int) -> str:
+    """``choose_backend`` for the Gumbel-max kernel: ``"auto"`` declines it below
+    ``GUMBEL_KERNEL_MIN_BATCH`` rows (module docstring)."""
+    small = f"batch {batch} is below GUMBEL_KERNEL_MIN_BATCH={GUMBEL_KERNEL_MIN_BATCH}"
+    declines = small if batch < GUMBEL_KERNEL_MIN_BATCH else None
+    return choose_backend(operation, backend, auto_declines=declines, kernel="gumbel").backend
 
 
 def sample_from_logits(
@@ -124,7 +118,7 @@ def sample_from_logits(
     """
     logits = validation.as_array("logits", logits)
     batch, vocab = validation.check_rows("logits", logits)
-    chosen = _kernel_backend(backend, "gumbel", batch)
+    chosen = _gumbel_backend("sample_from_logits", backend, batch)
     validation.check_logits_values(logits)
     one_temperature = jnp.ndim(temperature) == 0
     temperature = validation.temperature_per_row(temperature, batch)
@@ -182,7 +176,7 @@ def sample_from_probs(key, probs: jax.Array, *, return_logprob: bool = False, ba
     """
     probs = validation.as_array("probs", probs)
     batch, vocab = validation.check_rows("probs", probs)
-    chosen = _kernel_backend(backend, "gumbel", batch)
+    chosen = _gumbel_backend("sample_from_probs", backend, batch)
     validation.check_probs_values(probs)
     probs = probs.astype(jnp.promote_types(probs.dtype, jnp.float32))
     if chosen == "pallas":
@@ -252,7 +246,7 @@ def filtered_sample(
         ``top_k`` that is not of an integer dtype.
       TypeError: ``probs`` that is not an array-like.
     """
-    chosen = _kernel_backend(backend, "filtered")
+    chosen = choose_backend("filtered_sample", backend, kernel="dual_pivot").backend
     probs = validation.as_array("probs", probs)
     batch, vocab = validation.check_rows("probs", probs)
     validation.check_probs_values(probs)
@@ -327,7 +321,12 @@ def top_k_top_p_sample(key, probs, top_k, top_p, *, order="joint", **options):
 
 def _renorm(probs: jax.Array, top_k, top_p, backend: str) -> jax.Array:
     """``probs`` restricted to each row's kept set and renormalized (float32 inside)."""
-    chosen = _kernel_backend(backend, "renorm")
+    operation, kernel = (
+        ("top_k_renorm_probs", "top_k_renorm")
+        if top_k is not None
+        else ("top_p_renorm_probs", "top_p_renorm")
+    )
+    chosen = choose_backend(operation, backend, kernel=kernel).backend
     probs = validation.as_array("probs", probs)
     batch, vocab = validation.check_rows("probs", probs)
     validation.check_probs_values(probs)
@@ -378,7 +377,7 @@ def top_k_mask_logits(logits: jax.Array, top_k, *, backend="auto") -> jax.Array:
     ranks first; where a NaN logit ranks is unspecified (the kernel ranks it first, the
     reference last): it may be kept, as NaN, and push a finite logit out.
     """
-    chosen = _kernel_backend(backend, "renorm")
+    chosen = choose_backend("top_k_mask_logits", backend, kernel="top_k_mask").backend
     logits = validation.as_array("logits", logits)
     batch, vocab = validation.check_rows("logits", logits)
     validation.check_logits_values(logits)

@@ -26,7 +26,7 @@ import time
 import numpy as np
 
 from serving.engine import Engine
-from serving.model import load_model
+from serving.model_files import load_model
 from serving.paged_demo import device_description
 from serving.requests import Request, SamplingParams
 

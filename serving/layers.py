@@ -9,11 +9,11 @@ Definitions (the references below; ``kernels_pallas/norm.py`` must agree with th
   next layer reads (vLLM's choice; FlashInfer normalizes the float32 sum, about one ulp of x's
   dtype away).
 
-Backends, chosen when the function is traced (``kernels_pallas.platform``): ``"reference"`` is
-plain JAX (one XLA fusion or a few); ``"pallas"`` is the one-pass kernel (interpreted on a CPU).
-The kernel has been checked in interpret mode only, not yet compiled on a GPU; until it has
-been, ``backend="auto"`` keeps the reference everywhere (as ``sampling.api`` does for its
-unchecked kernel), and the kill switch ``DECODELAB_BACKEND=reference`` is still validated.
+Backends, chosen when the function is traced (``kernels_pallas.platform.choose_backend``):
+``"reference"`` is plain JAX (one XLA fusion or a few); ``"pallas"`` is the one-pass kernel
+(interpreted on a CPU). ``"auto"`` runs the kernel on a GPU (compiled, checked and timed on the
+H200: ``platform.AUTO_PICKS_KERNEL``) and the reference elsewhere or where the kernel cannot run
+the shapes.
 """
 
 from __future__ import annotations
@@ -25,13 +25,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from kernels_pallas import norm as norm_kernels
-from kernels_pallas.platform import interpret_mode, resolve_backend
-
-# Whether "auto" may pick the norm kernels on a GPU. True since they were compiled, checked and timed
-# on the H200 (docs/benchmark_results/2026-12-01-fused_ops.md: 86-89% of the copy ceiling at 4096
-# tokens, 1.5x XLA's fusion of the reference, faster than it at 1 and 64 tokens too).
-NORM_KERNEL_CHECKED_ON_GPU = True
-
+from kernels_pallas.platform import choose_backend, interpret_mode
 
 # ----------------------------------------------------------------------------------------------
 # References
@@ -125,21 +119,6 @@ def kernel_supports(x: jax.Array) -> str | None:
     return None
 
 
-def _norm_backend(backend: str, x: jax.Array) -> str:
-    """``"reference"`` or ``"pallas"`` (module docstring); ``"auto"`` falls back to the
-    reference where the kernel cannot run, ``"pallas"`` raises there."""
-    if backend == "auto" and not NORM_KERNEL_CHECKED_ON_GPU:
-        resolve_backend(backend)  # still validates the kill switch's value
-        return "reference"
-    chosen = resolve_backend(backend)
-    unsupported = kernel_supports(x) if chosen == "pallas" else None
-    if unsupported:
-        if backend == "pallas":
-            raise ValueError(f"backend='pallas' cannot run this: {unsupported}")
-        return "reference"
-    return chosen
-
-
 # ----------------------------------------------------------------------------------------------
 # Public functions
 
@@ -174,7 +153,7 @@ def rmsnorm(x: jax.Array, weight: jax.Array, eps: float = 1e-6, *, gemma=False, 
     """
     eps = _static_eps(eps)
     _validate_norm_inputs(x, None, weight)
-    chosen = _norm_backend(backend, x)
+    chosen = choose_backend("rmsnorm", backend, unsupported=kernel_supports(x)).backend
     if chosen == "reference" or x.size == 0:
         return rmsnorm_reference(x, weight, eps, gemma=gemma)
     rows = x.reshape(-1, x.shape[-1])
@@ -223,7 +202,7 @@ def fused_add_rmsnorm(
     """
     eps = _static_eps(eps)
     _validate_norm_inputs(x, residual, weight)
-    chosen = _norm_backend(backend, x)
+    chosen = choose_backend("fused_add_rmsnorm", backend, unsupported=kernel_supports(x)).backend
     if chosen == "reference" or x.size == 0:
         return fused_add_rmsnorm_reference(x, residual, weight, eps, gemma=gemma)
     hidden = x.shape[-1]

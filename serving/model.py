@@ -1,4 +1,6 @@
-"""A Llama-style decoder: configuration, parameters, a dense forward and a paged forward.
+"""A Llama-style decoder: parameters, a dense forward and a paged forward.
+
+Its configuration and presets are ``serving/config.py``; weight files ``serving/model_files.py``.
 
 The architecture (Llama 2/3): token embedding; per layer, RMSNorm, grouped-query attention with
 rotary embeddings, residual add, RMSNorm, SwiGLU MLP, residual add; a final RMSNorm and an
@@ -12,8 +14,8 @@ Two forwards share every line of the layer stack and differ only in attention:
 - ``forward_paged``: ``L`` new tokens per request at the end of each request's sequence in a page
   table. Each layer rotates q and k and writes k and v into its pages (``paged.rope_append_kv``),
   then attends over the pages (``paged.decode_attention``). ``L = 1`` is a decode step;
-  ``L > 1`` is a prefill chunk or the verification of ``L - 1`` drafted tokens.
-- ``prefill``: a prompt through ``forward_paged`` chunk by chunk (``paged.prefill_chunks``).
+  ``L > 1`` is a prefill chunk or the verification of ``L - 1`` drafted tokens. The engine
+  runs prompts through it chunk by chunk (``serving.programs.prefill_step``).
 
 KV caches: a Python list of ``paged.KVCache``, one per layer, all with the same pool shape and
 sharing one page table (a page index means the same page in every layer). A list keeps each
@@ -27,186 +29,21 @@ Parameters are a dict (a pytree) of arrays in ``config.dtype``; weights are stor
     layers: list of {attn_norm [hidden], wq [hidden, Hq * D], wk [hidden, Hkv * D],
                      wv [hidden, Hkv * D], wo [Hq * D, hidden], mlp_norm [hidden],
                      w_gate [hidden, I], w_up [hidden, I], w_down [I, hidden]}
-
-Weight files (``save_model`` / ``load_model``): ``NAME.npz`` holds the arrays under flat names
-(``layers.0.wq``), bfloat16 stored as its raw uint16 bits (NumPy has no bfloat16);
-``NAME.json`` holds the configuration, the storage dtype and whatever the trainer recorded.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import math
-import pathlib
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 
 import paged
 from kernels_pallas.platform import is_concrete
+from serving.config import ModelConfig
 from serving.layers import fused_add_rmsnorm, rmsnorm
-
-DTYPES = ("float32", "bfloat16", "float16")
-STORAGE_DTYPES = ("float32", "bfloat16")
-DEFAULT_ROPE = paged.RopeParams()  # Llama 2's: theta 10000, rotate-half, no scaling
-
-
-# ----------------------------------------------------------------------------------------------
-# Configuration
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelConfig:
-    """The shape of a Llama-style decoder (hashable: a static argument under ``jit``).
-
-    Attributes:
-      vocab_size: ``V``, tokens in the vocabulary.
-      hidden: width of the residual stream.
-      num_layers: decoder layers.
-      num_q_heads: ``Hq``, query heads.
-      num_kv_heads: ``Hkv``, key/value heads; divides ``Hq`` (grouped-query attention).
-      head_dim: ``D``, even (RoPE rotates pairs); a power of two for the Pallas decode kernel.
-      intermediate: ``I``, width of the SwiGLU MLP.
-      rope: the rotary embedding (theta, pairing convention, Llama 3.1 scaling).
-      norm_eps: RMSNorm's epsilon.
-      dtype: ``"float32"``, ``"bfloat16"`` or ``"float16"``: parameters, activations, KV cache.
-
-    Raises:
-      ValueError: naming the field, for a non-positive size, ``Hq`` not a multiple of ``Hkv``,
-        an odd ``head_dim``, a non-positive ``norm_eps``, an unknown dtype or a ``rope`` that is
-        not a ``paged.RopeParams``.
-
-    Example:
-      >>> config = ModelConfig(vocab_size=256, hidden=64, num_layers=2, num_q_heads=4,
-      ...                      num_kv_heads=2, head_dim=16, intermediate=128)
-      >>> config.group_size, config.jnp_dtype
-      (2, dtype('float32'))
-    """
-
-    vocab_size: int
-    hidden: int
-    num_layers: int
-    num_q_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate: int
-    rope: paged.RopeParams = DEFAULT_ROPE
-    norm_eps: float = 1e-5
-    dtype: str = "float32"
-
-    def __post_init__(self):
-        for name in (
-            "vocab_size",
-            "hidden",
-            "num_layers",
-            "num_q_heads",
-            "num_kv_heads",
-            "head_dim",
-            "intermediate",
-        ):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-        if self.num_q_heads % self.num_kv_heads:
-            raise ValueError(
-                f"num_q_heads={self.num_q_heads} must be a multiple of "
-                f"num_kv_heads={self.num_kv_heads}"
-            )
-        if self.head_dim % 2:
-            raise ValueError(f"head_dim must be even (RoPE rotates pairs), got {self.head_dim}")
-        if not isinstance(self.rope, paged.RopeParams):
-            raise ValueError(f"rope must be a paged.RopeParams, got {self.rope!r}")
-        if not (isinstance(self.norm_eps, float) and math.isfinite(self.norm_eps)):
-            raise ValueError(f"norm_eps must be a finite float, got {self.norm_eps!r}")
-        if self.norm_eps <= 0:
-            raise ValueError(f"norm_eps must be > 0, got {self.norm_eps!r}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-
-    @property
-    def group_size(self) -> int:
-        """Query heads per KV head."""
-        return self.num_q_heads // self.num_kv_heads
-
-    @property
-    def jnp_dtype(self) -> jnp.dtype:
-        return jnp.dtype(self.dtype)
-
-    def to_dict(self) -> dict:
-        """A JSON-ready dict (``from_dict`` inverts it)."""
-        return dataclasses.asdict(self)
-
-    @staticmethod
-    def from_dict(fields: dict) -> ModelConfig:
-        """The configuration ``to_dict`` wrote.
-
-        Raises:
-          ValueError: for missing or unknown fields, and anything ``ModelConfig`` rejects.
-        """
-        fields = dict(fields)
-        names = {field.name for field in dataclasses.fields(ModelConfig)}
-        unknown = sorted(set(fields) - names)
-        if unknown:
-            raise ValueError(f"unknown ModelConfig fields {unknown}")
-        rope = dict(fields.get("rope") or {})
-        if rope.get("scaling") is not None:
-            rope["scaling"] = paged.Llama3Scaling(**rope["scaling"])
-        fields["rope"] = paged.RopeParams(**rope)
-        try:
-            return ModelConfig(**fields)
-        except TypeError as error:  # a missing field
-            raise ValueError(f"incomplete ModelConfig fields {sorted(fields)}: {error}") from None
-
-
-# The byte-level pair trained by ``serving/train_tiny.py`` (weights in ``serving/weights/``).
-# head_dim and, later, the page size are powers of two: the Pallas decode kernel needs them.
-TINY_TARGET = ModelConfig(
-    vocab_size=256,
-    hidden=256,
-    num_layers=4,
-    num_q_heads=4,
-    num_kv_heads=2,
-    head_dim=64,
-    intermediate=512,
-)
-TINY_DRAFT = ModelConfig(
-    vocab_size=256,
-    hidden=128,
-    num_layers=2,
-    num_q_heads=2,
-    num_kv_heads=1,
-    head_dim=64,
-    intermediate=256,
-)
-
-
-def llama3_8b_like(num_layers: int = 32, dtype: str = "bfloat16") -> ModelConfig:
-    """Llama 3 8B's layer shapes (random weights, for benchmarks), with ``num_layers`` layers.
-
-    Hidden 4096, 32 query heads, 8 KV heads, head_dim 128, MLP 14336, vocabulary 128256, RoPE
-    theta 500000 with Llama 3.1's frequency scaling.
-
-    Example:
-      >>> llama3_8b_like(2).intermediate
-      14336
-    """
-    return ModelConfig(
-        vocab_size=128256,
-        hidden=4096,
-        num_layers=num_layers,
-        num_q_heads=32,
-        num_kv_heads=8,
-        head_dim=128,
-        intermediate=14336,
-        rope=paged.RopeParams(theta=500000.0, scaling=paged.Llama3Scaling()),
-        norm_eps=1e-5,
-        dtype=dtype,
-    )
-
 
 # ----------------------------------------------------------------------------------------------
 # Parameters
@@ -255,6 +92,7 @@ def init_params(config: ModelConfig, key: jax.Array) -> dict:
       The parameter dict (module docstring) in ``config.dtype``.
 
     Example:
+      >>> from serving.config import TINY_DRAFT
       >>> params = init_params(TINY_DRAFT, jax.random.key(0))
       >>> params["layers"][0]["wk"].shape, param_count(params)
       ((128, 64), 361088)
@@ -301,7 +139,7 @@ def validate_params(params, config: ModelConfig) -> None:
             f"params['layers'] must be a list of config.num_layers={config.num_layers} layers, "
             f"got {count}"
         )
-    for name, shape in _flat_items(expected):
+    for name, shape in flat_items(expected):
         array = _lookup(params, name)
         if array is None:
             raise ValueError(f"params is missing {name!r} (shape {shape})")
@@ -311,7 +149,7 @@ def validate_params(params, config: ModelConfig) -> None:
             )
 
 
-def _flat_items(tree) -> list[tuple[str, object]]:
+def flat_items(tree) -> list[tuple[str, object]]:
     """``[("layers.0.wq", leaf), ...]``: flat names for weight files and error messages."""
     items = []
     for name, node in tree.items():
@@ -453,6 +291,7 @@ def forward_dense(params, config: ModelConfig, tokens: jax.Array, *, backend: st
         (concrete tokens), or parameters whose shapes do not match ``config``.
 
     Example:
+      >>> from serving.config import TINY_DRAFT
       >>> params = init_params(TINY_DRAFT, jax.random.key(0))
       >>> forward_dense(params, TINY_DRAFT, jnp.array([[104, 105]])).shape
       (1, 2, 256)
@@ -484,6 +323,7 @@ def new_caches(
     """One all-zero ``paged.KVCache`` per layer, each ``num_pages`` pages of ``page_size``.
 
     Example:
+      >>> from serving.config import TINY_DRAFT
       >>> caches = new_caches(TINY_DRAFT, num_pages=8, page_size=16)
       >>> len(caches), caches[0].k_pages.shape
       (2, (8, 1, 16, 64))
@@ -567,6 +407,7 @@ def forward_paged(
         for its request.
 
     Example:
+      >>> from serving.config import TINY_DRAFT
       >>> params = init_params(TINY_DRAFT, jax.random.key(0))
       >>> caches = new_caches(TINY_DRAFT, num_pages=4, page_size=16)
       >>> table = paged.PageTable.from_seq_lens([3], page_size=16)
@@ -609,173 +450,3 @@ def forward_paged(
 
     logits = _decoder(params, config, tokens, attention, backend)
     return logits, new_caches_list
-
-
-# One program per (config, backend, shapes); the caches are donated so that a jitted chunk
-# writes its keys and values into the pools in place rather than copying every pool.
-_forward_paged_jit = jax.jit(
-    forward_paged, static_argnames=("config", "backend"), donate_argnames=("caches",)
-)
-# jit copies forward_paged's docstring; doctest would run its example a second time.
-_forward_paged_jit.__doc__ = "``forward_paged``, jitted, caches donated (used by ``prefill``)."
-
-
-def prefill(
-    params,
-    config: ModelConfig,
-    tokens: jax.Array,
-    caches: list[paged.KVCache],
-    page_table: paged.PageTable,
-    *,
-    chunk_size: int,
-    all_logits: bool = False,
-    backend: str = "auto",
-) -> tuple[jax.Array, list[paged.KVCache]]:
-    """Runs prompts of ``T`` tokens into the paged cache, ``chunk_size`` tokens at a time.
-
-    Each chunk is one jitted ``forward_paged`` over a table that covers the requests up to the
-    chunk's end (``paged.prefill_chunks``): its keys and values are appended before its
-    attention, and attention scores exist for one chunk at a time (``chunk_size`` queries
-    against the table's slots), so a 32K prompt never builds a 32K x 32K score matrix. Chunks of
-    one length share one compiled program (the tables keep one static size); a shorter last
-    chunk compiles once more.
-
-    Tokens already in the table before the prompt (a shared prefix in read-only pages) are
-    attended to and left untouched. Requests of a batch share ``T``; prompts of different
-    lengths are prefilled as separate calls, the pool shared.
-
-    Args:
-      params, config: the model.
-      tokens: int ``[B, T]``, the prompts.
-      caches: one ``paged.KVCache`` per layer. They are donated: use the returned ones.
-      page_table: concrete table of the requests after the prompt (it covers all ``T`` tokens).
-      chunk_size: tokens per chunk, ``>= 1``.
-      all_logits: return the logits of every prompt position, not only the last.
-      backend: passed to every op. ``paged.decode_attention`` runs chunks of more than
-        ``paged.decode.MAX_KERNEL_Q_LEN`` tokens on its causal prefill kernel and shorter ones
-        on its decode kernel (``paged.decode.kernel_name_for``).
-
-    Returns:
-      ``(logits, caches)``: float32 ``[B, V]`` logits of each prompt's last token (``[B, T, V]``
-      with ``all_logits``), and the filled caches.
-
-    Raises:
-      ValueError: for a traced table, a ``chunk_size`` below 1, and everything
-        ``forward_paged`` rejects.
-
-    Example:
-      >>> params = init_params(TINY_DRAFT, jax.random.key(0))
-      >>> caches = new_caches(TINY_DRAFT, num_pages=4, page_size=16)
-      >>> table = paged.PageTable.from_seq_lens([20], page_size=16)
-      >>> prompt = jnp.arange(20).reshape(1, 20)
-      >>> logits, caches = prefill(params, TINY_DRAFT, prompt, caches, table, chunk_size=8,
-      ...                          backend="reference")
-      >>> logits.shape
-      (1, 256)
-    """
-    _validate_tokens(tokens, config)
-    _validate_caches(caches, config, page_table)
-    # The chunks run under jit, where the table's values cannot be checked: check them here.
-    paged.validate_page_table(page_table, caches[0].num_pages, batch_size=tokens.shape[0])
-    kept = []
-    for chunk in paged.prefill_chunks(page_table, tokens.shape[1], chunk_size):
-        logits, caches = _forward_paged_jit(
-            params,
-            config,
-            tokens[:, chunk.start : chunk.stop],
-            caches,
-            chunk.page_table,
-            backend=backend,
-        )
-        kept.append(logits if all_logits else logits[:, -1])
-    return (jnp.concatenate(kept, axis=1) if all_logits else kept[-1]), caches
-
-
-# ----------------------------------------------------------------------------------------------
-# Weight files
-
-
-def _stem(path) -> pathlib.Path:
-    path = pathlib.Path(path)
-    return path.with_suffix("") if path.suffix in (".npz", ".json") else path
-
-
-def save_model(
-    path, config: ModelConfig, params, *, storage: str = "bfloat16", metadata=None
-) -> tuple[pathlib.Path, pathlib.Path]:
-    """Writes ``PATH.npz`` (the arrays) and ``PATH.json`` (config, storage dtype, metadata).
-
-    Args:
-      path: the files' common stem (a ``.npz`` or ``.json`` suffix is dropped).
-      config: the model.
-      params: its parameters.
-      storage: ``"bfloat16"`` (raw uint16 bits: half the bytes) or ``"float32"``.
-      metadata: anything JSON-serializable to record beside the config (training details).
-
-    Returns:
-      The two paths written.
-    """
-    if storage not in STORAGE_DTYPES:
-        raise ValueError(f"storage must be one of {STORAGE_DTYPES}, got {storage!r}")
-    validate_params(params, config)
-    stem = _stem(path)
-    arrays = {}
-    for name, array in _flat_items(params):
-        values = np.asarray(jnp.asarray(array, jnp.float32))
-        if storage == "bfloat16":
-            values = values.astype(ml_dtypes.bfloat16).view(np.uint16)
-        arrays[name] = values
-    weights_path, config_path = stem.with_suffix(".npz"), stem.with_suffix(".json")
-    np.savez(weights_path, **arrays)
-    record = {"config": config.to_dict(), "storage": storage, "metadata": metadata or {}}
-    config_path.write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
-    return weights_path, config_path
-
-
-def load_model(path) -> tuple[ModelConfig, dict]:
-    """Reads what ``save_model`` wrote: ``(config, params)``, params in ``config.dtype``.
-
-    Args:
-      path: the stem, or either file (``serving/weights/target`` or ``.../target.npz``).
-
-    Raises:
-      FileNotFoundError: if either file is missing.
-      ValueError: for a config that ``ModelConfig`` rejects, an unknown storage dtype, or
-        arrays missing or misshapen for the config.
-
-    Example:
-      >>> config, params = load_model(pathlib.Path(__file__).parent / "weights" / "draft")
-      >>> config.vocab_size, config.num_layers
-      (256, 2)
-    """
-    stem = _stem(path)
-    record = json.loads(stem.with_suffix(".json").read_text())
-    config = ModelConfig.from_dict(record["config"])
-    storage = record.get("storage")
-    if storage not in STORAGE_DTYPES:
-        raise ValueError(f"{stem}.json has storage {storage!r}, expected one of {STORAGE_DTYPES}")
-    with np.load(stem.with_suffix(".npz")) as arrays:
-        stored = {name: arrays[name] for name in arrays.files}
-    shapes = param_shapes(config)
-    names = [name for name, _ in _flat_items(shapes)]
-    missing = [name for name in names if name not in stored]
-    if missing:
-        raise ValueError(f"{stem}.npz lacks {missing[:3]} (needed by its config)")
-
-    def to_array(name):
-        values = stored[name]
-        if storage == "bfloat16":
-            values = values.view(ml_dtypes.bfloat16)
-        return jnp.asarray(values.astype(np.float32), config.jnp_dtype)
-
-    params = {
-        "embed": to_array("embed"),
-        "layers": [
-            {key: to_array(f"layers.{index}.{key}") for key in layer}
-            for index, layer in enumerate(shapes["layers"])
-        ],
-        "final_norm": to_array("final_norm"),
-        "lm_head": to_array("lm_head"),
-    }
-    validate_params(params, config)
-    return config, params

@@ -102,11 +102,11 @@ import heapq
 import itertools
 from collections.abc import Hashable, Sequence
 
-import jax.numpy as jnp
 import numpy as np
 
 import paged
 from serving.requests import Request, RequestOutput, SamplingParams
+from serving.step_stats import StepOutput
 
 # The registry key of a prefix's first page has no parent page.
 _NO_PARENT = -1
@@ -122,81 +122,11 @@ def pages_needed(num_tokens: int, page_size: int) -> int:
 
 
 @dataclasses.dataclass(frozen=True)
-class HostPageTable:
-    """A CSR page table in host memory (NumPy), as ``paged.PageTable`` describes it.
-
-    Attributes:
-      page_indptr: int32[B + 1].
-      page_indices: int32[bucket_size(nnz)], entries past ``page_indptr[-1]`` are 0.
-      last_page_len: int32[B].
-      page_size: tokens per page.
-    """
-
-    page_indptr: np.ndarray
-    page_indices: np.ndarray
-    last_page_len: np.ndarray
-    page_size: int
-
-    @property
-    def batch_size(self) -> int:
-        return self.last_page_len.shape[0]
-
-    def seq_lens(self) -> np.ndarray:
-        """int32[B]: tokens each row covers."""
-        counts = np.diff(self.page_indptr)
-        lengths = self.page_size * (counts - 1) + self.last_page_len
-        return np.where(counts > 0, lengths, 0).astype(np.int32)
-
-    def page_lists(self) -> list[list[int]]:
-        """Each row's pages, in token order."""
-        indptr = self.page_indptr.tolist()
-        return [
-            self.page_indices[indptr[b] : indptr[b + 1]].tolist() for b in range(len(indptr) - 1)
-        ]
-
-    def to_device(self) -> paged.PageTable:
-        """The same table as a ``paged.PageTable`` of device arrays."""
-        return paged.PageTable(
-            page_indptr=jnp.asarray(self.page_indptr),
-            page_indices=jnp.asarray(self.page_indices),
-            last_page_len=jnp.asarray(self.last_page_len),
-            page_size=self.page_size,
-        )
-
-
-def build_page_table(
-    page_lists: Sequence[Sequence[int]],
-    seq_lens: np.ndarray,
-    page_size: int,
-    *,
-    num_indices: int | None = None,
-) -> HostPageTable:
-    """The CSR table of rows of ``seq_lens`` tokens, each reading the first pages of its list.
-
-    Args:
-      page_lists: per row, at least ``ceil(seq_lens[b] / page_size)`` pages (extra ones unused).
-      seq_lens: int[B] tokens per row.
-      page_size: tokens per page.
-      num_indices: static length of ``page_indices`` (default ``paged.bucket_size(nnz)``).
-    """
-    seq_lens = np.asarray(seq_lens, np.int32)
-    counts = -(-seq_lens // page_size)
-    indptr = np.zeros(len(counts) + 1, np.int32)
-    np.cumsum(counts, out=indptr[1:])
-    nnz = int(indptr[-1])
-    indices = np.zeros(paged.bucket_size(nnz) if num_indices is None else num_indices, np.int32)
-    indices[:nnz] = list(
-        itertools.chain.from_iterable(
-            pages[:count] for pages, count in zip(page_lists, counts.tolist(), strict=True)
-        )
-    )
-    last = np.where(counts > 0, seq_lens - page_size * (counts - 1), 0).astype(np.int32)
-    return HostPageTable(indptr, indices, last, page_size)
-
-
-@dataclasses.dataclass(frozen=True)
-class PrefillChunk:
+class PromptChunk:
     """Prompt tokens written into one request's cache (both caches when speculating).
+
+    One request's chunk with its tokens, as the engine runs it; ``paged.PrefillChunk`` (from
+    ``paged.prefill_chunks``) is the bare position range and table of a batch's chunk.
 
     Attributes:
       request_id, slot: whose cache.
@@ -211,7 +141,7 @@ class PrefillChunk:
     slot: int
     token_ids: np.ndarray
     start_position: int
-    page_table: HostPageTable
+    page_table: paged.PageTable
 
 
 @dataclasses.dataclass(frozen=True)
@@ -246,8 +176,8 @@ class DecodeBatch:
     positions: np.ndarray
     num_generated: np.ndarray
     num_speculative: int
-    page_table: HostPageTable
-    draft_page_tables: tuple[HostPageTable, ...]
+    page_table: paged.PageTable
+    draft_page_tables: tuple[paged.PageTable, ...]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -262,24 +192,10 @@ class Step:
     """
 
     index: int
-    prefill: tuple[PrefillChunk, ...]
+    prefill: tuple[PromptChunk, ...]
     decode: DecodeBatch | None
     admitted: tuple[Hashable, ...]
     preempted: tuple[Hashable, ...]
-
-
-@dataclasses.dataclass(frozen=True)
-class StepOutput:
-    """What ``commit_step`` recorded.
-
-    Attributes:
-      new_token_ids: per request that decoded, the tokens kept this step (stop and
-        ``max_tokens`` applied), for streaming.
-      finished: the requests that finished in this step.
-    """
-
-    new_token_ids: dict[Hashable, tuple[int, ...]]
-    finished: tuple[RequestOutput, ...]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -503,7 +419,7 @@ class Scheduler:
             raise RuntimeError("commit_step the previous step before planning another")
         preempted = self._grow_running()
         budget = self.max_prefill_tokens
-        chunks: list[PrefillChunk] = []
+        chunks: list[PromptChunk] = []
         prefill_ends: list[tuple[_Live, int]] = []
         for live in self._running:
             if live.prefilling:
@@ -623,7 +539,7 @@ class Scheduler:
         self,
         live: _Live,
         budget: int,
-        chunks: list[PrefillChunk],
+        chunks: list[PromptChunk],
         prefill_ends: list[tuple[_Live, int]],
     ) -> int:
         """Appends the request's chunks for this step (power-of-two lengths, within
@@ -635,12 +551,12 @@ class Scheduler:
             end = start + length
             pages = live.pages[: pages_needed(end, self.page_size)]
             chunks.append(
-                PrefillChunk(
+                PromptChunk(
                     request_id=live.request.request_id,
                     slot=live.slot,
                     token_ids=np.asarray(live.tokens[start:end], np.int32),
                     start_position=start,
-                    page_table=build_page_table([pages], np.array([end]), self.page_size),
+                    page_table=paged.host_page_table([pages], [end], self.page_size),
                 )
             )
             budget -= length
@@ -685,9 +601,9 @@ class Scheduler:
 
     def _slot_table(
         self, seq_lens: np.ndarray, active: np.ndarray, num_indices: int | None = None
-    ) -> HostPageTable:
-        """The CSR table of every slot over ``seq_lens`` tokens, from the slot grid; inactive
-        rows (idle, or still prefilling) read the padding page."""
+    ) -> paged.PageTable:
+        """The CSR table (host NumPy arrays) of every slot over ``seq_lens`` tokens, from the
+        slot grid; inactive rows (idle, or still prefilling) read the padding page."""
         counts = -(-seq_lens // self.page_size)
         indptr = np.zeros(self.parallel + 1, np.int32)
         np.cumsum(counts, out=indptr[1:])
@@ -698,7 +614,7 @@ class Scheduler:
         indices[:nnz] = self._slot_pages[:, :width][np.arange(width) < counts[:, None]]
         indices[:nnz][np.repeat(~active, counts)] = self.padding_page
         last = (seq_lens - self.page_size * (counts - 1)).astype(np.int32)
-        return HostPageTable(indptr, indices, last, self.page_size)
+        return paged.PageTable(indptr, indices, last, self.page_size)
 
     def _set_slot_pages(self, slot: int, start: int, pages: Sequence[int]) -> None:
         """Writes ``pages`` into the slot's grid row from column ``start``, widening the grid
@@ -739,7 +655,7 @@ class Scheduler:
             accepted tokens, to catch an engine that mixes up its rows.
 
         Returns:
-          The ``StepOutput``.
+          The ``StepOutput``: its ``new_token_ids`` and ``finished`` (the engine adds the rest).
 
         Raises:
           ValueError: a step other than the outstanding one; shapes unlike the above; a count

@@ -1,7 +1,7 @@
 """Trains the tiny byte-level target and draft models on the Python standard library's sources.
 
 ``python -m serving.train_tiny --out serving/weights`` writes ``target.{npz,json}`` and
-``draft.{npz,json}`` (``serving.model.save_model``). The committed files and the exact command
+``draft.{npz,json}`` (``serving.model_files.save_model``). The committed files and the exact command
 that made them are recorded in ``serving/weights/README.md``.
 
 Data: every ``.py`` file under ``sysconfig.get_paths()["stdlib"]`` except test suites and
@@ -34,16 +34,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from serving.model import (
-    TINY_DRAFT,
-    TINY_TARGET,
-    ModelConfig,
-    forward_dense,
-    init_params,
-    load_model,
-    param_count,
-    save_model,
-)
+from serving.config import TINY_DRAFT, TINY_TARGET, ModelConfig
+from serving.model import forward_dense, init_params, param_count
+from serving.model_files import load_model, save_model
 
 EXCLUDED_DIRECTORIES = ("test", "tests", "idle_test", "site-packages")
 HELD_OUT_EVERY = 20  # file i (sorted) is held out when i % 20 == 19

@@ -7,7 +7,8 @@ exactly as the target model's autoregressive sampling.
 - ``speculative.api`` (re-exported here): ``chain_speculative_sampling`` with keys and
   ``backend=`` (kernel: ``kernels_pallas/spec_accept.py``), ``chain_greedy_verify``, and the
   helpers that build the draft and target distributions from logits so that exactness holds by
-  construction (``sampling_distribution``, ``sample_draft``).
+  construction (``sampling_distribution``, its temperature step ``tempered_probs``,
+  ``sample_draft``).
 """
 
 from speculative.api import (
@@ -15,6 +16,7 @@ from speculative.api import (
     chain_speculative_sampling,
     sample_draft,
     sampling_distribution,
+    tempered_probs,
 )
 
 __all__ = [
@@ -22,4 +24,5 @@ __all__ = [
     "chain_speculative_sampling",
     "sample_draft",
     "sampling_distribution",
+    "tempered_probs",
 ]

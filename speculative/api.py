@@ -32,9 +32,9 @@ accepted.
 
 Backends: ``backend="pallas"`` runs ``kernels_pallas/spec_accept.py`` (interpreted on a CPU);
 ``"reference"`` the pure JAX of ``speculative/reference.py``. ``"auto"`` is the kernel on a GPU
-and the reference elsewhere (``AUTO_PICKS_KERNEL``: set once the kernel was compiled, checked and
-timed on an H200); ``DECODELAB_BACKEND=reference`` forces the reference. The choice is made when the function is
-traced.
+and the reference elsewhere (``kernels_pallas.platform.AUTO_PICKS_KERNEL``: set once the kernel
+was compiled, checked and timed on an H200); ``DECODELAB_BACKEND=reference`` forces the
+reference. The choice is made when the function is traced.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ import numpy as np
 
 from kernels_pallas import rng
 from kernels_pallas import spec_accept as spec_accept_kernels
-from kernels_pallas.platform import interpret_mode, is_concrete, resolve_backend
+from kernels_pallas.platform import choose_backend, interpret_mode, is_concrete
 from sampling import api as sampling_api
 from sampling import validation
 from sampling.filters import ORDERS, FilterParams, filtered_distribution
@@ -55,13 +55,6 @@ from speculative.reference import DEFAULT_CHUNK_SIZE
 
 SPECULATIVE_STREAM = 2
 COLUMNS_PER_POSITION = spec_accept_kernels.COLUMNS_PER_POSITION
-# Whether backend="auto" runs the kernel on a GPU. On the H200 (docs/benchmark_results/
-# 2026-11-30-gpu-checks.md, 2026-12-01-speculative.md) it drew the target's distribution at vocab
-# 128256, picked the reference's tokens on 2048 of 2048 rows (the one-launch design of 41982be)
-# and on 384 of 384 benchmark requests (the two-launch design of 7d462b8), and ran 3.18x faster
-# than the XLA reference at B=64, n=4 (26.3 us); with 512-column prefetched blocks (9fab584),
-# 24.9 us, 3.04x, and the GPU test again found 0 of 2048 rows different.
-AUTO_PICKS_KERNEL = True
 # How far from 1 a float32 (or wider) row's sum may be: softmax rows of 128256 tokens sum to 1
 # within about 1e-6; this still refuses a filtered row that was not renormalized and lost more
 # than 1e-4 of its mass. Narrower dtypes add half their epsilon (rounding each entry to nearest).
@@ -79,13 +72,6 @@ def row_sum_tolerance(dtype) -> float:
       ('0.000100', '0.004006')
     """
     return ROW_SUM_TOLERANCE + float(jnp.finfo(dtype).eps) / 2
-
-
-def _backend(backend: str) -> str:
-    if backend == "auto" and not AUTO_PICKS_KERNEL:
-        resolve_backend(backend)  # still validates the kill switch's value
-        return "reference"
-    return resolve_backend(backend)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -266,7 +252,7 @@ def chain_speculative_sampling(
       >>> int(accepted[0]), int(out[0, 0])  # q = p: the draft is always accepted
       (1, 1)
     """
-    chosen = _backend(backend)
+    chosen = choose_backend("chain_speculative_sampling", backend, kernel="spec_accept").backend
     if draft_probs is not None:
         draft_probs = validation.as_array("draft_probs", draft_probs)
     draft_token_ids = validation.as_array("draft_token_ids", draft_token_ids)
@@ -359,6 +345,37 @@ def chain_greedy_verify(
 # Building p and q so that exactness holds by construction
 
 
+def tempered_probs(logits: jax.Array, temperature: jax.Array) -> jax.Array:
+    """``softmax(logits / T)`` per row, in ``logits``' dtype: the temperature step of
+    ``sampling_distribution``, before its filters, without its checks (the serving engine's
+    plain decoding feeds it to ``sampling.filtered_sample``, which filters itself).
+
+    Logits only ``jit`` lets through are read as the samplers read them: NaN is a masked token,
+    and a row without a finite maximum (every token masked, or a ``+inf``) is a point mass on
+    its arg max (token 0, or the first ``+inf``), the token every sampler returns for it (a
+    softmax there would be 0 / 0). Rows with ``T`` below ``MIN_TEMPERATURE`` are one-hot at the
+    lowest-index arg max (greedy).
+
+    Args:
+      logits: float[R, V], float32 or wider (the softmax runs in this dtype).
+      temperature: [R] of ``logits``' dtype, ``>= 0``.
+
+    Returns:
+      ``[R, V]`` rows summing to 1, never NaN.
+
+    Example:
+      >>> probs = tempered_probs(jnp.array([[0.0, 1.0], [0.0, 1.0]]), jnp.array([1.0, 0.0]))
+      >>> [[round(p, 3) for p in row] for row in probs.tolist()]
+      [[0.269, 0.731], [0.0, 1.0]]
+    """
+    rows = jnp.where(jnp.isnan(logits), -jnp.inf, logits)
+    point_mass = (temperature < MIN_TEMPERATURE) | ~jnp.isfinite(jnp.max(rows, axis=-1))
+    finite_rows = jnp.where(point_mass[:, None], 0, rows)  # no inf - inf even where unused
+    tempered = jax.nn.softmax(finite_rows / jnp.where(point_mass, 1, temperature)[:, None], -1)
+    one_hot = jax.nn.one_hot(jnp.argmax(rows, axis=-1), rows.shape[-1], dtype=logits.dtype)
+    return jnp.where(point_mass[:, None], one_hot, tempered)
+
+
 def sampling_distribution(
     logits: jax.Array,
     *,
@@ -424,16 +441,7 @@ def sampling_distribution(
         return jnp.broadcast_to(values[:, None], (batch, per_request)).reshape(-1)
 
     temperature = repeat(temperature).astype(compute)
-    # Logits only jit lets through read as the samplers read them: NaN is a masked token, and a
-    # row without a finite maximum (every token masked, or a +inf) is a point mass on its arg
-    # max (token 0, or the first +inf): the token every sampler returns for it. A softmax there
-    # would be 0 / 0.
-    rows = jnp.where(jnp.isnan(rows), -jnp.inf, rows)
-    point_mass = (temperature < MIN_TEMPERATURE) | ~jnp.isfinite(jnp.max(rows, axis=-1))
-    finite_rows = jnp.where(point_mass[:, None], 0, rows)  # no inf - inf even where unused
-    tempered = jax.nn.softmax(finite_rows / jnp.where(point_mass, 1, temperature)[:, None], -1)
-    one_hot = jax.nn.one_hot(jnp.argmax(rows, axis=-1), vocab, dtype=compute)
-    probs = jnp.where(point_mass[:, None], one_hot, tempered)
+    probs = tempered_probs(rows, temperature)
     row_params = FilterParams(*(repeat(value) for value in params))
     kept = jax.vmap(lambda row, row_params: filtered_distribution(row, row_params, order))(
         probs, row_params

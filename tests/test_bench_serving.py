@@ -169,14 +169,18 @@ def test_weight_bytes_counts_the_layers_and_lm_head():
 def test_ablation_restores_what_it_replaced():
     import paged
     import sampling
-    from serving import engine
+    import speculative
 
-    originals = (paged.decode_attention, sampling.filtered_sample, engine.tempered_probs)
+    originals = (paged.decode_attention, sampling.filtered_sample, speculative.tempered_probs)
     with serving.ablated("no_attention"):
         assert paged.decode_attention is not originals[0]
     with serving.ablated("no_sampling"):
         assert sampling.filtered_sample is not originals[1]
-        assert engine.tempered_probs is not originals[2]
-    assert (paged.decode_attention, sampling.filtered_sample, engine.tempered_probs) == originals
+        assert speculative.tempered_probs is not originals[2]
+    assert (
+        paged.decode_attention,
+        sampling.filtered_sample,
+        speculative.tempered_probs,
+    ) == originals
     with pytest.raises(ValueError, match="unknown variant"), serving.ablated("other"):
         pass

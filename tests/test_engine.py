@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 import speculative
-from serving import engine as engine_lib
+from serving import keys, programs
 from serving.demo import encode_text, load_tiny_pair
 from serving.engine import Engine
 from serving.model import forward_dense
@@ -117,7 +117,7 @@ def test_a_decode_step_sends_its_host_arrays_in_one_buffer(pair, monkeypatch):
     int32 host buffer (one copy to the device, serving/host_inputs.py), and nothing else
     passed is a host array."""
     seen = []
-    real = engine_lib._decode_step_jit
+    real = programs.decode_step_jit
 
     def spy(*args, **kwargs):
         host = [leaf for leaf in jax.tree.leaves(args) if isinstance(leaf, np.ndarray)]
@@ -125,7 +125,7 @@ def test_a_decode_step_sends_its_host_arrays_in_one_buffer(pair, monkeypatch):
         return real(*args, **kwargs)
 
     spy._cache_size = real._cache_size  # the engine counts compiled programs through it
-    monkeypatch.setattr(engine_lib, "_decode_step_jit", spy)
+    monkeypatch.setattr(programs, "decode_step_jit", spy)
     params = SamplingParams(temperature=0.7, top_p=0.9, max_tokens=3, seed=1)
     for backend, n in (("reference", 0), ("pallas", 2)):
         _engine(pair, num_speculative=n, backend=backend).generate(
@@ -141,9 +141,9 @@ def test_decode_steps_of_one_shape_compile_once(pair):
     engine = _engine(pair, backend="pallas")
     params = SamplingParams(temperature=0.7, top_k=5, max_tokens=6, seed=3)
     engine.generate([Request(0, encode_text(PROMPTS[0]), params)])
-    compiled = engine_lib._decode_step_jit._cache_size()
+    compiled = programs.decode_step_jit._cache_size()
     engine.generate([Request(1, encode_text(PROMPTS[1]), params)])  # same shapes and bucket
-    assert engine_lib._decode_step_jit._cache_size() == compiled
+    assert programs.decode_step_jit._cache_size() == compiled
 
 
 def test_one_hot_chain_sampling_is_greedy_verification():
@@ -231,22 +231,20 @@ def test_engine_finishes_every_request_and_returns_every_page(pair):
 def test_request_keys_use_every_bit_of_the_seed():
     """Seeds above 2**32 give their own keys (JAX without x64 would drop the high bits)."""
     np.testing.assert_array_equal(
-        engine_lib.request_key_data(7), np.asarray(jax.random.key_data(jax.random.key(7)))
+        keys.request_key_data(7), np.asarray(jax.random.key_data(jax.random.key(7)))
     )
-    assert not np.array_equal(
-        engine_lib.request_key_data(5), engine_lib.request_key_data(5 + 2**40)
-    )
+    assert not np.array_equal(keys.request_key_data(5), keys.request_key_data(5 + 2**40))
 
 
 def test_seedless_requests_never_draw_a_seeded_requests_stream():
     """The k-th request without a seed once used seed ``engine_seed * 2**32 + k``: the very key
     of a request given ``seed=k`` (engine seed 0). Seedless keys now come from their own
     ``fold_in`` domain; they differ from every small seed's key and from each other."""
-    seeded = {tuple(engine_lib.request_key_data(seed)) for seed in range(256)}
-    seedless = [tuple(engine_lib.seedless_key_data(0, number)) for number in range(256)]
+    seeded = {tuple(keys.request_key_data(seed)) for seed in range(256)}
+    seedless = [tuple(keys.seedless_key_data(0, number)) for number in range(256)]
     assert not seeded & set(seedless)
     assert len(set(seedless)) == len(seedless)
-    assert tuple(engine_lib.seedless_key_data(1, 0)) != seedless[0]  # the engine seed counts
+    assert tuple(keys.seedless_key_data(1, 0)) != seedless[0]  # the engine seed counts
 
 
 def test_bad_engine_arguments_are_named(pair):

@@ -54,8 +54,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 import paged
+from serving.config import ModelConfig
 from serving.engine import Engine
-from serving.model import ModelConfig, forward_paged, init_params
+from serving.model import forward_paged, init_params
 from serving.requests import Request, SamplingParams
 from serving.scheduler import pages_needed
 

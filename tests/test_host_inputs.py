@@ -54,7 +54,7 @@ def test_a_page_table_and_a_plan_pack_with_their_static_fields():
     buffer, packing = host_inputs.pack((table, plan))
     table_back, plan_back = host_inputs.unpack(jnp.asarray(buffer), packing)
     assert table_back.page_size == 16 and plan_back.write_final == plan.write_final
-    assert plan_back.launch == plan.launch
+    assert plan_back.long_chunks == plan.long_chunks
     np.testing.assert_array_equal(np.asarray(table_back.page_indices), table.page_indices)
     np.testing.assert_array_equal(np.asarray(plan_back.merge_indptr), plan.merge_indptr)
 

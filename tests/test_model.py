@@ -20,7 +20,8 @@ import numpy as np
 import pytest
 
 import paged
-from serving import model
+from serving import config as config_lib
+from serving import model, model_files
 
 FLOAT32_TOLERANCE = 1e-5
 WEIGHTS = pathlib.Path(model.__file__).parent / "weights"
@@ -28,7 +29,7 @@ WEIGHTS = pathlib.Path(model.__file__).parent / "weights"
 # Small enough for interpret mode; head_dim and page size are powers of two and head_dim is 16,
 # the smallest the Pallas attention kernels take; Llama 3.1 scaling with a short original context puts RoPE's frequencies in
 # all three bands (kept, divided, blended).
-CONFIG = model.ModelConfig(
+CONFIG = config_lib.ModelConfig(
     vocab_size=64,
     hidden=32,
     num_layers=2,
@@ -67,6 +68,33 @@ def table_for(page_lists, seq_lens):
     return paged.PageTable.from_page_lists(page_lists, seq_lens, PAGE_SIZE, num_indices=NUM_INDICES)
 
 
+_forward_paged_jit = jax.jit(
+    model.forward_paged, static_argnames=("config", "backend"), donate_argnames=("caches",)
+)
+
+
+def prefill_in_chunks(params, config, tokens, caches, table, chunk_size, backend):
+    """Prompts ``tokens[B, T]`` through the jitted ``forward_paged`` in chunks of
+    ``chunk_size`` (``paged.prefill_chunks``), as the engine's prefill runs them
+    (``serving.programs.prefill_step``), keeping every position's logits.
+
+    Returns:
+      ``(logits [B, T, V], caches)``.
+    """
+    kept = []
+    for chunk in paged.prefill_chunks(table, tokens.shape[1], chunk_size):
+        logits, caches = _forward_paged_jit(
+            params,
+            config,
+            tokens[:, chunk.start : chunk.stop],
+            caches,
+            chunk.page_table,
+            backend=backend,
+        )
+        kept.append(logits)
+    return jnp.concatenate(kept, axis=1), caches
+
+
 def generate_with_cache(params, config, prompts, continuations, *, chunk_size, backend):
     """Prefills every prompt (one request at a time, pool shared), then decodes the
     continuations (teacher-forced) as one batch of jitted single-token steps.
@@ -91,22 +119,13 @@ def generate_with_cache(params, config, prompts, continuations, *, chunk_size, b
     logits = []
     for b, prompt in enumerate(prompts):
         table = table_for([pages_for(b, len(prompt))], [len(prompt)])
-        prompt_logits, caches = model.prefill(
-            params,
-            config,
-            jnp.asarray([prompt], jnp.int32),
-            caches,
-            table,
-            chunk_size=chunk_size,
-            all_logits=True,
-            backend=backend,
+        prompt_logits, caches = prefill_in_chunks(
+            params, config, jnp.asarray([prompt], jnp.int32), caches, table, chunk_size, backend
         )
         logits.append([np.asarray(prompt_logits[0])])
 
-    decode_step = jax.jit(
-        model.forward_paged, static_argnames=("config", "backend"), donate_argnames=("caches",)
-    )
-    # jit shares its cache among wrappers of one function (prefill's included): count the growth.
+    decode_step = _forward_paged_jit
+    # The prefill chunks share this jit's cache: count the growth.
     compiled_before = decode_step._cache_size()
     lengths = [len(p) for p in prompts]
     for step in range(len(continuations[0])):
@@ -208,10 +227,10 @@ SNIPPET_BITS_PER_BYTE_BOUND = {"target": 3.0, "draft": 4.0}
 
 
 @pytest.mark.parametrize(
-    "name, expected_config", [("target", model.TINY_TARGET), ("draft", model.TINY_DRAFT)]
+    "name, expected_config", [("target", config_lib.TINY_TARGET), ("draft", config_lib.TINY_DRAFT)]
 )
 def test_committed_weights_load_and_are_trained(name, expected_config):
-    config, params = model.load_model(WEIGHTS / name)
+    config, params = model_files.load_model(WEIGHTS / name)
     assert config == expected_config
     tokens = jnp.asarray([list(SNIPPET)], jnp.int32)
     logits = model.forward_dense(params, config, tokens[:, :-1])
@@ -224,8 +243,8 @@ def test_committed_weights_load_and_are_trained(name, expected_config):
 
 def test_save_and_load_round_trip(tmp_path):
     params = model.init_params(CONFIG, jax.random.key(3))
-    model.save_model(tmp_path / "m", CONFIG, params, storage="float32", metadata={"note": 1})
-    config, loaded = model.load_model(tmp_path / "m.npz")
+    model_files.save_model(tmp_path / "m", CONFIG, params, storage="float32", metadata={"note": 1})
+    config, loaded = model_files.load_model(tmp_path / "m.npz")
     assert config == CONFIG
     for original, restored in zip(jax.tree.leaves(params), jax.tree.leaves(loaded), strict=True):
         np.testing.assert_array_equal(np.asarray(original), np.asarray(restored))
@@ -279,7 +298,7 @@ def test_bad_shapes_name_the_argument(small_setup):
         paged_call(params, jnp.ones((1, 7), jnp.int32), table)
     with pytest.raises(ValueError, match=r"caches must be a list of config\.num_layers=2"):
         paged_call(params, jnp.ones((1, 2), jnp.int32), table, caches=[])
-    other = model.ModelConfig(**{**CONFIG.to_dict(), "num_kv_heads": 4, "rope": CONFIG.rope})
+    other = config_lib.ModelConfig(**{**CONFIG.to_dict(), "num_kv_heads": 4, "rope": CONFIG.rope})
     with pytest.raises(ValueError, match=r"caches\[0\] has \(num_kv_heads, head_dim, dtype\)"):
         paged_call(
             params, jnp.ones((1, 2), jnp.int32), table, model.new_caches(other, 32, PAGE_SIZE)
@@ -301,11 +320,11 @@ def test_bad_shapes_name_the_argument(small_setup):
 )
 def test_bad_config_names_the_field(field, value, message):
     with pytest.raises(ValueError, match=message):
-        model.ModelConfig(**{**CONFIG.to_dict(), "rope": CONFIG.rope, field: value})
+        config_lib.ModelConfig(**{**CONFIG.to_dict(), "rope": CONFIG.rope, field: value})
 
 
 def test_config_json_round_trip_keeps_llama3_scaling():
-    config = model.llama3_8b_like(2)
-    assert model.ModelConfig.from_dict(config.to_dict()) == config
+    config = config_lib.llama3_8b_like(2)
+    assert config_lib.ModelConfig.from_dict(config.to_dict()) == config
     with pytest.raises(ValueError, match="unknown ModelConfig fields"):
-        model.ModelConfig.from_dict({**config.to_dict(), "heads": 3})
+        config_lib.ModelConfig.from_dict({**config.to_dict(), "heads": 3})

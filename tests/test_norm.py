@@ -225,7 +225,7 @@ def test_auto_picks_the_kernel_on_a_gpu_only(monkeypatch):
     """The kernels were checked and timed on the H200, so "auto" runs them there; on a CPU (and
     under the kill switch) it keeps the reference."""
     x, residual, weight = make_inputs(1, (2, 64), jnp.float32)
-    assert layers.NORM_KERNEL_CHECKED_ON_GPU
+    assert platform.AUTO_PICKS_KERNEL["rmsnorm"] and platform.AUTO_PICKS_KERNEL["fused_add_rmsnorm"]
     assert _calls_pallas(
         lambda *a: layers.fused_add_rmsnorm(*a, backend="pallas"), x, residual, weight
     )

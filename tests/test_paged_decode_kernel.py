@@ -534,7 +534,7 @@ def test_decode_kernel_lowers_to_triton_for_an_h200(monkeypatch, verify_triton_m
         q_shape = (batch, 32, 128) if q_len == 1 else (batch, q_len, 32, 128)
         q = jax.ShapeDtypeStruct(q_shape, jnp.bfloat16)
         for write_final in (True, False):
-            params = tuning.kernel_parameters(128, 4, write_final, None)
+            params = tuning.kernel_parameters(128, 4, write_final, True)
             if q_len > 1:
                 params = tuning.multi_token_parameters(params, q_len * 4, PAGE_SIZE)
             lowered = paged_decode.trace(

@@ -17,6 +17,7 @@ import pytest
 import paged
 from serving import model
 from tests.test_model import CONFIG as TINY_CONFIG
+from tests.test_model import prefill_in_chunks
 
 CHUNKING_TOLERANCE = 1e-6
 PAGE_SIZE = 4
@@ -89,7 +90,7 @@ def test_prefill_attention_independent_of_chunk_size():
     )
 
 
-def test_model_prefill_independent_of_chunk_size():
+def test_chunked_prefill_independent_of_chunk_size():
     config = TINY_CONFIG  # the model tests' config (RoPE scaling in all three bands)
     params = model.init_params(config, jax.random.key(1))
     prompt_len = 7
@@ -98,15 +99,8 @@ def test_model_prefill_independent_of_chunk_size():
     results = {}
     for chunk_size in CHUNK_SIZES:
         caches = model.new_caches(config, NUM_POOL_PAGES, PAGE_SIZE)
-        results[chunk_size] = model.prefill(
-            params,
-            config,
-            tokens,
-            caches,
-            table,
-            chunk_size=chunk_size or prompt_len,
-            all_logits=True,
-            backend="reference",
+        results[chunk_size] = prefill_in_chunks(
+            params, config, tokens, caches, table, chunk_size or prompt_len, "reference"
         )
     whole_logits, whole_caches = results[None]
     assert whole_logits.shape == (2, prompt_len, config.vocab_size)
@@ -116,17 +110,6 @@ def test_model_prefill_independent_of_chunk_size():
         for cache, whole in zip(caches, whole_caches, strict=True):
             assert relative_error(cache.k_pages, whole.k_pages) < CHUNKING_TOLERANCE
             assert relative_error(cache.v_pages, whole.v_pages) < CHUNKING_TOLERANCE
-    # Without all_logits, only the last position's logits come back.
-    last, _ = model.prefill(
-        params,
-        config,
-        tokens,
-        model.new_caches(config, NUM_POOL_PAGES, PAGE_SIZE),
-        table,
-        chunk_size=3,
-        backend="reference",
-    )
-    np.testing.assert_array_equal(np.asarray(last), np.asarray(results[3][0][:, -1]))
 
 
 def test_prefill_chunks_schedule():

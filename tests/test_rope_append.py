@@ -553,7 +553,7 @@ def test_empty_append_and_auto_backend(monkeypatch):
         *empty, jnp.zeros(0, jnp.int32), jnp.zeros(0, jnp.int32), cache, table, backend="pallas"
     )
     assert q_rotated.shape == (0, 2, 8) and same is cache
-    assert rope_append_module.ROPE_APPEND_KERNEL_CHECKED_ON_GPU
+    assert platform.AUTO_PICKS_KERNEL["rope_append_kv"]
 
     def auto_calls_pallas() -> bool:
         jaxpr = jax.make_jaxpr(

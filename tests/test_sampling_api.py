@@ -220,23 +220,31 @@ def test_bad_input_raises_naming_it(sampler, arguments, message):
 def test_auto_picks_per_family_and_the_kill_switch_wins(monkeypatch):
     """``"auto"`` follows ``AUTO_PICKS_KERNEL`` on a GPU (for Gumbel-max, from
     ``GUMBEL_KERNEL_MIN_BATCH`` rows up), is the reference elsewhere, and the kill switch forces
-    the reference even for a family the table sends to its kernel."""
+    the reference even for a function the table sends to its kernel. Read through the record of
+    each traced call's choice (``platform.record_backends``)."""
+    from kernels_pallas import platform
     from sampling import api
 
-    monkeypatch.setattr(api, "resolve_backend", lambda backend: "pallas")  # "a GPU"
-    assert api._kernel_backend("auto", "filtered") == "pallas"
-    assert api._kernel_backend("auto", "renorm") == "reference"
+    def chosen(function, batch, **options) -> str:
+        probs = jax.ShapeDtypeStruct((batch, 8), jnp.float32)
+        with platform.record_backends() as records:
+            jax.eval_shape(lambda p: function(jax.random.key(0), p, **options), probs)
+        assert len(records) == 1, records
+        return records[0].backend
+
+    monkeypatch.setattr(platform, "on_gpu", lambda: True)  # "a GPU"
+    assert chosen(api.top_k_sample, 2, top_k=3) == "pallas"
+    assert chosen(lambda key, p: api.top_k_renorm_probs(p, 3), 2) == "reference"
     minimum = api.GUMBEL_KERNEL_MIN_BATCH
-    assert api._kernel_backend("auto", "gumbel", minimum) == "pallas"
-    assert api._kernel_backend("auto", "gumbel", 4 * minimum) == "pallas"
-    assert api._kernel_backend("auto", "gumbel", minimum - 1) == "reference"
-    assert api._kernel_backend("auto", "gumbel", 1) == "reference"
-    assert api._kernel_backend("pallas", "gumbel", 1) == "pallas"  # explicit wins
-    monkeypatch.undo()
+    assert chosen(api.sample_from_probs, minimum) == "pallas"
+    assert chosen(api.sample_from_logits, 4 * minimum) == "pallas"
+    assert chosen(api.sample_from_probs, minimum - 1) == "reference"
+    assert chosen(api.sample_from_logits, 1) == "reference"
+    assert chosen(api.sample_from_logits, 1, backend="pallas") == "pallas"  # explicit wins
     monkeypatch.setenv("DECODELAB_BACKEND", "reference")
-    assert api._kernel_backend("auto", "filtered") == "reference"
-    assert api._kernel_backend("auto", "gumbel", 4 * api.GUMBEL_KERNEL_MIN_BATCH) == "reference"
-    assert api._kernel_backend("pallas", "filtered") == "pallas"  # explicit wins
+    assert chosen(api.top_k_sample, 2, top_k=3) == "reference"
+    assert chosen(api.sample_from_probs, 4 * minimum) == "reference"
+    assert chosen(api.top_k_sample, 2, top_k=3, backend="pallas") == "pallas"  # explicit wins
 
 
 def test_under_jit_bad_values_never_give_an_out_of_range_token():

@@ -28,7 +28,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 import paged
 from serving.requests import Request, RequestOutput, SamplingParams
-from serving.scheduler import HostPageTable, Scheduler, build_page_table, pages_needed
+from serving.scheduler import Scheduler, pages_needed
 
 VOCAB = 6  # small, so prompts share prefixes and drafts hit stop tokens often
 
@@ -115,7 +115,7 @@ class ShadowEngine:
 
     # --- one step ----------------------------------------------------------------------------
 
-    def _check_row(self, table: HostPageTable, row: int, pages, length: int) -> None:
+    def _check_row(self, table: paged.PageTable, row: int, pages, length: int) -> None:
         assert table.seq_lens()[row] == length
         assert table.page_lists()[row] == list(pages[: pages_needed(length, self.page_size)])
 
@@ -635,18 +635,41 @@ def test_long_requests_and_every_table_passes_paged_validation():
         if step.decode is not None:
             tables += [step.decode.page_table, *step.decode.draft_page_tables]
         for table in tables:
-            paged.validate_page_table(table.to_device(), scheduler.pool.num_pages)
+            assert table.on_host  # host arrays, transferred with the step's other inputs
+            paged.validate_page_table(table, scheduler.pool.num_pages)
     assert sorted(engine.outputs) == [0, 1, 2]
 
 
 def test_host_page_tables_are_valid_paged_page_tables():
-    table = build_page_table([[3, 1, 7], [2], [0, 0]], np.array([9, 4, 1]), page_size=4)
-    device = table.to_device()
-    paged.validate_page_table(device, num_pool_pages=8)
+    table = paged.host_page_table([[3, 1, 7], [2], [0, 0]], np.array([9, 4, 1]), page_size=4)
+    assert table.on_host
+    paged.validate_page_table(table, num_pool_pages=8)
     expected = paged.PageTable.from_page_lists([[3, 1, 7], [2], [0]], [9, 4, 1], page_size=4)
     for name in ("page_indptr", "page_indices", "last_page_len"):
-        np.testing.assert_array_equal(getattr(device, name), getattr(expected, name))
+        np.testing.assert_array_equal(getattr(table, name), getattr(expected, name))
     assert table.seq_lens().tolist() == [9, 4, 1] and table.page_lists()[0] == [3, 1, 7]
+    assert isinstance(table.seq_lens(), np.ndarray)  # a host table stays off the device
+
+
+@pytest.mark.parametrize(
+    "page_lists,seq_lens,page_size,num_indices,match",
+    [
+        (
+            [[3]],
+            [5],
+            4,
+            None,
+            r"row 0 has seq_len 5, which needs 2 pages of 4, but page_lists\[0\] has 1",
+        ),
+        ([[3]], [-1], 4, None, r"seq_lens\[0\] must be >= 0, got -1"),
+        ([[3]], [1], 0, None, r"page_size must be >= 1, got 0"),
+        ([[3], [4]], [1], 4, None, r"page_lists has 2 rows but seq_lens has 1"),
+        ([[3, 4]], [8], 4, 1, r"num_indices=1 is smaller than the 2 pages"),
+    ],
+)
+def test_host_page_table_refuses_bad_input(page_lists, seq_lens, page_size, num_indices, match):
+    with pytest.raises(ValueError, match=match):
+        paged.host_page_table(page_lists, seq_lens, page_size, num_indices=num_indices)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -555,10 +555,11 @@ def test_auto_runs_the_kernel_on_a_gpu_unless_switched_off(monkeypatch):
     monkeypatch.setattr(api, "interpret_mode", lambda: True)  # but still run on this CPU
     monkeypatch.setattr(spec_accept, "chain_speculative_sample", kernel)
     arguments = (jax.random.key(0), GOOD_DRAFT, GOOD_TOKENS, GOOD_TARGET)
-    monkeypatch.setattr(api, "AUTO_PICKS_KERNEL", False)  # the gate closed: the reference
+    table = platform.AUTO_PICKS_KERNEL
+    monkeypatch.setitem(table, "chain_speculative_sampling", False)  # the gate closed
     speculative.chain_speculative_sampling(*arguments)
     assert calls == []
-    monkeypatch.setattr(api, "AUTO_PICKS_KERNEL", True)  # as committed, after the H200 checks
+    monkeypatch.setitem(table, "chain_speculative_sampling", True)  # as committed (H200 checks)
     speculative.chain_speculative_sampling(*arguments)
     assert calls == [1]
     monkeypatch.setenv("DECODELAB_BACKEND", "reference")  # the kill switch

@@ -10,7 +10,7 @@ round decided. So if the model's logits are flatter than the synthetic ones,
 the kernel's op-level speedup shrinks at the call site while the reference's cost does not move.
 
 This probe counts the rounds on both inputs with the reference's own round logic (exact, no
-timing; it runs on a CPU in about a minute): the model is ``serving.model.llama3_8b_like`` with
+timing; it runs on a CPU in about a minute): the model is ``serving.config.llama3_8b_like`` with
 the suite's layer count, dtype and seed, fed random prompts; the sampler gets the suite's
 temperature, top-k and top-p.
 
@@ -28,8 +28,9 @@ import jax.numpy as jnp
 import numpy as np
 
 import sampling
+import speculative
 from bench.suites import serving as serving_suite
-from serving import engine as engine_lib
+from serving import config as config_lib
 from serving import model as model_lib
 
 BATCH, PROMPT_TOKENS, LAST_POSITIONS = 4, 64, 16  # 64 rows of model logits
@@ -41,7 +42,7 @@ def rounds_on(logits: np.ndarray) -> dict:
     ``NUM_KEYS`` keys for each row of ``logits[R, V]``, and the rows' shape."""
     rows = jnp.asarray(logits, jnp.float32)
     temperature = jnp.full((rows.shape[0],), serving_suite.TEMPERATURE, jnp.float32)
-    probs = engine_lib.tempered_probs(rows, temperature)
+    probs = speculative.tempered_probs(rows, temperature)
     # probs is an argument, not a closed-over constant: XLA would fold a 32 MB constant.
     draw = jax.jit(
         lambda key, probs: sampling.filtered_sample(
@@ -70,7 +71,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(prog="python -m bench.probes.rounds", description=__doc__)
     parser.add_argument("--out", type=pathlib.Path, default=None, help="write the JSON here")
     args = parser.parse_args(argv)
-    config = model_lib.llama3_8b_like(serving_suite.NUM_LAYERS, "bfloat16")
+    config = config_lib.llama3_8b_like(serving_suite.NUM_LAYERS, "bfloat16")
     params = model_lib.init_params(config, jax.random.key(serving_suite.SEED))
     prompts = np.random.default_rng(0).integers(0, config.vocab_size, (BATCH, PROMPT_TOKENS))
     logits = model_lib.forward_dense(params, config, jnp.asarray(prompts, jnp.int32))

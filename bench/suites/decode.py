@@ -74,6 +74,7 @@ from bench.suites import SuiteOutput, peers
 from kernels_pallas import paged_decode_tuning as tuning
 from kernels_pallas.merge_states import merge_partial_states
 from kernels_pallas.paged_decode import paged_decode
+from paged.decode import decode_launch_parameters
 
 EXPECTED_TBPS = 2.5  # prior for sizing the first timed program
 DISAGREEMENT_TOLERANCE = 0.05  # max |ours - xla_gather| on bfloat16 outputs of magnitude < 1
@@ -310,6 +311,13 @@ def _timed_row(
     )
 
 
+def _launch_parameters(setup: AttentionSetup, plan: paged.DecodePlan) -> dict[str, int]:
+    """The launch parameters ``paged.decode_attention`` picks for one new token under ``plan``."""
+    return decode_launch_parameters(
+        plan, setup.num_q_heads, setup.num_kv_heads, setup.head_dim, setup.page_size
+    )
+
+
 def _api_result(setup, options, ceiling_tbps, *, plan=None, arm="decodelab", repeat=None):
     plan = plan_for(setup) if plan is None else plan
     loop = api_loop(setup, plan)
@@ -330,7 +338,7 @@ def decodelab_results(
         api_loop(setup, plan).output(0), peers.reference_output(setup)
     )
     api.extra["max_abs_difference_from_xla_gather"] = difference
-    api.extra["kernel_parameters"] = dict(plan.launch)
+    api.extra["kernel_parameters"] = _launch_parameters(setup, plan)
     if not difference <= DISAGREEMENT_TOLERANCE:
         notes.append(f"{setup.case}: decodelab differs from xla_gather by {difference:.3g}")
     rows = [api]
@@ -409,7 +417,7 @@ def tuning_sweep(setup: AttentionSetup, options: RunOptions) -> list[dict[str, A
             if "blocks_per_sm" in candidate:
                 max_grid = candidate["blocks_per_sm"] * tuning.num_sms()
                 this_plan = plan_for(setup, max_grid=max_grid)
-                params = dict(this_plan.launch)
+                params = _launch_parameters(setup, this_plan)
             else:
                 this_plan, params = plan, candidate
             loop = kernel_loop(

@@ -2,7 +2,7 @@
 switch (every op its pure-JAX reference) against the default (every kernel ``"auto"`` picks), in
 the same run (issue 7, "Speed (H200): the standard serving scenarios").
 
-Model: random weights with Llama-3-8B layer shapes (``serving.model.llama3_8b_like``: hidden 4096,
+Model: random weights with Llama-3-8B layer shapes (``serving.config.llama3_8b_like``: hidden 4096,
 32 query and 8 KV heads of 128, MLP 14336, vocabulary 128256), ``NUM_LAYERS`` = 4 layers instead
 of 32, bfloat16; pages of 16 tokens, HND pools; every request samples at temperature 1 with top-k
 50 and top-p 0.9 (the standard grid's filters), its own seed, no stop token (so it generates
@@ -18,7 +18,7 @@ Scenarios (``SCENARIOS``; ``--quick``: the first two):
 - ``long B=1 ctx=16384`` and ``long B=1 ctx=32768``: one request, 64 new tokens; the cache is
   built by chunked prefill (chunks of 512; the default arm's attention runs them on the causal
   prefill kernel, ``kernels_pallas/paged_prefill.py``, the decode kernel taking runs of at most
-  16 queries, ``serving.engine.MAX_KERNEL_QUERY_TOKENS``).
+  16 queries, ``paged.decode.MAX_KERNEL_Q_LEN``).
 - ``shared_prefix B=32 ctx=4096``: 32 requests whose prompts share their first 4096 tokens
   (256 full pages, shared read-only by the scheduler) and differ in a 32-token tail; 64 new
   tokens each.
@@ -129,13 +129,18 @@ from jax import lax
 
 import paged
 import sampling
+import speculative
 from bench.harness import CaseResult, CopyCeiling, RunOptions, TimedLoop, expected_us, report
 from bench.harness.attention_inputs import make_attention_setup
 from bench.suites import SuiteOutput
 from kernels_pallas.platform import KILL_SWITCH_VARIABLE, resolve_backend
+from serving import config as config_lib
 from serving import engine as engine_lib
+from serving import keys as keys_lib
 from serving import model as model_lib
+from serving import programs
 from serving.requests import Request, SamplingParams
+from serving.step_stats import StepStats
 
 NUM_LAYERS = 4
 PAGE_SIZE = 16
@@ -248,11 +253,11 @@ def scenarios_for(options: RunOptions) -> tuple[Scenario, ...]:
     return chosen
 
 
-def model_config(options: RunOptions) -> model_lib.ModelConfig:
+def model_config(options: RunOptions) -> config_lib.ModelConfig:
     """Llama-3-8B layer shapes with ``NUM_LAYERS`` layers; the dry run's tiny target, 1 layer."""
     if options.dry_run:
-        return dataclasses.replace(model_lib.TINY_TARGET, num_layers=1)
-    return model_lib.llama3_8b_like(NUM_LAYERS, "bfloat16")
+        return dataclasses.replace(config_lib.TINY_TARGET, num_layers=1)
+    return config_lib.llama3_8b_like(NUM_LAYERS, "bfloat16")
 
 
 def pool_pages(scenarios: tuple[Scenario, ...], page_size: int) -> int:
@@ -352,8 +357,8 @@ class MeasuredRun:
 
     engine: engine_lib.Engine
     requests: list[Request]
-    stats: list[engine_lib.StepStats]
-    captured: list[tuple[int, engine_lib.DecodeInputs]]
+    stats: list[StepStats]
+    captured: list[tuple[int, programs.DecodeInputs]]
 
 
 def new_engine(model, scenario: Scenario, arm: Arm, num_pages: int, options: RunOptions):
@@ -387,8 +392,8 @@ def measured_run(model, scenario, arm, num_pages, options, prompts) -> MeasuredR
 def run_engine(engine, requests: list[Request], capture: bool) -> MeasuredRun:
     """Submits ``requests`` together and steps until all finish; with ``capture``, keeps the
     decode inputs of steps in which every request decodes."""
-    captured: list[tuple[int, engine_lib.DecodeInputs]] = []
-    stats: list[engine_lib.StepStats] = []
+    captured: list[tuple[int, programs.DecodeInputs]] = []
+    stats: list[StepStats] = []
     run_decode = engine._run_decode
 
     def recording_run_decode(inputs):
@@ -421,7 +426,7 @@ def ablated(variant: str) -> Iterator[None]:
         targets = [(paged, "decode_attention", lambda q, cache, table, **_: q)]
     elif variant == "no_sampling":
         targets = [
-            (engine_lib, "tempered_probs", lambda logits, temperature: logits),
+            (speculative, "tempered_probs", lambda logits, temperature: logits),
             (
                 sampling,
                 "filtered_sample",
@@ -450,7 +455,7 @@ def _decode_loop(params, caches, inputs, *, config, backend, variant, num_calls)
             step_inputs = inputs._replace(
                 token_ids=tokens, num_generated=inputs.num_generated + call_index
             )
-            result, caches, _ = engine_lib.decode_step(
+            result, caches, _ = programs.decode_step(
                 params,
                 None,
                 caches,
@@ -594,8 +599,8 @@ def sampling_op_us(vocab: int, batch: int, backend: str, options: RunOptions) ->
 
     def step(set_index, operands):
         logits, key_data, temperature, top_k, top_p, min_p = operands
-        keys = engine_lib.step_keys(key_data, jnp.full((batch,), set_index, jnp.int32))
-        probs = engine_lib.tempered_probs(logits[set_index], temperature)
+        keys = keys_lib.step_keys(key_data, jnp.full((batch,), set_index, jnp.int32))
+        probs = speculative.tempered_probs(logits[set_index].astype(jnp.float32), temperature)
         return sampling.filtered_sample(
             keys, probs, top_k=top_k, top_p=top_p, min_p=min_p, backend=backend
         )
@@ -615,7 +620,7 @@ def sampling_op_us(vocab: int, batch: int, backend: str, options: RunOptions) ->
 # Figures of a run
 
 
-def weight_bytes(config: model_lib.ModelConfig, batch: int) -> int:
+def weight_bytes(config: config_lib.ModelConfig, batch: int) -> int:
     """Bytes of the weights a decode step reads once: every layer, the final norm and
     ``lm_head``; of the embedding only the ``B`` rows fed."""
     shapes = model_lib.param_shapes(config)
@@ -628,7 +633,7 @@ def weight_bytes(config: model_lib.ModelConfig, batch: int) -> int:
     return total * itemsize
 
 
-def kv_bytes(config: model_lib.ModelConfig, context_tokens: int) -> int:
+def kv_bytes(config: config_lib.ModelConfig, context_tokens: int) -> int:
     """K and V bytes of ``context_tokens`` tokens in every layer."""
     per_token = 2 * config.num_kv_heads * config.head_dim * config.jnp_dtype.itemsize
     return context_tokens * per_token * config.num_layers

@@ -1,0 +1,92 @@
+"""Which backend ran each op of the engine's programs, as each op chose it.
+
+``backend`` goes to every public op (norms, RoPE + append, attention, samplers, acceptance), each
+choosing when traced (``kernels_pallas.platform.choose_backend``). ``backend_report`` traces
+each program again (``jax.eval_shape``, no compilation) under ``platform.record_backends`` and
+reports what each op's calls chose: the Pallas kernels (by name) or the pure-JAX reference.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from kernels_pallas.platform import record_backends
+from serving.programs import decode_step, prefill_step
+
+# The op of the step each public function implements (the operations of
+# ``kernels_pallas.platform.choose_backend``).
+OP_OF_OPERATION = {
+    "decode_attention": "attention",
+    "rope_append_kv": "rope + kv append",
+    "rmsnorm": "rmsnorm",
+    "fused_add_rmsnorm": "rmsnorm",
+    "sample_from_logits": "sampling",
+    "sample_from_probs": "sampling",
+    "filtered_sample": "sampling",
+    "top_k_renorm_probs": "sampling",
+    "top_p_renorm_probs": "sampling",
+    "top_k_mask_logits": "sampling",
+    "chain_speculative_sampling": "speculative acceptance",
+}
+
+
+def implementation_of(records) -> str:
+    """``"pallas: <kernels>"`` for the kernels ``records`` (``platform.BackendRecord``s of one
+    op) chose, in order, repeats removed; ``"reference"`` where none chose a kernel; both,
+    ``"pallas: <kernels>; reference"``, where calls of one op chose differently."""
+    kernels = dict.fromkeys(r.kernel for r in records if r.backend == "pallas")
+    if not kernels:
+        return "reference"
+    implementation = "pallas: " + ", ".join(kernels)
+    if any(r.backend == "reference" for r in records):
+        implementation += "; reference"
+    return implementation
+
+
+def backend_report(traced: dict[str, tuple], num_speculative: int) -> dict[str, str]:
+    """Which implementation ran each op of the programs in ``traced``, as each op chose it.
+
+    Args:
+      traced: ``{"decode" | "prefill L=<length>": (kind, abstract args, static arguments)}``,
+        each program's inputs as it last ran (``Engine`` keeps them).
+      num_speculative: the engine's ``n`` (0: plain decoding).
+
+    Returns:
+      ``{"<program>: <op>": "pallas: <kernel names>" | "reference"}`` for the programs
+      ``decode`` and ``prefill`` and their ops: ``rmsnorm``, ``rope + kv append``,
+      ``attention``, then ``sampling`` (plain decoding) or ``draft sampling``, ``target
+      distribution`` and ``speculative acceptance`` (``implementation_of``). Where prefill
+      chunks of different lengths ran different implementations, each is followed by its
+      lengths: ``"... (L=1,2,4)"``. Empty for no programs.
+    """
+    model_ops = ["rmsnorm", "rope + kv append", "attention"]
+    found: dict[str, dict[str, list[str]]] = {}  # "<program>: <op>" -> implementation -> L
+    for program, (kind, args, static) in sorted(traced.items()):
+        function = decode_step if kind == "decode" else prefill_step
+        with record_backends() as records:
+            jax.eval_shape(lambda *a, f=function, s=static: f(*a, **s), *args)
+        ops = dict.fromkeys(model_ops, "")
+        if kind == "decode" and num_speculative:
+            # The draft's samplers are the step's only samplers: the target's p comes from
+            # speculative.sampling_distribution, plain JAX with no backend choice.
+            ops.update({"draft sampling": "sampling", "target distribution": "none"})
+            ops["speculative acceptance"] = ""
+        elif kind == "decode":
+            ops["sampling"] = ""
+        for op, recorded_op in ops.items():
+            recorded_op = recorded_op or op
+            implementation = implementation_of(
+                [r for r in records if OP_OF_OPERATION[r.operation] == recorded_op]
+            )
+            lengths = found.setdefault(f"{kind}: {op}", {}).setdefault(implementation, [])
+            lengths.append(program.removeprefix("prefill L="))
+    report = {}
+    for key, implementations in found.items():
+        if len(implementations) == 1:
+            report[key] = next(iter(implementations))
+        else:  # prefill chunks of different lengths ran different implementations
+            report[key] = "; ".join(
+                f"{implementation} (L={','.join(sorted(lengths, key=int))})"
+                for implementation, lengths in implementations.items()
+            )
+    return report
