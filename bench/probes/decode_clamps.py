@@ -219,7 +219,9 @@ def main(argv=None) -> int:
         plan = paged.plan_decode(
             table0, setup.num_q_heads, setup.num_kv_heads, setup.head_dim, **overrides
         )
-        params = dict(plan.launch)
+        params = decode_module.decode_launch_parameters(
+            plan, setup.num_q_heads, setup.num_kv_heads, setup.head_dim, setup.page_size
+        )
         plan = jax.device_put(plan)
         k_pages, v_pages = setup.pool("HND")
         operands = (
