@@ -124,7 +124,7 @@ def paged_decode_kernel(
         0,
     )
     # Steps cover the item's pages. (Counting them from num_tokens instead, which would never
-    # give an all-masked step, cost 3% at B=32 x 4096 on the H200: 2026-12-01-clamp-probe.md.)
+    # give an all-masked step, cost 3% at B=32 x 4096 on the H200: archive/2026-12-01-clamp-probe.md.)
     num_steps = pl.cdiv(page_end - page_start, pages_per_step)
     if q_len > 1:
         # Causal bound per row, as a count of this item's keys the row may see. Token l of the
@@ -182,8 +182,9 @@ def paged_decode_kernel(
             # With one new token only the item's last step has masked keys, and for a valid
             # table (last page length >= 1) it follows a real key, so each row's running max is
             # a real logit and exp2(MASKED_LOGIT - max) is exactly 0: masked keys need no second
-            # select on the weights. (That per-element select, added with the bounds clamps,
-            # cost 4% at B=32 x 4096 on the H200: 2026-12-01-clamp-probe.md.) The one case
+            # select on the weights. (Dropping that per-element select, added with the bounds
+            # clamps, saved more than 4% at B=32 x 4096 on the H200, net of a step count from
+            # tokens that cost 3%: archive/2026-12-01-clamp-probe.md.) The one case
             # left, a last page declared empty under jit, gives o = 0 and an LSE near -7e29
             # instead of -inf: a wrong value for an invalid table, which merges as weight 0.
             return online_softmax.update(state, logits, v, None, precision=precision)

@@ -30,7 +30,7 @@ KILL_SWITCH_VARIABLE = "DECODELAB_BACKEND"
 #   64, 32 query heads, 8 KV heads, head_dim 128).
 # - rmsnorm, fused_add_rmsnorm: 2026-12-01-fused_ops.md (86-89% of the copy ceiling at 4096
 #   tokens, 1.5x XLA's fusion of the reference, faster than it at 1 and 64 tokens too).
-# - sample_from_logits, sample_from_probs (Gumbel-max): 2026-12-01-gumbel-tuning.md, from
+# - sample_from_logits, sample_from_probs (Gumbel-max): archive/2026-12-01-gumbel-tuning.md, from
 #   sampling.api.GUMBEL_KERNEL_MIN_BATCH rows up (below it the caller declines the kernel).
 # - filtered_sample (dual-pivot rejection): 13x to 31x the sort-based JAX top-p at batch 256.
 # - the renorm and mask functions: not yet timed beside the reference.

@@ -970,3 +970,20 @@ def test_two_level_race_probe_draws_the_softmax_and_lowers_for_an_h200(
             .as_text()
         )
         assert f"two_level_pick_b{block}" in text
+
+
+def test_decode_clamps_probe_builds_its_variants_and_runs_a_smoke_case(tmp_path, capsys):
+    """The probe's text substitutions still match the kernel (each asserts its anchor), and one
+    tiny interpreted case runs through the variant arms. The current kernel and merge stand in
+    for the earlier commits' sources, which live in git, not in the tree."""
+    from bench.probes import decode_clamps
+
+    kernels = pathlib.Path(decode_clamps.kernel_module.__file__).parent
+    for commit in ("old", "head"):
+        for name in ("paged_decode", "merge_states"):
+            (tmp_path / f"{commit}_{name}.py").write_text((kernels / f"{name}.py").read_text())
+    arms = "kernel:fixed,kernel:fixed_tokensteps,kernel:fixed_clips"
+    assert decode_clamps.main(["--smoke", "--sources", str(tmp_path), "--arms", arms]) == 0
+    printed = capsys.readouterr().out
+    for arm in arms.split(","):
+        assert f"{arm} max|o - first arm| = 0" in printed

@@ -12,7 +12,7 @@ that test's bound). Two kinds of test here:
   (called by the engine through the ``speculative`` module) send the keys a decode step hands
   them to the host (``jax.debug.callback``). Every draft position of every step of every
   request has its own key; the keys do not depend on the slot; and they are the module
-  docstring's derivation of ``serving/engine.py``: ``fold_in(fold_in(request key, tokens
+  docstring's derivation (``serving/keys.py``, used by ``serving/programs.py``): ``fold_in(fold_in(request key, tokens
   generated), position + 1)``, verification ``fold_in(request key, tokens generated)``.
 - Two drafts: draft and target models whose distributions ignore the context (every embedding
   row equal, every layer's weights zero), a 4-token vocabulary, two drafts a step. The first
@@ -20,8 +20,8 @@ that test's bound). Two kinds of test here:
   ``ALPHA = 1e-6``). Under the reuse the emitted pair's distribution is off by an L1 distance
   of about 0.96 (computed exactly below), six times the bound (0.16).
 
-Shown to fail, each planted in ``serving/engine.py`` alone: every draft position keyed
-``fold_in(step key, 1)`` (the position test: positions 0 and 1 of step 0 share a key; the
+Shown to fail, each planted in the engine alone (then ``serving/engine.py``, now
+``serving/programs.py``): every draft position keyed ``fold_in(step key, 1)`` (the position test: positions 0 and 1 of step 0 share a key; the
 derivation test; the two-draft test: L1 distance 0.98 against the bound 0.16); step keys that
 ignore the generated count (the position test: step 0 and step 1 share a key; the derivation
 test; the two-draft test: 0.26); draft keys folded with the slot (the slot test; the
@@ -264,7 +264,7 @@ def test_keys_do_not_depend_on_the_slot(context_free_pair, recorded_keys):
 
 
 def _documented_keys(seed: int, generated: int) -> tuple[int, ...]:
-    """The module docstring's derivation of ``serving/engine.py``: the verification key
+    """The module docstring's derivation (``serving/keys.py``, used by ``serving/programs.py``): the verification key
     ``fold_in(key(seed), generated)`` and draft ``j``'s ``fold_in(that, j + 1)``, as one row of
     key words like ``_rows``'."""
     step_key = jax.random.fold_in(jax.random.key(seed), generated)

@@ -1,8 +1,9 @@
 """Probes: one-off GPU measurements that answered a design question, kept so they can be re-run.
 
 A probe times variants that no user runs (a noise generator, a sliced input, a two-level race)
-or counts something without timing it, prints what it found, and writes no committed report;
-its answer is quoted where it was used. Run one as ``python -m bench.probes.<name>``:
+or counts something without timing it, and prints what it found; its answer is quoted where it
+was used, and a raw output that was committed sits in ``docs/benchmark_results/archive/`` with
+a page beside it. Run one as ``python -m bench.probes.<name>``:
 
 - ``gumbel``: where the Gumbel-max kernel's time goes, by generator and noise variant.
 - ``gumbel_variants``: the rebuilt Gumbel kernel's internals (layout, rounds, prefetch, warps).

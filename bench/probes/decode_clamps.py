@@ -9,18 +9,21 @@ one jitted loop, median of repeats), the same plan through several versions of t
 - ``old``: the kernel and merge of da44cf9 (no clamps), the report's baseline;
 - ``head``: the kernel and merge of 0b23d47 (every clamp);
 - ``fixed``: this tree's kernel (the work item's request and page range clamped by one
-  unsigned minimum each, once a program; the page numbers too, each step; no per-element select on the weights for one new token since steps count
-  tokens, so no step is all masked; the table's arrays are no operands for one new token);
+  unsigned minimum each, once a program; the page numbers too, each step; no per-element
+  select on the weights for one new token; the table's arrays are no operands for one new
+  token);
 - ``fixed_noclip``: ``fixed`` without the clamp of page numbers, and ``fixed_noscalar``:
   ``fixed`` without the scalar clamps of the work item (diagnostics only: they may read out of
   bounds on a bad table or plan, so they are never shipped); ``fixed_clips``: ``fixed`` with
   the two-sided clips of 0b23d47 for the work item's scalars (page range, last-page length);
-  ``fixed_pagesteps``: ``fixed`` with the loop's step count from pages, as in da44cf9
-  (diagnostic: with one new token that needs the weights select back for a bad table);
+  ``fixed_tokensteps``: ``fixed`` with the loop's step count from tokens (never an all-masked
+  step; in the session of 2026-12-01 this was ``fixed`` and the page count, now landed, was the
+  variant ``fixed_pagesteps``: ``docs/benchmark_results/archive/2026-12-01-clamp-probe.md``);
 
 each twice, interleaved (A B C D A B C D), so a difference smaller than an arm's own spread is
 noise. Also the public ``paged.decode_attention`` with the ``head`` and this tree's kernels.
-Every arm's output is compared with ``fixed``'s.
+Every arm's output is compared with the first arm's (``old``), and the largest difference
+printed; an arm more than 5e-2 away stops the probe.
 
 The earlier versions' sources are read from ``--sources`` (default ``.probe_src/``), filled by
 ``git show da44cf9:kernels_pallas/paged_decode.py > .probe_src/old_paged_decode.py`` and the
@@ -90,13 +93,11 @@ def kernel_variants(sources: pathlib.Path) -> dict[str, tuple]:
     noclip.write_text(fixed_source.replace(PAGE_CLIP_LINE, "return pages"))
     noscalar = folder / "noscalar_paged_decode.py"
     noscalar.write_text(fixed_source.replace(SCALAR_CLAMPS, NO_SCALAR_CLAMPS))
-    token_steps = "num_steps = pl.cdiv(num_tokens, block_tokens)"
-    assert token_steps in fixed_source, "the step count moved: update the probe"
-    page_steps = folder / "pagesteps_paged_decode.py"
-    page_steps.write_text(
-        fixed_source.replace(
-            token_steps, "num_steps = pl.cdiv(page_end - page_start, pages_per_step)"
-        )
+    page_steps = "num_steps = pl.cdiv(page_end - page_start, pages_per_step)"
+    assert page_steps in fixed_source, "the step count moved: update the probe"
+    token_steps = folder / "tokensteps_paged_decode.py"
+    token_steps.write_text(
+        fixed_source.replace(page_steps, "num_steps = pl.cdiv(num_tokens, block_tokens)")
     )
     clips = folder / "clips_paged_decode.py"
     clips.write_text(fixed_source.replace(SCALAR_CLAMPS, CLIP_CLAMPS))
@@ -114,8 +115,8 @@ def kernel_variants(sources: pathlib.Path) -> dict[str, tuple]:
         "fixed": (kernel_module, merge_module, True),
         "fixed_noclip": (load_module(noclip, "probe_noclip_paged_decode"), merge_module, True),
         "fixed_clips": (load_module(clips, "probe_clips_paged_decode"), merge_module, True),
-        "fixed_pagesteps": (
-            load_module(page_steps, "probe_pagesteps_paged_decode"),
+        "fixed_tokensteps": (
+            load_module(token_steps, "probe_tokensteps_paged_decode"),
             merge_module,
             True,
         ),
