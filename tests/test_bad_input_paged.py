@@ -51,13 +51,14 @@ def _queries(seed: int, q_len: int | None, dtype=np.float32) -> jax.Array:
 
 def _same_without_and_with_x64(run):
     """``run()`` without x64, then with it: the outputs must have the same dtypes and values
-    (float32 inputs compute in float32 either way; the kernels run the same 32-bit program)."""
+    (float32 inputs compute in float32 either way, and the kernels run the same 32-bit
+    program), bit for bit."""
     expected = jax.tree.map(np.asarray, run())
     with jax.enable_x64(True):
         got = jax.tree.map(np.asarray, run())
     for e, g in zip(jax.tree.leaves(expected), jax.tree.leaves(got), strict=True):
         assert g.dtype == e.dtype
-        np.testing.assert_allclose(g, e, rtol=1e-6, atol=1e-6)
+        np.testing.assert_array_equal(g, e)
     return got
 
 
