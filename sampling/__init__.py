@@ -8,6 +8,9 @@
   (``tests/test_sampling_exact.py``, ``proofs/sampling.md``).
 - ``sampling.api`` (re-exported here): the public samplers with keys and ``backend=``, the
   renorm and mask functions.
+- ``sampling.tempered``: how a row of logits reads at a temperature (``softmax(logits / T)``),
+  invalid rows included: the distribution behind ``return_logprob`` and
+  ``speculative.tempered_probs``.
 - ``sampling.validation``: the input checks every public sampler shares, and what each does
   with invalid input that ``jit`` cannot check.
 

@@ -39,6 +39,7 @@ from kernels_pallas import sampling as sampling_kernels
 from kernels_pallas.platform import choose_backend, interpret_mode
 from sampling import reference, validation
 from sampling.filters import ORDERS, filtered_distribution, rank_order
+from sampling.tempered import tempered_logprob
 
 EXPONENTIAL_STREAM = 0
 ROUND_STREAM = 1
@@ -140,15 +141,8 @@ def sample_from_logits(
         )
     if not return_logprob:
         return tokens
-    # The distribution drawn from, read as the race reads invalid logits that only jit lets
-    # through: NaN is a masked token, and a row without a finite maximum (every token masked,
-    # or a +inf) is a point mass on the token returned, as a greedy row is: log-probability 0.
-    logits = jnp.where(jnp.isnan(logits), -jnp.inf, logits)
-    point_mass = (temperature < reference.MIN_TEMPERATURE) | ~jnp.isfinite(jnp.max(logits, axis=-1))
-    finite_logits = jnp.where(point_mass[:, None], 0, logits)  # no inf - inf where unused
-    scaled = finite_logits / jnp.where(point_mass, 1, temperature)[:, None]
-    logprob = jnp.take_along_axis(jax.nn.log_softmax(scaled, axis=-1), tokens[:, None], 1)[:, 0]
-    return tokens, jnp.where(point_mass, 0.0, logprob).astype(jnp.float32)
+    # The distribution drawn from, invalid rows read as the race reads them (sampling/tempered.py).
+    return tokens, tempered_logprob(logits, temperature, tokens)
 
 
 def sample_from_probs(key, probs: jax.Array, *, return_logprob: bool = False, backend="auto"):

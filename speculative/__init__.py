@@ -7,8 +7,8 @@ exactly as the target model's autoregressive sampling.
 - ``speculative.api`` (re-exported here): ``chain_speculative_sampling`` with keys and
   ``backend=`` (kernel: ``kernels_pallas/spec_accept.py``), ``chain_greedy_verify``, and the
   helpers that build the draft and target distributions from logits so that exactness holds by
-  construction (``sampling_distribution``, its temperature step ``tempered_probs``,
-  ``sample_draft``).
+  construction (``sampling_distribution``, its temperature step ``tempered_probs``, which
+  lives in ``sampling.tempered``, ``sample_draft``).
 """
 
 from speculative.api import (

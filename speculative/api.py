@@ -49,7 +49,7 @@ from kernels_pallas.platform import choose_backend, interpret_mode, is_concrete
 from sampling import api as sampling_api
 from sampling import validation
 from sampling.filters import ORDERS, FilterParams, filtered_distribution
-from sampling.reference import MIN_TEMPERATURE
+from sampling.tempered import tempered_probs
 from speculative import reference
 from speculative.reference import DEFAULT_CHUNK_SIZE
 
@@ -343,37 +343,6 @@ def chain_greedy_verify(
 
 # ----------------------------------------------------------------------------------------------
 # Building p and q so that exactness holds by construction
-
-
-def tempered_probs(logits: jax.Array, temperature: jax.Array) -> jax.Array:
-    """``softmax(logits / T)`` per row, in ``logits``' dtype: the temperature step of
-    ``sampling_distribution``, before its filters, without its checks (the serving engine's
-    plain decoding feeds it to ``sampling.filtered_sample``, which filters itself).
-
-    Logits only ``jit`` lets through are read as the samplers read them: NaN is a masked token,
-    and a row without a finite maximum (every token masked, or a ``+inf``) is a point mass on
-    its arg max (token 0, or the first ``+inf``), the token every sampler returns for it (a
-    softmax there would be 0 / 0). Rows with ``T`` below ``MIN_TEMPERATURE`` are one-hot at the
-    lowest-index arg max (greedy).
-
-    Args:
-      logits: float[R, V], float32 or wider (the softmax runs in this dtype).
-      temperature: [R] of ``logits``' dtype, ``>= 0``.
-
-    Returns:
-      ``[R, V]`` rows summing to 1, never NaN.
-
-    Example:
-      >>> probs = tempered_probs(jnp.array([[0.0, 1.0], [0.0, 1.0]]), jnp.array([1.0, 0.0]))
-      >>> [[round(p, 3) for p in row] for row in probs.tolist()]
-      [[0.269, 0.731], [0.0, 1.0]]
-    """
-    rows = jnp.where(jnp.isnan(logits), -jnp.inf, logits)
-    point_mass = (temperature < MIN_TEMPERATURE) | ~jnp.isfinite(jnp.max(rows, axis=-1))
-    finite_rows = jnp.where(point_mass[:, None], 0, rows)  # no inf - inf even where unused
-    tempered = jax.nn.softmax(finite_rows / jnp.where(point_mass, 1, temperature)[:, None], -1)
-    one_hot = jax.nn.one_hot(jnp.argmax(rows, axis=-1), rows.shape[-1], dtype=logits.dtype)
-    return jnp.where(point_mass[:, None], one_hot, tempered)
 
 
 def sampling_distribution(
