@@ -75,6 +75,59 @@ NO_SCALAR_CLAMPS = """    is_padding = request < 0
 """
 
 
+REQUEST_CLAMP = """    is_padding = request.astype(jnp.uint32) >= batch  # -1 (the planner's padding) wraps up
+    request = jnp.where(is_padding, 0, request)
+"""
+START_CLAMP = "    page_start = unsigned_min(work_page_start_ref[work], num_indices)\n"
+END_CLAMP = "    page_end = unsigned_min(work_page_end_ref[work], num_indices)\n"
+PAGE_MASK = "        page_is_real = first + jnp.arange(pages_per_step) < page_end\n"
+INDEX_MASK = """        index = first + jnp.arange(pages_per_step)
+        page_is_real = (index < page_end) & (index.astype(jnp.uint32) < num_indices)
+"""
+FINAL_STORE = "    if write_final:\n        keep = row_is_real & ~is_padding\n"
+LATE_REQUEST = """    request = work_request_ref[work]
+    request = jnp.where(request.astype(jnp.uint32) >= batch, 0, request)  # for the q load only
+"""
+LATE_STORE = """    if write_final:
+        request = work_request_ref[work]  # again: nothing about it lives across the loop
+        is_padding = request.astype(jnp.uint32) >= batch
+        first_row = (jnp.where(is_padding, 0, request) * num_kv_heads + kv_head) * query_rows
+        keep = row_is_real & ~is_padding
+"""
+STEPS = "    num_steps = pl.cdiv(page_end - page_start, pages_per_step)\n"
+# Diagnostics that take the work item's scalar clamps apart, one at a time (session of
+# 2026-12-01, second probe): which one costs, and whether a masked page-index load (the range
+# checked against page_indices per step instead of clamped once) keeps safety without it.
+SCALAR_DIAGNOSTICS = {
+    "noreq": [
+        (REQUEST_CLAMP, "    is_padding = request < 0\n    request = jnp.maximum(request, 0)\n")
+    ],
+    "nostart": [(START_CLAMP, "    page_start = work_page_start_ref[work]\n")],
+    "noend": [(END_CLAMP, "    page_end = work_page_end_ref[work]\n")],
+    "late": [(REQUEST_CLAMP, LATE_REQUEST), (FINAL_STORE, LATE_STORE)],
+    "late_nostart": [
+        (REQUEST_CLAMP, LATE_REQUEST),
+        (FINAL_STORE, LATE_STORE),
+        (START_CLAMP, "    page_start = work_page_start_ref[work]\n"),
+    ],
+    "maskload": [
+        (START_CLAMP, "    page_start = work_page_start_ref[work]\n"),
+        (END_CLAMP, "    page_end = work_page_end_ref[work]\n"),
+        (PAGE_MASK, INDEX_MASK),
+    ],
+    "maskload_bounded": [
+        (START_CLAMP, "    page_start = work_page_start_ref[work]\n"),
+        (END_CLAMP, "    page_end = work_page_end_ref[work]\n"),
+        (PAGE_MASK, INDEX_MASK),
+        (
+            STEPS,
+            STEPS
+            + "    num_steps = jnp.minimum(num_steps, pl.cdiv(num_indices, pages_per_step))\n",
+        ),
+    ],
+}
+
+
 def load_module(path: pathlib.Path, name: str):
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
@@ -101,7 +154,20 @@ def kernel_variants(sources: pathlib.Path) -> dict[str, tuple]:
     )
     clips = folder / "clips_paged_decode.py"
     clips.write_text(fixed_source.replace(SCALAR_CLAMPS, CLIP_CLAMPS))
-    return {
+    variants = {}
+    for name, substitutions in SCALAR_DIAGNOSTICS.items():
+        source = fixed_source
+        for before, after in substitutions:
+            assert before in source, f"{name}: the kernel changed, update the probe"
+            source = source.replace(before, after)
+        path = folder / f"{name}_paged_decode.py"
+        path.write_text(source)
+        variants[f"fixed_{name}"] = (
+            load_module(path, f"probe_{name}_paged_decode"),
+            merge_module,
+            True,
+        )
+    named = {
         "old": (
             load_module(sources / "old_paged_decode.py", "probe_old_paged_decode"),
             load_module(sources / "old_merge_states.py", "probe_old_merge_states"),
@@ -126,6 +192,7 @@ def kernel_variants(sources: pathlib.Path) -> dict[str, tuple]:
             True,
         ),
     }
+    return named | variants
 
 
 def kernel_step(setup, plan, params, decode_mod, merge_mod, takes_table, interpret):
@@ -203,6 +270,12 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--cases", default=None, help="comma-separated BxCTX, e.g. 4x32768,32x4096 (default: all)"
     )
+    parser.add_argument(
+        "--max-grid",
+        type=int,
+        default=None,
+        help="the planner's max_grid (1: no request split, the suite's decodelab_no_split arm)",
+    )
     args = parser.parse_args(argv)
     interpret = args.smoke or jax.default_backend() != "gpu"
     variants = kernel_variants(pathlib.Path(args.sources))
@@ -217,6 +290,8 @@ def main(argv=None) -> int:
             setup.page_indptr[0], setup.page_indices[0], setup.last_page_len[0], setup.page_size
         )
         overrides = dict(min_chunk_pages=1) if args.smoke else {}
+        if args.max_grid is not None:
+            overrides["max_grid"] = args.max_grid
         plan = paged.plan_decode(
             table0, setup.num_q_heads, setup.num_kv_heads, setup.head_dim, **overrides
         )
