@@ -26,7 +26,7 @@ KILL_SWITCH_VARIABLE = "DECODELAB_BACKEND"
 # Whether backend="auto" runs an operation's kernel on a GPU: True once the kernel was compiled,
 # checked against its reference and measured faster than it on the H200. The evidence:
 # - decode_attention: docs/benchmark_results/2026-12-01-decode.md.
-# - rope_append_kv: 2026-12-01-fused_ops.md (1.52x the unfused rotate-then-scatter path at batch
+# - rope_append_kv: 2026-12-01-fused_ops.md (1.55x the unfused rotate-then-scatter path at batch
 #   64, 32 query heads, 8 KV heads, head_dim 128).
 # - rmsnorm, fused_add_rmsnorm: 2026-12-01-fused_ops.md (86-89% of the copy ceiling at 4096
 #   tokens, 1.5x XLA's fusion of the reference, faster than it at 1 and 64 tokens too).
@@ -35,8 +35,8 @@ KILL_SWITCH_VARIABLE = "DECODELAB_BACKEND"
 # - filtered_sample (dual-pivot rejection): 13x to 31x the sort-based JAX top-p at batch 256.
 # - the renorm and mask functions: not yet timed beside the reference.
 # - chain_speculative_sampling: 2026-11-30-gpu-checks.md and 2026-12-01-speculative.md (the
-#   target's distribution at vocab 128256, the reference's tokens on 2048 of 2048 rows, 24.9 us
-#   at B=64, n=4, 3.04x the XLA reference).
+#   target's distribution at vocab 128256, the reference's tokens on 2048 of 2048 rows, 24.8 us
+#   at B=64, n=4, 3.06x the XLA reference).
 AUTO_PICKS_KERNEL = {
     "decode_attention": True,
     "rope_append_kv": True,

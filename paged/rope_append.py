@@ -3,7 +3,7 @@
 The reference is the composition of the two definitions, ``paged.rope.apply_rope`` and
 ``paged.append_kv``; the Pallas backend (``kernels_pallas/rope_append.py``) does both in one
 launch. The kernel was compiled, checked against the reference and timed on an H200 at commit
-07ce647 (``docs/benchmark_results/2026-12-01-fused_ops.md``), so ``backend="auto"`` runs it on a
+07ce647 and re-measured at 4138e14 (``docs/benchmark_results/2026-12-01-fused_ops.md``), so ``backend="auto"`` runs it on a
 GPU (``kernels_pallas.platform.AUTO_PICKS_KERNEL``) and the reference elsewhere or for float64
 arrays; ``backend="pallas"`` runs it everywhere (interpreted on a CPU), and
 ``DECODELAB_BACKEND=reference`` turns ``"auto"`` back to the reference.
