@@ -10,6 +10,10 @@
   interpreted, PyTorch arms eager on the CPU when torch is installed); the report goes to
   ``--out`` or a fresh temporary directory, never to ``docs/benchmark_results``, and says that
   its figures are not speed figures.
+- A suite that calls ``RunOptions.save_partial`` (``sampling``) keeps
+  ``<date>-<suite>-partial.md`` and ``.json`` current while it runs, so that a run cut short
+  (one device command may last 600 s) still leaves the rows it measured; the whole report
+  replaces them when the run ends.
 - Without a GPU and without ``--dry-run``: says so, prints no figure, writes nothing, exits 0.
 
 Exit status: 0 on success (and on the no-GPU message), 1 when the report was refused because
@@ -19,6 +23,7 @@ two arms of a case could not be told apart, 2 for bad arguments.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import pathlib
 import shlex
@@ -34,6 +39,11 @@ REPOSITORY_ROOT = pathlib.Path(__file__).resolve().parents[1]
 REPORTS_DIRECTORY = REPOSITORY_ROOT / "docs" / "benchmark_results"
 # The dry run's copy "ceiling": 1 MiB, enough to run the code, not to measure anything.
 DRY_RUN_COPY_BYTES = 1 << 20
+PARTIAL_NOTE = (
+    "PARTIAL: written while the run was still going, with the rows measured so far (the run "
+    "may have been cut short, e.g. by a time limit); each case's arms are complete and were timed "
+    "in this one process; the run's whole report, if it ends, replaces this file"
+)
 DRY_RUN_REPEATS = 3
 
 
@@ -163,6 +173,29 @@ def main(argv: list[str] | None = None) -> int:
         contexts=arguments.contexts,
     )
     command = shlex.join(["python", "-m", "bench", *argv])
+    report_arguments = dict(
+        command=command,
+        timing_method=harness.timing_method_description(repeats),
+        out_dir=out_dir,
+        dry_run=arguments.dry_run,
+        device=device,
+    )
+    partial_name = f"{arguments.suite}-partial"
+    ceiling = None
+
+    def write_partial(rows):
+        """Keeps the rows measured so far in ``<date>-<suite>-partial.md`` and ``.json``."""
+        report.write_report(
+            arguments.suite,
+            rows,
+            ceiling_tbps=ceiling.tbps,
+            notes=[PARTIAL_NOTE],
+            ceiling_detail=ceiling.detail(),
+            name=partial_name,
+            **report_arguments,
+        )
+
+    options = dataclasses.replace(options, checkpoint=write_partial)
 
     if arguments.dry_run:
         print(f"DRY RUN: {report.DRY_RUN_NOTE}.", flush=True)
@@ -183,18 +216,17 @@ def main(argv: list[str] | None = None) -> int:
             arguments.suite,
             output.results,
             ceiling_tbps=ceiling.tbps,
-            command=command,
-            timing_method=harness.timing_method_description(repeats),
-            out_dir=out_dir,
             notes=output.notes,
             peers_for_ratio=output.peers_for_ratio,
             ceiling_detail=ceiling.detail(),
-            dry_run=arguments.dry_run,
-            device=device,
+            **report_arguments,
         )
     except report.IndistinguishableArmsError as error:
         print(f"report refused: {error}", file=sys.stderr)
         return 1
+    # The whole report replaces the partial one.
+    for partial in out_dir.glob(f"*-{partial_name}.*"):
+        partial.unlink()
     for note in output.notes:
         print(f"note: {note}")
     print(f"wrote {markdown_path}\n      {json_path}")

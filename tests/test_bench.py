@@ -549,6 +549,49 @@ def test_sampling_dry_run_times_every_decodelab_arm_beside_the_peers(tmp_path):
     assert any(note.startswith("target gumbel B=1") for note in document["notes"])
 
 
+def test_sampling_part_keeps_a_partial_report_when_the_run_is_cut_short(tmp_path, monkeypatch):
+    """DECODELAB_SAMPLING_CASES runs a part of a batch's cases; a run that dies after its first
+    group of arms (here: its repeat row raises, as a time limit would strike) leaves those rows
+    in ``<date>-sampling-partial.json``, which merge_reports can read; a run that ends replaces
+    the partial files with its report."""
+    monkeypatch.setenv(sampling_suite.CASES_VARIABLE, "top_k")
+
+    def cut_short(*args, **kwargs):
+        raise TimeoutError("cut short")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(sampling_suite, "_repeat_row", cut_short)
+        with contextlib.redirect_stdout(io.StringIO()), pytest.raises(TimeoutError):
+            main(["sampling", "--dry-run", "--batches", "1", "--out", str(tmp_path)])
+    [partial] = tmp_path.glob("*-sampling-partial.json")
+    document = json.loads(partial.read_text())
+    assert document["suite"] == "sampling"
+    assert {(case["case"], case["arm"]) for case in document["cases"]} == {
+        ("top_k B=1", "decodelab_reference"),
+        ("top_k B=1", "decodelab"),
+        ("top_k B=1", "decodelab_kernel"),
+    }
+    assert any(note.startswith("PARTIAL") for note in document["notes"])
+    assert not list(tmp_path.glob("*-sampling.json"))
+
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert main(["sampling", "--dry-run", "--batches", "1", "--out", str(tmp_path)]) == 0
+    assert not list(tmp_path.glob("*-partial.*"))
+    [whole] = tmp_path.glob("*-sampling.json")
+    cases = {case["case"] for case in json.loads(whole.read_text())["cases"]}
+    assert cases == {"top_k B=1"}  # no peers: they join the gumbel and top_p cases
+    assert "top_k B=1: decodelab_kernel done in" in printed.getvalue()
+
+
+def test_sampling_cases_variable_refuses_an_unknown_kind(monkeypatch):
+    monkeypatch.setenv(sampling_suite.CASES_VARIABLE, "top_k,top_q")
+    with pytest.raises(
+        ValueError, match=r"DECODELAB_SAMPLING_CASES names unknown kinds \['top_q'\]"
+    ):
+        sampling_suite.chosen_kinds(RunOptions(dry_run=True))
+
+
 def test_sampling_inputs_are_the_peers_logits_with_a_key_per_set():
     inputs = sampling_suite.make_sampling_inputs(2, 64, 3)
     # The peers' generator with the peers' key for this batch: both arms sample the same logits.

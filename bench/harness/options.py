@@ -43,6 +43,8 @@ class RunOptions:
       q_len_only: the decode suite runs its multi-token cases only (``--q-len-only``).
       gumbel_only: the sampling suite skips the filtered samplers (``--gumbel-only``).
       contexts: context lengths to run instead of a suite's grid (``--contexts``), or None.
+      checkpoint: called with every row measured so far, by suites that call ``save_partial``
+        (``python -m bench`` writes them as a partial report), or None.
     """
 
     quick: bool = False
@@ -56,6 +58,7 @@ class RunOptions:
     q_len_only: bool = False
     gumbel_only: bool = False
     contexts: tuple[int, ...] | None = None
+    checkpoint: Callable[[list], None] | None = None
 
     @property
     def interpret(self) -> bool:
@@ -102,6 +105,15 @@ class RunOptions:
             target_seconds=self.sweep_target_seconds if sweep else self.target_seconds,
             expected_us_per_call=expected_us_per_call,
         )
+
+    def save_partial(self, rows: list) -> None:
+        """Hands every row measured so far to ``checkpoint`` (if any). Why: one device command
+        may run 600 s at most, and a suite writes its report only when it ends; a suite whose
+        cases are slow to compile calls this after each group of arms, so that a run cut short
+        still leaves the figures it measured (``python -m bench`` keeps them in
+        ``<date>-<suite>-partial.json``, which ``bench.harness.merge_reports`` accepts)."""
+        if self.checkpoint is not None and rows:
+            self.checkpoint(list(rows))
 
     def time_torch(self, call: Callable[[int], Any], num_sets: int, device: str) -> Timing:
         """Times a PyTorch ``call`` with these options (``time_torch_calls``)."""

@@ -302,8 +302,9 @@ def write_report(
     ceiling_detail: dict[str, Any] | None = None,
     dry_run: bool = False,
     device: jax.Device | None = None,
+    name: str | None = None,
 ) -> tuple[pathlib.Path, pathlib.Path]:
-    """Writes ``<out_dir>/YYYY-MM-DD-<suite>.md`` and ``.json`` (overwriting a same-day report).
+    """Writes ``<out_dir>/YYYY-MM-DD-<name>.md`` and ``.json`` (overwriting a same-day report).
 
     Args:
       suite: the suite's name.
@@ -317,6 +318,9 @@ def write_report(
       ceiling_detail: each copy method's figure (``CopyCeiling.detail()``).
       dry_run: marks the report as a dry run, whose figures are not speed figures.
       device: the device the figures came from (for ``environment``).
+      name: the files' name after the date (default: the suite's), e.g. ``sampling-partial``
+        for the partial report a long run keeps current (``RunOptions.save_partial``); the
+        JSON's ``suite`` stays ``suite``, so ``merge_reports`` accepts it.
 
     Returns:
       The paths of the Markdown and the JSON file.
@@ -344,7 +348,7 @@ def write_report(
     }
     out_dir = pathlib.Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    stem = f"{about['date']}-{suite}"
+    stem = f"{about['date']}-{name or suite}"
     json_path = out_dir / f"{stem}.json"
     markdown_path = out_dir / f"{stem}.md"
     json_path.write_text(json.dumps(report, indent=2) + "\n")

@@ -42,6 +42,12 @@ where none is compiled); a reference arm says ``xla`` once its program is checke
 Triton kernel. A disagreement between the kernel's and the reference's tokens for the same key
 becomes a note (they draw the very same noise, so only float rounding may flip a near-tie).
 
+Long runs: every arm prints when it starts and how many seconds it took; after each group of
+arms the rows so far go to ``RunOptions.save_partial`` (``python -m bench`` keeps them in
+``<date>-sampling-partial.json``), so a run cut by a time limit keeps what it measured; and
+``DECODELAB_SAMPLING_CASES=top_k,min_p`` (kinds of ``CASE_KINDS``) runs a part of a batch's
+cases (``chosen_kinds``).
+
 The targets of issue 4, which the notes check at the end of each batch: Gumbel-max from logits
 (``decodelab``) at 70% or more of the copy ceiling at batch 256 and faster than
 ``jax.random.categorical`` at every batch; top-p, top-k, min-p and joint (``decodelab``) at
@@ -50,9 +56,12 @@ least 10x faster than the sort-based JAX top-p (``jax_sort``) at batch 32 and 25
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import gc
+import os
+import time
 from collections.abc import Callable
 
 import jax
@@ -142,6 +151,8 @@ FILTERED_METHODS = (
         "joint", api.top_k_top_p_sample, {"top_k": TOP_K, "top_p": TOP_P, "order": "joint"}
     ),
 )
+CASE_KINDS = ("gumbel", *(method.name for method in FILTERED_METHODS))
+CASES_VARIABLE = "DECODELAB_SAMPLING_CASES"
 
 
 def run(options: RunOptions, ceiling: CopyCeiling) -> SuiteOutput:
@@ -161,7 +172,7 @@ def run(options: RunOptions, ceiling: CopyCeiling) -> SuiteOutput:
         report.print_progress(f"B={batch} vocab={vocab}: setting up, then timing every sampler")
         inputs = make_sampling_inputs(batch, vocab, options.unrolled_sets_for(batch * vocab * 4))
         try:
-            results += batch_results(inputs, options, ceiling.tbps, notes)
+            results += batch_results(inputs, options, ceiling.tbps, notes, earlier=results)
         finally:
             gc.collect()
             inputs.delete()
@@ -344,6 +355,18 @@ def xla_only_label(loop: TimedLoop) -> str:
 # Arms
 
 
+@contextlib.contextmanager
+def _announced(case: str, arm: str):
+    """Prints an arm's start and, once it is done, its seconds (building, compiling, checks,
+    calibration and the timed repeats together): where a long run spends its time."""
+    start = time.perf_counter()
+    report.print_progress(f"{case}: {arm}")
+    try:
+        yield
+    finally:
+        report.print_progress(f"{case}: {arm} done in {time.perf_counter() - start:.0f} s")
+
+
 def _timed_row(
     inputs: SamplingInputs,
     options: RunOptions,
@@ -394,26 +417,9 @@ def gumbel_arms(
     Pallas arm that fails is noted, not raised, so the other arms keep their figures."""
     case = f"gumbel B={inputs.batch}"
     num_bytes = inputs.bytes_per_call
-    reference_loop = api_gumbel_loop(inputs, "reference")
-    reference_prior = expected_us(
-        num_bytes, EXPECTED_GUMBEL_REFERENCE_TBPS, EXPECTED_GUMBEL_REFERENCE_FLOOR_US
-    )
-    reference_label = xla_only_label(reference_loop)
-    if reference_label != "xla":
-        notes.append(f"{case}: the reference backend's program calls Triton ({reference_label})")
-    reference_row = _timed_row(
-        inputs,
-        options,
-        ceiling_tbps,
-        case,
-        "decodelab_reference",
-        f"sample_from_logits(backend=reference):{reference_label}",
-        reference_loop,
-        reference_prior,
-        temperature=TEMPERATURE,
-    )
-    arms = [_Arm(reference_row, reference_loop)]
-    reference_tokens = reference_loop.output(0)
+    with _announced(case, "decodelab_reference"):
+        arms = [_gumbel_reference_arm(inputs, options, ceiling_tbps, notes, case)]
+    reference_tokens = arms[0].loop.output(0)
     kernel_prior = expected_us(num_bytes, EXPECTED_KERNEL_TBPS, EXPECTED_KERNEL_FLOOR_US)
     pallas_arms = (
         (
@@ -443,6 +449,32 @@ def gumbel_arms(
     return arms
 
 
+def _gumbel_reference_arm(
+    inputs: SamplingInputs, options: RunOptions, ceiling_tbps: float, notes: list[str], case: str
+) -> _Arm:
+    """``decodelab_reference`` in ``gumbel B=<n>``: ``sample_from_logits`` on plain XLA."""
+    num_bytes = inputs.bytes_per_call
+    reference_loop = api_gumbel_loop(inputs, "reference")
+    reference_prior = expected_us(
+        num_bytes, EXPECTED_GUMBEL_REFERENCE_TBPS, EXPECTED_GUMBEL_REFERENCE_FLOOR_US
+    )
+    reference_label = xla_only_label(reference_loop)
+    if reference_label != "xla":
+        notes.append(f"{case}: the reference backend's program calls Triton ({reference_label})")
+    reference_row = _timed_row(
+        inputs,
+        options,
+        ceiling_tbps,
+        case,
+        "decodelab_reference",
+        f"sample_from_logits(backend=reference):{reference_label}",
+        reference_loop,
+        reference_prior,
+        temperature=TEMPERATURE,
+    )
+    return _Arm(reference_row, reference_loop)
+
+
 def _pallas_arms(
     inputs: SamplingInputs,
     options: RunOptions,
@@ -466,27 +498,28 @@ def _pallas_arms(
     timed = []
     extra_fields = None
     for arm, call, make_loop in pallas_arms:
-        try:
-            loop = make_loop()
-            kernels = pallas_kernel_names(loop, options, kernel_prefix)
-            same = _same_tokens(loop.output(0), reference_tokens)
-            if extra_fields is None:
-                extra_fields = extra()
-            row = _timed_row(
-                inputs,
-                options,
-                ceiling_tbps,
-                case,
-                arm,
-                f"{call}:{kernels}",
-                loop,
-                prior_us,
-                same_tokens_as_reference=same,
-                **extra_fields,
-            )
-        except Exception as error:  # a kernel that fails to compile must not lose the others
-            notes.append(f"{case}: `{arm}` failed: {peers.error_summary(error)}")
-            continue
+        with _announced(case, arm):
+            try:
+                loop = make_loop()
+                kernels = pallas_kernel_names(loop, options, kernel_prefix)
+                same = _same_tokens(loop.output(0), reference_tokens)
+                if extra_fields is None:
+                    extra_fields = extra()
+                row = _timed_row(
+                    inputs,
+                    options,
+                    ceiling_tbps,
+                    case,
+                    arm,
+                    f"{call}:{kernels}",
+                    loop,
+                    prior_us,
+                    same_tokens_as_reference=same,
+                    **extra_fields,
+                )
+            except Exception as error:  # a kernel that fails to compile must not lose the others
+                notes.append(f"{case}: `{arm}` failed: {peers.error_summary(error)}")
+                continue
         if kernels == "no-triton-kernel-found":
             notes.append(f"{case}: no Triton `{kernel_prefix}` kernel in `{arm}`'s program")
         if same != 1.0:
@@ -522,19 +555,20 @@ def filtered_arms(
     reference_prior = expected_us(
         inputs.bytes_per_call, EXPECTED_FILTER_REFERENCE_TBPS, EXPECTED_FILTER_REFERENCE_FLOOR_US
     )
-    reference_row = _timed_row(
-        inputs,
-        options,
-        ceiling_tbps,
-        case,
-        "decodelab_reference",
-        f"{method.label('reference')}:{xla_only_label(reference_loop)}"
-        f":dual_pivot(max_rounds={DEFAULT_MAX_ROUNDS})",
-        reference_loop,
-        reference_prior,
-        **rounds_fields(rounds_over_sets(inputs, method, "reference")),
-        **parameters,
-    )
+    with _announced(case, "decodelab_reference"):
+        reference_row = _timed_row(
+            inputs,
+            options,
+            ceiling_tbps,
+            case,
+            "decodelab_reference",
+            f"{method.label('reference')}:{xla_only_label(reference_loop)}"
+            f":dual_pivot(max_rounds={DEFAULT_MAX_ROUNDS})",
+            reference_loop,
+            reference_prior,
+            **rounds_fields(rounds_over_sets(inputs, method, "reference")),
+            **parameters,
+        )
     arms = [_Arm(reference_row, reference_loop)]
     reference_tokens = reference_loop.output(0)
     kernel_prior = expected_us(inputs.bytes_per_call, 0.3, EXPECTED_KERNEL_FLOOR_US)
@@ -571,28 +605,65 @@ def _repeat_row(
     """``arm`` timed again with the same program (same calls per sample): its noise level."""
     first = arm.row
     extra = {key: value for key, value in first.extra.items() if key in _CARRIED_TO_REPEAT}
-    return _timed_row(
-        inputs,
-        options,
-        ceiling_tbps,
-        first.case,
-        repeat_arm(first.arm),
-        first.attribution,
-        arm.loop,
-        first.median_us,
-        iters=first.extra["iters"],
-        **extra,
-    )
+    with _announced(first.case, repeat_arm(first.arm)):
+        return _timed_row(
+            inputs,
+            options,
+            ceiling_tbps,
+            first.case,
+            repeat_arm(first.arm),
+            first.attribution,
+            arm.loop,
+            first.median_us,
+            iters=first.extra["iters"],
+            **extra,
+        )
+
+
+def chosen_kinds(options: RunOptions) -> tuple[str, ...]:
+    """The case kinds this run times: every kind of ``CASE_KINDS`` (``--gumbel-only``: gumbel),
+    filtered by ``DECODELAB_SAMPLING_CASES`` (kinds, comma-separated), which splits a batch that
+    does not fit one device command into parts (``bench.harness.merge_reports`` joins them).
+    The peers' rows join the ``gumbel`` and ``top_p`` cases, so they run in a part that has
+    both (a case's arms must come from one process)."""
+    kinds = ("gumbel",) if options.gumbel_only else CASE_KINDS
+    wanted = os.environ.get(CASES_VARIABLE, "").strip()
+    if wanted:
+        names = {name.strip() for name in wanted.split(",") if name.strip()}
+        unknown = names - set(CASE_KINDS)
+        if unknown:
+            raise ValueError(
+                f"{CASES_VARIABLE} names unknown kinds {sorted(unknown)}; known: {CASE_KINDS}"
+            )
+        kinds = tuple(kind for kind in kinds if kind in names)
+    return kinds
 
 
 def batch_results(
-    inputs: SamplingInputs, options: RunOptions, ceiling_tbps: float, notes: list[str]
+    inputs: SamplingInputs,
+    options: RunOptions,
+    ceiling_tbps: float,
+    notes: list[str],
+    earlier: list[CaseResult] = (),
 ) -> list[CaseResult]:
-    """Every row of one batch: our arms, the peers', then our repeats, and the target notes."""
-    gumbel = gumbel_arms(inputs, options, ceiling_tbps, notes)
+    """Every row of one batch: our arms, the peers', then our repeats, and the target notes.
+    After each group of arms, every row so far (``earlier`` batches' included) is handed to
+    ``options.save_partial``."""
+    kinds = chosen_kinds(options)
+    done: list[CaseResult] = list(earlier)
+
+    def measured(arms: list[_Arm]) -> list[_Arm]:
+        done.extend(arm.row for arm in arms)
+        options.save_partial(done)
+        return arms
+
+    gumbel = (
+        measured(gumbel_arms(inputs, options, ceiling_tbps, notes)) if "gumbel" in kinds else []
+    )
     filtered_by_method = [
-        filtered_arms(inputs, method, options, ceiling_tbps, notes)
-        for method in ([] if options.gumbel_only else FILTERED_METHODS)
+        measured(filtered_arms(inputs, method, options, ceiling_tbps, notes))
+        for method in FILTERED_METHODS
+        if method.name in kinds
     ]
     filtered = [arm for arms in filtered_by_method for arm in arms]
     # Each filtered case's noise level: its API arm, or its reference arm where that failed.
@@ -600,13 +671,24 @@ def batch_results(
         next((arm for arm in arms if arm.row.arm == "decodelab"), arms[0])
         for arms in filtered_by_method
     ]
-    peer_rows = peers.sampling_results(
-        inputs.batch, inputs.vocab, options, ceiling_tbps, notes=notes
-    )
+    peer_rows = []
+    if "gumbel" in kinds and ("top_p" in kinds or options.gumbel_only):
+        peer_rows = peers.sampling_results(
+            inputs.batch, inputs.vocab, options, ceiling_tbps, notes=notes
+        )
+        done.extend(peer_rows)
+        options.save_partial(done)
+    else:
+        notes.append(
+            f"B={inputs.batch}: the peers were not run in this part (their rows join the gumbel "
+            "and top_p cases, so they run with both)"
+        )
     # The API arm is the noise level of its case; where it failed, the reference arm is.
-    api_arm = next((arm for arm in gumbel if arm.row.arm == "decodelab"), gumbel[0])
+    api_arms = (
+        [next((arm for arm in gumbel if arm.row.arm == "decodelab"), gumbel[0])] if gumbel else []
+    )
     repeats = [
-        _repeat_row(inputs, options, ceiling_tbps, arm) for arm in [api_arm, *filtered_repeats]
+        _repeat_row(inputs, options, ceiling_tbps, arm) for arm in [*api_arms, *filtered_repeats]
     ]
     ours = [arm.row for arm in gumbel + filtered]
     sort_row = _find(peer_rows, f"top_p B={inputs.batch}", "jax_sort")
@@ -614,7 +696,9 @@ def batch_results(
         for arm in filtered:
             arm.row.extra["vs_jax_sort_top_p"] = sort_row.median_us / arm.row.median_us
     report.print_results(ours + repeats)
-    notes += target_notes(inputs.batch, ours + peer_rows, filtered=not options.gumbel_only)
+    notes += target_notes(
+        inputs.batch, ours + peer_rows, filtered=bool(filtered), gumbel=bool(gumbel)
+    )
     return ours + peer_rows + repeats
 
 
@@ -622,14 +706,18 @@ def _find(rows: list[CaseResult], case: str, arm: str) -> CaseResult | None:
     return next((row for row in rows if row.case == case and row.arm == arm), None)
 
 
-def target_notes(batch: int, rows: list[CaseResult], *, filtered: bool = True) -> list[str]:
+def target_notes(
+    batch: int, rows: list[CaseResult], *, filtered: bool = True, gumbel: bool = True
+) -> list[str]:
     """Sentences comparing one batch's figures with issue 4's targets (module docstring); the
-    filtered samplers' only where they ran (``filtered``)."""
+    filtered samplers' only where they ran (``filtered``), Gumbel-max's likewise (``gumbel``)."""
     notes = []
     gumbel_case = f"gumbel B={batch}"
     ours = _find(rows, gumbel_case, "decodelab")
     categorical = _find(rows, gumbel_case, "jax_categorical")
-    if ours is None:
+    if not gumbel:
+        pass
+    elif ours is None:
         notes.append(f"target {gumbel_case}: `decodelab` not measured")
     else:
         sentence = (
