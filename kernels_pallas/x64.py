@@ -13,6 +13,15 @@ with x64 off (``jax.export``) and embeds the lowered program in the caller's (``
 works eagerly and inside ``jit``). 64-bit integer operands are cast to int32 first; 64-bit
 floats are refused (the kernels compute in float32). With x64 off nothing changes: the wrapper
 is called as it is, and the compiled kernel is the same.
+
+The other way, taken by the sampling, speculative and norm kernels (``gumbel.py``,
+``dual_pivot.py``, ``filter_masks.py``, ``spec_accept.py``, ``norm.py``, with the helpers of
+``row_select.py``): the kernel names ``jnp.int32`` in every integer sum, count and store index,
+so it traces the same under x64 and needs no export. That is the cheaper rule, and the one for
+a new kernel whose index arithmetic is small enough to audit; the attention kernels, whose
+index arithmetic runs through Pallas helpers (``pl.ds``, ``pl.cdiv``, block specs), use this
+module instead. Either way the public function's x64 test (``tests/test_bad_input_*.py``, ``-k
+x64``) is what shows it works.
 """
 
 from __future__ import annotations
