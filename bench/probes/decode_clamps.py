@@ -49,6 +49,7 @@ import paged
 import paged.decode as decode_module
 from bench.harness.attention_inputs import make_attention_setup
 from bench.harness.timing import TimedLoop
+from bench.suites import decode as decode_suite
 from kernels_pallas import merge_states as merge_module
 from kernels_pallas import paged_decode as kernel_module
 
@@ -195,45 +196,6 @@ def kernel_variants(sources: pathlib.Path) -> dict[str, tuple]:
     return named | variants
 
 
-def kernel_step(setup, plan, params, decode_mod, merge_mod, takes_table, interpret):
-    def step(set_index, operands):
-        queries, k_pages, v_pages, page_indptr, page_indices, last_page_len, plan = operands
-        table = (
-            dict(page_indptr=page_indptr[set_index], last_page_len=last_page_len[set_index])
-            if takes_table
-            else {}
-        )
-        o, lse = decode_mod.paged_decode(
-            queries[set_index],
-            k_pages,
-            v_pages,
-            page_indices[set_index],
-            plan.work_request,
-            plan.work_page_start,
-            plan.work_page_end,
-            plan.work_last_page_len,
-            layout="HND",
-            sm_scale=setup.sm_scale,
-            logits_soft_cap=None,
-            write_final=plan.write_final,
-            interpret=interpret,
-            **table,
-            **params,
-        )
-        if not plan.write_final:
-            o, lse = merge_mod.merge_partial_states(
-                o,
-                lse,
-                plan.merge_indptr,
-                num_q_heads=setup.num_q_heads,
-                out_dtype=setup.queries.dtype,
-                interpret=interpret,
-            )
-        return o, lse
-
-    return step
-
-
 def api_step(setup, decode_mod):
     def step(set_index, operands):
         queries, k_pages, v_pages, page_indptr, page_indices, last_page_len, plan = operands
@@ -310,8 +272,15 @@ def main(argv=None) -> int:
             plan,
         )
         loops = {
-            f"kernel:{name}": TimedLoop(
-                kernel_step(setup, plan, params, d, m, t, interpret), setup.num_sets, operands
+            f"kernel:{name}": decode_suite.kernel_loop(
+                setup,
+                plan,
+                params,
+                include_merge=True,
+                interpret=interpret,
+                decode=d.paged_decode,
+                merge=m.merge_partial_states,
+                takes_table=t,
             )
             for name, (d, m, t) in variants.items()
         }

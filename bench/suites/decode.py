@@ -228,12 +228,24 @@ def kernel_loop(
     *,
     include_merge: bool,
     interpret: bool,
+    decode=paged_decode,
+    merge=merge_partial_states,
+    takes_table: bool = True,
 ) -> TimedLoop:
-    """One call = the raw decode kernel with ``params`` (and the merge, if asked and needed)."""
+    """One call = the raw decode kernel with ``params`` (and the merge, if asked and needed).
+
+    ``decode`` and ``merge`` are the kernels' wrappers (default: this tree's); a probe passes
+    other versions of them (``bench/probes/decode_clamps.py``), whose ``decode`` may predate
+    the table operands (``takes_table=False``)."""
 
     def step(set_index, operands):
         queries, k_pages, v_pages, page_indptr, page_indices, last_page_len, plan = operands
-        o, lse = paged_decode(
+        table = (
+            dict(page_indptr=page_indptr[set_index], last_page_len=last_page_len[set_index])
+            if takes_table
+            else {}
+        )
+        o, lse = decode(
             queries[set_index],
             k_pages,
             v_pages,
@@ -242,17 +254,16 @@ def kernel_loop(
             plan.work_page_start,
             plan.work_page_end,
             plan.work_last_page_len,
-            page_indptr=page_indptr[set_index],
-            last_page_len=last_page_len[set_index],
             layout="HND",
             sm_scale=setup.sm_scale,
             logits_soft_cap=None,
             write_final=plan.write_final,
             interpret=interpret,
+            **table,
             **params,
         )
         if include_merge and not plan.write_final:
-            o, lse = merge_partial_states(
+            o, lse = merge(
                 o,
                 lse,
                 plan.merge_indptr,
