@@ -8,6 +8,7 @@
 #   bash bench/run_on_gpu.sh sampling-32 speculative serving-a serving-b
 #   timeout -s KILL 560 bash bench/run_on_gpu.sh speculative-quick engine-bf16 serving-single; \
 #     bash bench/run_on_gpu.sh pack
+#   SAMPLING_BATCH=1 DECODELAB_SAMPLING_CASES=gumbel,top_p bash bench/run_on_gpu.sh sampling-part
 # (merge a suite's parts into one report with python -m bench.harness.merge_reports)
 # The stage names are unchanged since bench/ was split into harness/, suites/, tuning/, probes/
 # and memcheck/; only the modules they run moved (prefill is now `python -m bench prefill`).
@@ -108,6 +109,13 @@ for stage in "$@"; do
     serving-b)
       DECODELAB_SERVING_SCENARIOS=long timeout 550 python3 -m bench serving \
         --out "$out/serving-b" 2>&1 | tee "$out/serving-b.log" | grep -E '^note|wrote' ;;
+    sampling-part)  # one batch, some cases: SAMPLING_BATCH=1 DECODELAB_SAMPLING_CASES=gumbel,top_p
+      # The suite keeps <date>-sampling-partial.json current, so a part cut by its timeout keeps
+      # the arms it finished; merge the parts with python -m bench.harness.merge_reports.
+      part="sampling-${SAMPLING_BATCH:?set SAMPLING_BATCH}-${DECODELAB_SAMPLING_CASES:-all}"
+      part="${part//,/_}"
+      timeout "${SAMPLING_PART_TIMEOUT:-540}" python3 -m bench sampling --batches "$SAMPLING_BATCH" \
+        --out "$out/$part" 2>&1 | tee "$out/$part.log" | grep -E '^\.\.\. .* done in|^note|wrote' ;;
     *) echo "unknown stage $stage" ;;
   esac
 done
