@@ -263,30 +263,28 @@ def paged_decode_mgpu_kernel(
     lse = jnp.where(nonempty, (running_max + jnp.log2(running_sum)) * LN_2, -jnp.inf)
     if write_final:
         first_out = first_row
-        store = jnp.logical_not(is_padding)
+        store = jnp.logical_not(is_padding)  # a padding item's rows would be request 0's
     else:
         first_out = (work * num_kv_heads + kv_head) * out_rows
-        store = None
+        store = None  # every item's partial rows are its own; a padding item's stay empty
 
     def write(o_smem, lse_smem):
         o_smem[...] = out.astype(o_ref.dtype)
         lse_smem[...] = lse
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(
-            o_smem.at[pl.ds(row_offset, out_rows)],
-            o_ref.at[pl.ds(first_out, out_rows)],
-            predicate=store,
-        )
 
-        def store_lse():
+        def store_rows():
+            plgpu.copy_smem_to_gmem(
+                o_smem.at[pl.ds(row_offset, out_rows)], o_ref.at[pl.ds(first_out, out_rows)]
+            )
             # A handful of scalars: a TMA row must be a multiple of 16 bytes (4 float32).
             for row in range(out_rows):
                 lse_ref[first_out + row] = lse_smem[row_offset + row]
 
         if store is None:
-            store_lse()
+            store_rows()
         else:
-            pl.when(store)(store_lse)
+            pl.when(store)(store_rows)
         plgpu.wait_smem_to_gmem(0)
 
     pl.run_scoped(
@@ -352,7 +350,7 @@ def _attend_step(
         @pl.when(valid_rows < page_size)
         def _(v_slot=v_slot, valid_rows=valid_rows):
             layout = plgpu.Layout.SMEM_GMEM_COPY((page_size, head_dim), dtype, 32)
-            values = plgpu.load(v_slot, (), layout=layout)
+            values = plgpu.load(v_slot, layout=layout)
             row = plgpu.broadcasted_iota(jnp.int32, (page_size, head_dim), 0, layout=layout)
             v_slot[...] = jnp.where(row < valid_rows, values, jnp.zeros_like(values))
             plgpu.commit_smem()
