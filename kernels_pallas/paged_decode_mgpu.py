@@ -481,8 +481,11 @@ def paged_decode_mgpu(
         o, lse = plgpu.kernel(
             kernel,
             out_type=out_type,
-            grid=(num_work, num_kv_heads),
-            grid_names=("work", "kv_head"),
+            # Mosaic GPU maps the last grid axis to CUDA's x (up to 2^31 - 1 blocks; y and z
+            # stop at 65535): work items there, so any plan fits, launched item-fastest as
+            # the Triton kernel's grid is.
+            grid=(num_kv_heads, num_work),
+            grid_names=("kv_head", "work"),
             interpret=plgpu.InterpretGPUParams() if interpret else None,
             kernel_name=f"paged_decode_mgpu_p{pages_per_step}_s{num_stages}"
             + ("_psmem" if probs_in_smem else "_preg")
