@@ -1,7 +1,9 @@
 """Split-KV paged decode attention on Mosaic GPU (Pallas ``plgpu``): pages streamed by TMA.
 
-Same contract as ``kernels_pallas/paged_decode.py`` (the Triton kernel) for one new token a
-request in the HND layout: the work items of ``paged.plan_decode``, the CSR page table, final
+Same contract as ``kernels_pallas/paged_decode.py`` (the Triton kernel) in the HND layout
+(the layout whose page of one KV head is one contiguous tile, one TMA box; NHD would need a
+strided box per page and is left out): the work items of ``paged.plan_decode``, the CSR page
+table, one new token a request or ``q_len`` of them (causal among themselves, as there), final
 ``(o, lse)`` when ``write_final`` or partial states that ``merge_states.py`` merges unchanged.
 Not yet wired into ``paged.decode_attention``; its speed is not yet measured
 (``bench/probes/mgpu_decode.py`` measures it on the H200).
@@ -17,15 +19,16 @@ kernel, from a copy of the program's slice of ``page_indices`` in shared memory.
 
 The pipeline, for one program (one work item, one KV head; one warpgroup of 128 threads):
 
-- Prologue: TMA the query tile ``[64, D]`` (the ``G`` query heads of the KV head, padded, see
-  below) and the first window of ``index_window`` page numbers into shared memory; then the
+- Prologue: TMA the query tile ``[64, D]`` (the ``q_len x G`` query rows of the KV head,
+  padded, see below) and the first window of ``index_window`` page numbers into shared memory; then the
   pipeline issues the K and V copies of steps ``0 .. num_stages - 1``.
 - Step ``i`` waits for its own pages (issued ``num_stages`` steps earlier), computes on them, and
   on return frees their slots, into which the copies of step ``i + num_stages`` are issued at
   once. So while step ``i`` is computed, the pages of steps ``i + 1 .. i + num_stages - 1`` are
   in flight: ``(num_stages - 1) x pages_per_step`` pages of K and V a program.
 - Compute of a step, per page: ``s = q @ K_page^T`` on the tensor cores (WGMMA, ``[64,
-  page_size]`` float32), base-2 scaled (soft-capped) logits, keys past the item's end masked,
+  page_size]`` float32), base-2 scaled (soft-capped) logits, keys past the item's end (and,
+  for several new tokens, keys after a row's token) masked,
   the online softmax of ``online_softmax.py`` in float32 (one running max a step), then ``p @
   V_page`` on the tensor cores. ``p`` (bfloat16/float16) is either stored to shared memory first
   (``probs_in_smem=True``: the path Mosaic GPU's interpreter can run on a CPU) or fed from
@@ -36,15 +39,21 @@ The pipeline, for one program (one work item, one KV head; one warpgroup of 128 
   of more pages than one window runs one pipeline a window, so the pipeline drains and refills
   once every ``index_window`` pages (one copy latency each; the planner's chunks usually fit one
   window).
-- Epilogue: normalize, write ``G`` output rows (final) or the ``P`` rows of a partial state
-  through shared memory by TMA, and the LSE rows.
+- Epilogue: normalize, write the ``q_len x G`` output rows (final, or the real rows of a
+  partial state's block) through shared memory by TMA, and the LSE rows as scalars (a TMA row
+  must be 16 bytes; ``q_len x G`` scalar stores a program, to be measured).
 
 GQA padding. A WGMMA tile has 64 rows (one warpgroup), so the ``G`` (1 to 8) query heads of a KV
-head fill ``G`` of 64 rows. What the padding costs: ``64 / G`` times the tensor-core work the
-heads need (8x at ``G = 8``, still far below the tensor cores' rate for one page of keys every
-few hundred nanoseconds), a 64-row query tile in shared memory (16 KiB at ``D = 128``) read once
-a program (its extra rows belong to neighbouring heads and mostly hit L2), and 64-row float32
-softmax state in registers. No padded row is ever stored; no HBM byte is added to the K/V stream.
+head fill ``G`` of 64 rows (``q_len x G`` with several new tokens; they must fit,
+``max_query_len``). The tile starts on the 8-row boundary at or before the head's first row of
+``q`` (a tiled TMA starts on a tile), so the head's rows sit at an offset of 0 to 7 in it. What
+the padding costs: ``64 / G`` times the tensor-core work the heads need (64x at ``G = 1``, 8x
+at ``G = 8``; a page's two small WGMMAs stay far below the tensor cores' rate at one page every
+few hundred nanoseconds a program, but they and the ``[64, 16]`` softmax are latency on the
+critical path of each step), a 64-row query tile in shared memory (16 KiB at ``D = 128``) read
+once a program (its extra rows belong to neighbouring heads and mostly hit L2), and 64 rows of
+float32 softmax state in registers. No padded row is ever stored; no HBM byte is added to the
+K/V stream.
 
 Unused key slots. The last page of an item holds ``last_page_len`` keys, the rest of its slots
 whatever was there before (possibly NaN); a step may also hold page slots past the item's end.
@@ -68,6 +77,7 @@ a WGMMA whose left operand is in registers, nor ``pl.run_state`` accumulators, s
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -76,14 +86,15 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kernels_pallas.online_softmax import LN_2, LOG2_E, MASKED_LOGIT
-from kernels_pallas.paged_decode import partial_rows, unsigned_min
+from kernels_pallas.paged_decode import head_major, partial_rows, token_major, unsigned_min
 from kernels_pallas.x64 import runs_in_32_bits
 
 TILE_ROWS = 64  # a WGMMA tile's rows: one warpgroup
-MAX_GROUP = 8  # query heads per KV head the 64-row tile takes (a q_len x G tile, later)
+MAX_GROUP = 8  # query heads per KV head (the tile holds q_len x G rows: max_query_len)
 MAX_INDEX_WINDOW = 256  # a TMA box has at most 256 elements a dimension
 PAGE_SIZE = 16  # the WGMMA K dimension of p @ V is one page
 SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16)
+SUPPORTED_HEAD_DIMS = (64, 128)
 
 
 def _transforms(minor_elements: int, dtype) -> tuple:
@@ -108,14 +119,21 @@ def paged_decode_mgpu_kernel(
     work_page_end_ref,  # [num_work] int32, GMEM
     work_last_page_len_ref,  # [num_work] int32, GMEM, valid slots in the item's final page
     page_indices_ref,  # [num_indices] int32, GMEM
-    q_ref,  # [batch * KVH * G, head_dim], GMEM, rows (request, KV head, g)
-    k_pages_ref,  # [num_pages, KVH, page_size, head_dim], GMEM
-    v_pages_ref,  # [num_pages, KVH, page_size, head_dim], GMEM
-    o_ref,  # [batch * KVH * G, head_dim] q.dtype | [num_work * KVH * P, head_dim] float32
-    lse_ref,  # [batch * KVH * G] | [num_work * KVH * P] float32
-    *,
+    # Only when q_len > 1 (the causal bound needs each request's length), the table's
+    #   page_indptr_ref,  # [batch + 1] int32, GMEM
+    #   request_last_page_len_ref,  # [batch] int32, GMEM
+    # then always:
+    #   q_ref,  # [batch * KVH * q_len * G, head_dim], GMEM, rows (request, KV head, token, g)
+    #   k_pages_ref,  # [num_pages, KVH, page_size, head_dim], GMEM
+    #   v_pages_ref,  # [num_pages, KVH, page_size, head_dim], GMEM
+    # and the outputs, final (write_final) or per-work-item partials (R = q_len * G rows a KV
+    # head, P = R padded to a power of two):
+    #   o_ref,  # [batch * KVH * R, head_dim] q.dtype | [num_work * KVH * P, head_dim] float32
+    #   lse_ref,  # [batch * KVH * R] | [num_work * KVH * P] float32
+    *refs,
+    q_len: int,
     group_size: int,
-    out_rows: int,
+    partial_block: int,
     num_kv_heads: int,
     pages_per_step: int,
     num_stages: int,
@@ -126,12 +144,16 @@ def paged_decode_mgpu_kernel(
     write_final: bool,
     probs_in_smem: bool,
 ):
+    if q_len > 1:
+        page_indptr_ref, request_last_page_len_ref, *refs = refs
+    q_ref, k_pages_ref, v_pages_ref, o_ref, lse_ref = refs
     work = lax.axis_index("work")
     kv_head = lax.axis_index("kv_head")
     num_pages, _, page_size, head_dim = k_pages_ref.shape
     num_indices = page_indices_ref.shape[0]
     dtype = k_pages_ref.dtype
-    batch = q_ref.shape[0] // (num_kv_heads * group_size)
+    query_rows = q_len * group_size  # this KV head's rows: every new token's group of heads
+    batch = q_ref.shape[0] // (num_kv_heads * query_rows)
     steps_per_window = index_window // pages_per_step
 
     # The clamps of the Triton kernel (its docstring says why each is one unsigned minimum).
@@ -144,8 +166,26 @@ def paged_decode_mgpu_kernel(
     num_item_pages = jnp.maximum(page_end - page_start, 0)
     num_tokens = jnp.where(num_item_pages > 0, (num_item_pages - 1) * page_size + last_page_len, 0)
     num_windows = pl.cdiv(num_item_pages, index_window)
-    first_row = (request * num_kv_heads + kv_head) * group_size
+    first_row = (request * num_kv_heads + kv_head) * query_rows
     row_offset = lax.rem(first_row, 8)  # of the head's rows in the query tile
+    causal = None
+    if q_len > 1:
+        # Token l of the request sits at position seq_len - q_len + l and sees the keys up to
+        # its own: in this item's key numbering, keys below causal_base + l (the Triton
+        # kernel's rule; a request shorter than q_len under jit gives its early tokens no key).
+        request_first_page = page_indptr_ref[request]
+        request_pages = page_indptr_ref[request + 1] - request_first_page
+        seq_len = jnp.where(
+            request_pages > 0,
+            (request_pages - 1) * page_size + request_last_page_len_ref[request],
+            0,
+        )
+        item_first_position = (page_start - request_first_page) * page_size
+        causal = dict(
+            base=seq_len - q_len + 1 - item_first_position,
+            row_offset=row_offset,
+            group_size=group_size,
+        )
 
     k_transforms = _transforms(head_dim, dtype)
     v_transforms = _transforms(page_size, dtype)
@@ -160,9 +200,9 @@ def paged_decode_mgpu_kernel(
 
     def scoped(q_smem, probs_smem, index_buffers, q_barrier, index_barriers):
         # The query tile: 64 rows from the 8-row tile boundary at or before this KV head's first
-        # row (a tiled copy starts on a tile), so the head's G rows are rows row_offset ..
-        # row_offset + G - 1; the others belong to other heads (or lie past q's end,
-        # zero-filled) and are computed but never stored.
+        # row (a tiled copy starts on a tile), so the head's R = q_len x G rows are rows
+        # row_offset .. row_offset + R - 1; the others belong to other heads (or lie past q's
+        # end, zero-filled) and are computed but never stored.
         plgpu.copy_gmem_to_smem(
             q_ref.at[pl.ds(pl.multiple_of(first_row - row_offset, 8), TILE_ROWS)],
             q_smem,
@@ -218,6 +258,7 @@ def paged_decode_mgpu_kernel(
                     v_slots,
                     first_key=first_key,
                     num_tokens=num_tokens,
+                    causal=causal,
                     logit_scale_log2=logit_scale_log2,
                     logits_soft_cap=logits_soft_cap,
                     sm_scale=sm_scale,
@@ -265,7 +306,7 @@ def paged_decode_mgpu_kernel(
         first_out = first_row
         store = jnp.logical_not(is_padding)  # a padding item's rows would be request 0's
     else:
-        first_out = (work * num_kv_heads + kv_head) * out_rows
+        first_out = (work * num_kv_heads + kv_head) * partial_block
         store = None  # every item's partial rows are its own; a padding item's stay empty
 
     def write(o_smem, lse_smem):
@@ -274,11 +315,13 @@ def paged_decode_mgpu_kernel(
         plgpu.commit_smem()
 
         def store_rows():
+            # The R real rows; a partial block's padding rows (P - R) are left unwritten, as
+            # merge_partial_states discards them.
             plgpu.copy_smem_to_gmem(
-                o_smem.at[pl.ds(row_offset, out_rows)], o_ref.at[pl.ds(first_out, out_rows)]
+                o_smem.at[pl.ds(row_offset, query_rows)], o_ref.at[pl.ds(first_out, query_rows)]
             )
-            # A handful of scalars: a TMA row must be a multiple of 16 bytes (4 float32).
-            for row in range(out_rows):
+            # Scalars: a TMA row must be a multiple of 16 bytes (4 float32) and start aligned.
+            for row in range(query_rows):
                 lse_ref[first_out + row] = lse_smem[row_offset + row]
 
         if store is None:
@@ -289,7 +332,7 @@ def paged_decode_mgpu_kernel(
 
     pl.run_scoped(
         write,
-        plgpu.SMEM((TILE_ROWS, head_dim), o_ref.dtype),  # row_offset + out_rows <= 16 rows used
+        plgpu.SMEM((TILE_ROWS, head_dim), o_ref.dtype),  # rows row_offset .. + R - 1 used
         plgpu.SMEM((TILE_ROWS,), jnp.float32),
     )
 
@@ -303,13 +346,18 @@ def _attend_step(
     *,
     first_key,
     num_tokens,
+    causal,
     logit_scale_log2,
     logits_soft_cap,
     sm_scale,
     probs_in_smem,
     dtype,
 ):
-    """One pipeline step: the online-softmax update over ``len(k_slots)`` pages in SMEM."""
+    """One pipeline step: the online-softmax update over ``len(k_slots)`` pages in SMEM.
+
+    ``causal`` (several new tokens) holds ``base``, ``row_offset`` and ``group_size``: tile row
+    ``r`` is token ``(r - row_offset) // group_size`` and sees the item's keys below ``base``
+    plus its token; None for one new token (every key of the item is visible)."""
     acc, running_max, running_sum = state
     pages_per_step = len(k_slots)
     page_size = k_slots[0].shape[0]
@@ -322,7 +370,16 @@ def _attend_step(
 
     logits = pl.run_scoped(qk, *[plgpu.ACC((TILE_ROWS, page_size), jnp.float32)] * pages_per_step)
     column = plgpu.broadcasted_iota(jnp.int32, (TILE_ROWS, page_size), 1, layout=plgpu.Layout.WGMMA)
-    masked_logits = []
+    visible_keys = num_tokens
+    if causal is not None:
+        row = plgpu.broadcasted_iota(
+            jnp.int32, (TILE_ROWS, page_size), 0, layout=plgpu.Layout.WGMMA
+        )
+        group = causal["group_size"]
+        # (r - row_offset) // G with a non-negative numerator (truncating division = floor).
+        token = lax.div(row + (8 * group - causal["row_offset"]), jnp.int32(group)) - 8
+        visible_keys = jnp.minimum(causal["base"] + token, num_tokens)  # [64, page_size]
+    masked_logits, visible = [], []
     for page, page_logits in enumerate(logits):
         if logits_soft_cap is None:
             page_logits = page_logits * logit_scale_log2
@@ -331,12 +388,18 @@ def _attend_step(
                 logits_soft_cap * jnp.tanh(page_logits * (sm_scale / logits_soft_cap)) * LOG2_E
             )
         key = column + (first_key + page * page_size)
-        masked_logits.append(jnp.where(key < num_tokens, page_logits, MASKED_LOGIT))
+        visible.append(key < visible_keys)
+        masked_logits.append(jnp.where(visible[-1], page_logits, MASKED_LOGIT))
     new_max = running_max
     for page_logits in masked_logits:
         new_max = jnp.maximum(new_max, page_logits.max(axis=1))
     correction = jnp.exp2(running_max - new_max)
     probs = [jnp.exp2(x - _row_broadcast(new_max, x.shape)) for x in masked_logits]
+    if causal is not None:
+        # A row that sees no key of this step (nor before) has only MASKED_LOGIT, its max too,
+        # so exp2 gives 1, not 0: its weights must be zeroed. With one new token a masked key
+        # only ever follows a real one in the item (online_softmax.py's argument), so no select.
+        probs = [jnp.where(v, p, 0.0) for v, p in zip(visible, probs, strict=True)]
     running_sum = running_sum * correction
     for page_probs in probs:
         running_sum = running_sum + page_probs.sum(axis=1)
@@ -401,6 +464,8 @@ def paged_decode_mgpu(
     work_page_end: jax.Array,
     work_last_page_len: jax.Array,
     *,
+    page_indptr: jax.Array | None = None,
+    last_page_len: jax.Array | None = None,
     sm_scale: float,
     logits_soft_cap: float | None,
     write_final: bool,
@@ -410,25 +475,32 @@ def paged_decode_mgpu(
     probs_in_smem: bool = False,
     interpret: bool = False,
 ):
-    """Runs the Mosaic GPU decode kernel over a list of work items (HND layout, one new token).
+    """Runs the Mosaic GPU decode kernel over a list of work items (HND layout).
 
     Args:
-      q: ``[B, H, D]``, bfloat16 or float16; ``D`` 64 or 128 (a multiple of 64).
-      k_pages, v_pages: ``[num_pages, KVH, page_size, D]`` (HND) in q's dtype; ``page_size`` 16;
-        ``H / KVH`` (the group) 1 to 8.
+      q: ``[B, H, D]`` (one new token a request) or ``[B, L, H, D]`` (the last ``L`` tokens of
+        each request, causal among themselves), bfloat16 or float16; ``D`` 64 or 128. The
+        ``L x G`` query rows of a KV head (``G = H / KVH``, 1 to 8) must fit one 64-row tile
+        (``max_query_len``).
+      k_pages, v_pages: ``[num_pages, KVH, page_size, D]`` (HND) in q's dtype; ``page_size`` 16.
       page_indices: int32 ``[num_indices]``.
       work_request, work_page_start, work_page_end, work_last_page_len: int32 ``[W]``, the work
         items of ``paged.plan_decode`` (request ``-1`` for padding; page range in
         ``page_indices``; valid slots of the range's final page). Invalid values give wrong
         results, never an access outside an array.
+      page_indptr, last_page_len: the table's int32 ``[B + 1]`` and ``[B]``, which place an
+        item's keys relative to the new tokens for the causal mask; needed when ``L > 1``,
+        ignored (no kernel operands) otherwise.
       sm_scale, logits_soft_cap: as in ``paged.decode_attention``.
-      write_final: write normalized ``(o [B, H, D] q.dtype, lse [B, H] float32)`` (every
-        request is one work item); else partial states ``(o [W, KVH, P, D] float32, lse [W, KVH,
-        P] float32)``, ``P`` the group padded to a power of two, as the Triton kernel writes
-        them for ``merge_partial_states``.
+      write_final: write normalized ``(o, lse)`` shaped like ``q`` (``o`` in q's dtype, ``lse``
+        float32 without ``D``; every request is one work item); else partial states ``(o [W,
+        KVH, P, D] float32, lse [W, KVH, P] float32)``, ``P = partial_rows(L * G)``, row ``l *
+        G + g`` token ``l``, head ``g``, as the Triton kernel writes them for
+        ``merge_partial_states(..., num_q_heads=L * H)`` (rows past ``L * G`` are padding and
+        are left unwritten here).
       pages_per_step: pages of K and of V a pipeline step copies and computes (static).
       num_stages: pipeline steps in flight (``emit_pipeline``'s ``max_concurrent_steps``).
-      index_window: page numbers copied to shared memory at once (a multiple of
+      index_window: page numbers copied to shared memory at once (a multiple of 4 and of
         ``pages_per_step``, at most 256).
       probs_in_smem: store the softmax weights to shared memory before ``p @ V`` (runs in
         interpret mode); False feeds them from registers (compiled only).
@@ -438,25 +510,31 @@ def paged_decode_mgpu(
       The final or partial ``(o, lse)`` described above.
 
     Raises:
-      ValueError: for shapes, dtypes or static parameters the kernel does not take (naming the
-        argument and its value).
+      ValueError: for shapes, dtypes or static parameters the kernel does not take, and a
+        missing table for ``L > 1`` (naming the argument and its value).
     """
     validate_mgpu_decode_arguments(
         q, k_pages, v_pages, pages_per_step, num_stages, index_window, probs_in_smem, interpret
     )
-    batch, num_q_heads, head_dim = q.shape
+    q_len = 1 if q.ndim == 3 else q.shape[1]
+    if q_len > 1 and (page_indptr is None or last_page_len is None):
+        raise ValueError(
+            f"q_len={q_len} needs the table's page_indptr and last_page_len for the causal mask"
+        )
+    batch, num_q_heads, head_dim = q.shape[0], q.shape[-2], q.shape[-1]
     num_kv_heads = k_pages.shape[1]
     group_size = num_q_heads // num_kv_heads
+    query_rows = q_len * group_size
+    partial_block = partial_rows(query_rows)
     num_work = work_request.shape[0]
+    total_rows = batch * num_q_heads * q_len
     if write_final:
-        out_rows = group_size
         out_type = (
-            jax.ShapeDtypeStruct((batch * num_q_heads, head_dim), q.dtype),
-            jax.ShapeDtypeStruct((batch * num_q_heads,), jnp.float32),
+            jax.ShapeDtypeStruct((total_rows, head_dim), q.dtype),
+            jax.ShapeDtypeStruct((total_rows,), jnp.float32),
         )
     else:
-        out_rows = partial_rows(group_size)
-        count = num_work * num_kv_heads * out_rows
+        count = num_work * num_kv_heads * partial_block
         out_type = (
             jax.ShapeDtypeStruct((count, head_dim), jnp.float32),
             jax.ShapeDtypeStruct((count,), jnp.float32),
@@ -466,8 +544,9 @@ def paged_decode_mgpu(
     else:
         kernel = functools.partial(
             paged_decode_mgpu_kernel,
+            q_len=q_len,
             group_size=group_size,
-            out_rows=out_rows,
+            partial_block=partial_block,
             num_kv_heads=num_kv_heads,
             pages_per_step=pages_per_step,
             num_stages=num_stages,
@@ -478,6 +557,10 @@ def paged_decode_mgpu(
             write_final=write_final,
             probs_in_smem=probs_in_smem,
         )
+        # Rows grouped by (request, KV head), token-major inside: q's own order for one token,
+        # a small copy of q otherwise (the Triton kernel's row order).
+        q_rows = head_major(q.reshape(batch, q_len, num_q_heads, head_dim), num_kv_heads)
+        table = (page_indptr, last_page_len) if q_len > 1 else ()
         o, lse = plgpu.kernel(
             kernel,
             out_type=out_type,
@@ -489,6 +572,7 @@ def paged_decode_mgpu(
             interpret=plgpu.InterpretGPUParams() if interpret else None,
             kernel_name=f"paged_decode_mgpu_p{pages_per_step}_s{num_stages}"
             + ("_psmem" if probs_in_smem else "_preg")
+            + (f"_q{q_len}" if q_len > 1 else "")
             + ("_final" if write_final else "_partial"),
         )(
             work_request,
@@ -496,24 +580,47 @@ def paged_decode_mgpu(
             work_page_end,
             work_last_page_len,
             page_indices,
-            q.reshape(batch * num_q_heads, head_dim),
+            *table,
+            q_rows.reshape(total_rows, head_dim),
             k_pages,
             v_pages,
         )
     if write_final:
+        o = token_major(o.reshape(batch, num_q_heads * q_len, head_dim), q_len, num_kv_heads)
+        lse = token_major(lse.reshape(batch, num_q_heads * q_len), q_len, num_kv_heads)
         return o.reshape(q.shape), lse.reshape(q.shape[:-1])
     return (
-        o.reshape(num_work, num_kv_heads, out_rows, head_dim),
-        lse.reshape(num_work, num_kv_heads, out_rows),
+        o.reshape(num_work, num_kv_heads, partial_block, head_dim),
+        lse.reshape(num_work, num_kv_heads, partial_block),
     )
+
+
+def max_query_len(group_size: int) -> int:
+    """The most new tokens a request may bring for this group size: the ``L x G`` rows of a KV
+    head, from their offset inside an 8-row tile (up to ``8 - gcd(L x G, 8)``), must fit the
+    64-row query tile.
+
+    Example:
+      >>> [max_query_len(g) for g in (1, 2, 4, 8)]
+      [64, 32, 16, 8]
+    """
+    fits = [
+        q_len
+        for q_len in range(1, TILE_ROWS + 1)
+        if q_len * group_size + (8 - math.gcd(q_len * group_size, 8)) % 8 <= TILE_ROWS
+    ]
+    return max(fits, default=0)
 
 
 def validate_mgpu_decode_arguments(
     q, k_pages, v_pages, pages_per_step, num_stages, index_window, probs_in_smem, interpret
 ) -> None:
     """Raises ValueError for what ``paged_decode_mgpu`` cannot run, naming the value."""
-    if q.ndim != 3:
-        raise ValueError(f"q must be [batch, num_q_heads, head_dim] (one new token), got {q.shape}")
+    if q.ndim not in (3, 4):
+        raise ValueError(
+            "q must be [batch, num_q_heads, head_dim] or [batch, q_len, num_q_heads, head_dim], "
+            f"got {q.shape}"
+        )
     if k_pages.ndim != 4 or v_pages.shape != k_pages.shape:
         raise ValueError(
             "k_pages and v_pages must share one HND shape [num_pages, num_kv_heads, page_size, "
@@ -526,14 +633,22 @@ def validate_mgpu_decode_arguments(
     num_pages, num_kv_heads, page_size, head_dim = k_pages.shape
     if page_size != PAGE_SIZE:
         raise ValueError(f"page_size must be {PAGE_SIZE}, got {page_size}")
-    if q.shape[-1] != head_dim or head_dim % 64 or head_dim > 256:
+    if q.shape[-1] != head_dim or head_dim not in SUPPORTED_HEAD_DIMS:
         raise ValueError(
-            f"head_dim must be 64, 128, 192 or 256 and equal in q and the pages, got q's "
-            f"{q.shape[-1]} and the pages' {head_dim}"
+            f"head_dim must be one of {SUPPORTED_HEAD_DIMS} and equal in q and the pages, got "
+            f"q's {q.shape[-1]} and the pages' {head_dim}"
         )
-    if q.shape[1] % num_kv_heads or not 1 <= q.shape[1] // num_kv_heads <= MAX_GROUP:
+    num_q_heads = q.shape[-2]
+    if num_q_heads % num_kv_heads or not 1 <= num_q_heads // num_kv_heads <= MAX_GROUP:
         raise ValueError(
-            f"num_q_heads={q.shape[1]} must be 1 to {MAX_GROUP} times num_kv_heads={num_kv_heads}"
+            f"num_q_heads={num_q_heads} must be 1 to {MAX_GROUP} times num_kv_heads={num_kv_heads}"
+        )
+    q_len = 1 if q.ndim == 3 else q.shape[1]
+    group_size = num_q_heads // num_kv_heads
+    if not 1 <= q_len <= max_query_len(group_size):
+        raise ValueError(
+            f"q_len={q_len} must be 1 to {max_query_len(group_size)} for a group of "
+            f"{group_size}: its q_len x group query rows must fit the {TILE_ROWS}-row tile"
         )
     if num_pages < 1:
         raise ValueError(f"the pool must hold at least one page, got num_pages={num_pages}")

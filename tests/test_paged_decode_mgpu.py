@@ -18,7 +18,7 @@ import pytest
 
 import paged
 from kernels_pallas.merge_states import merge_partial_states
-from kernels_pallas.paged_decode import paged_decode, partial_rows
+from kernels_pallas.paged_decode import paged_decode, partial_rows, token_major
 from kernels_pallas.paged_decode_mgpu import paged_decode_mgpu
 from paged.attention_reference import decode_attention_reference
 from tests.conftest import ON_GPU
@@ -243,10 +243,12 @@ def test_padding_items_store_nothing():
 @pytest.mark.parametrize(
     "change,message",
     [
-        (dict(q_shape=(2, 1, 8, 64)), "one new token"),
+        (dict(q_shape=(2, 64)), "q must be \\[batch, num_q_heads, head_dim\\] or"),
+        (dict(q_shape=(2, 17, 8, 64)), "q_len=17 must be 1 to 16 for a group of 4"),
+        (dict(q_shape=(2, 3, 8, 64)), "q_len=3 needs the table's page_indptr and last_page_len"),
         (dict(dtype=jnp.float32), "bfloat16 or float16"),
         (dict(page_size=32), "page_size must be 16"),
-        (dict(head_dim=32), "head_dim must be 64, 128, 192 or 256"),
+        (dict(head_dim=32), "head_dim must be one of \\(64, 128\\)"),
         (dict(num_q_heads=32), "must be 1 to 8 times num_kv_heads=2"),
         (dict(pages_per_step=0), "pages_per_step must be >= 1, got 0"),
         (dict(num_stages=0), "num_stages must be >= 1, got 0"),
@@ -259,7 +261,7 @@ def test_bad_arguments_are_rejected_with_their_values(change, message):
     head_dim = change.get("head_dim", 64)
     page_size = change.get("page_size", PAGE_SIZE)
     dtype = change.get("dtype", jnp.bfloat16)
-    q_shape = change.get("q_shape", (2, change.get("num_q_heads", 8), head_dim))
+    q_shape = change.get("q_shape", (2, change.get("num_q_heads", 8), head_dim))  # G = 4
     pool = jnp.zeros((4, NUM_KV_HEADS, page_size, head_dim), dtype)
     work = jnp.zeros((4,), jnp.int32)
     launch = {
@@ -268,7 +270,7 @@ def test_bad_arguments_are_rejected_with_their_values(change, message):
         if k in change
     }
     launch.setdefault("probs_in_smem", True)
-    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+    with pytest.raises(ValueError, match=message):
         paged_decode_mgpu(
             jnp.zeros(q_shape, dtype),
             pool,
@@ -289,20 +291,25 @@ def test_bad_arguments_are_rejected_with_their_values(change, message):
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_every_variant_lowers_for_an_h200(head_dim):
     """As far as a CPU can follow the GPU path: at the benchmark's head shape (32/8 heads,
-    bfloat16), both p paths, final and partial, pages_per_step 1 and 2, lower through Mosaic
-    GPU's layout inference to its dialect for CUDA (the PTX stage and the shared-memory limit
-    are checked only when compiling on the GPU)."""
-    int32 = lambda n: jax.ShapeDtypeStruct((n,), jnp.int32)
+    bfloat16), both p paths, final and partial, pages_per_step 1 and 2, one and nine new tokens,
+    lower through Mosaic GPU's layout inference to its dialect for CUDA (the PTX stage and the
+    shared-memory limit are checked only when compiling on the GPU)."""
+
+    def int32(n):
+        return jax.ShapeDtypeStruct((n,), jnp.int32)
+
     pool = jax.ShapeDtypeStruct((1024, 8, PAGE_SIZE, head_dim), jnp.bfloat16)
-    q = jax.ShapeDtypeStruct((4, 32, head_dim), jnp.bfloat16)
+    table = dict(page_indptr=int32(5), last_page_len=int32(4))
     for probs_in_smem in (True, False):
-        for write_final, pages_per_step in ((True, 1), (False, 2)):
+        for write_final, pages_per_step, q_len in ((True, 1, 1), (False, 2, 1), (False, 1, 9)):
+            q_shape = (4, 32, head_dim) if q_len == 1 else (4, q_len, 32, head_dim)
             traced = paged_decode_mgpu.trace(
-                q,
+                jax.ShapeDtypeStruct(q_shape, jnp.bfloat16),
                 pool,
                 pool,
                 int32(1024),
                 *[int32(64)] * 4,
+                **table,
                 sm_scale=0.088,
                 logits_soft_cap=30.0 if pages_per_step == 2 else None,
                 write_final=write_final,
@@ -311,7 +318,7 @@ def test_every_variant_lowers_for_an_h200(head_dim):
                 probs_in_smem=probs_in_smem,
             )
             text = traced.lower(lowering_platforms=("cuda",)).as_text()
-            assert "mosaic_gpu" in text, (probs_in_smem, write_final)
+            assert "mosaic_gpu" in text, (probs_in_smem, write_final, q_len)
 
 
 def test_partial_rows_match_the_merge_layout():
@@ -358,3 +365,97 @@ def test_benchmark_shapes_on_gpu(batch, context, probs_in_smem, pages_per_step, 
     np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), rtol=1e-4, atol=1e-3)
     triton = paged.decode_attention(q, cache, table, plan=plan, backend="pallas")
     np.testing.assert_allclose(np.asarray(o, np.float32), np.asarray(triton, np.float32), atol=3e-2)
+
+
+# --------------------------------------------------------------------------------------------
+# Several new tokens per request (speculative verification): rows = q_len x group, causal
+
+
+def run_mgpu_multi_token(q, cache, table, plan, *, soft_cap=None, probs_in_smem=True, **launch):
+    """``run_mgpu`` for ``q [B, L, H, D]``: the merge takes ``L x H`` rows a request."""
+    q_len = q.shape[1]
+    raw = paged_decode_mgpu(
+        q,
+        cache.k_pages,
+        cache.v_pages,
+        table.page_indices,
+        *plan_arrays(plan),
+        page_indptr=table.page_indptr,
+        last_page_len=table.last_page_len,
+        sm_scale=1.0 / np.sqrt(q.shape[-1]),
+        logits_soft_cap=soft_cap,
+        write_final=plan.write_final,
+        probs_in_smem=probs_in_smem,
+        interpret=not ON_GPU,
+        **launch,
+    )
+    if plan.write_final:
+        return raw
+    o, lse = merge_partial_states(
+        *raw,
+        jnp.asarray(plan.merge_indptr),
+        num_q_heads=q_len * q.shape[2],
+        out_dtype=q.dtype,
+        interpret=not ON_GPU,
+    )
+    batch = q.shape[0]
+    o = token_major(o.reshape(batch, -1, q.shape[-1]), q_len, NUM_KV_HEADS)
+    lse = token_major(lse.reshape(batch, -1), q_len, NUM_KV_HEADS)
+    return o.reshape(q.shape), lse.reshape(q.shape[:-1])
+
+
+# (q_len, group, split, pages_per_step): q_len 2, 5, 9 (and one as 4-D) with groups 1, 3, 4, 8;
+# one-page chunks put the causal cut in the chunk before the last too.
+MULTI_TOKEN_CONFIGS = [
+    (1, 4, "fixed1", 1),
+    (2, 8, "no_split", 2),
+    (5, 4, "fixed1", 1),
+    (5, 3, "no_split", 1),
+    (9, 1, "fixed1", 2),
+    (16, 4, "no_split", 1),
+]
+
+
+@pytest.mark.parametrize("probs_in_smem", PROBS_PATHS)
+@pytest.mark.parametrize("q_len,group,split,pages_per_step", MULTI_TOKEN_CONFIGS)
+def test_multi_token_matches_reference(q_len, group, split, pages_per_step, probs_in_smem):
+    """Ragged lengths from exactly q_len up, an empty request; a query that sees no key gets
+    exactly 0 and -inf."""
+    lens = [q_len, 0, max(17, q_len), 33, 70]
+    _, cache, table = make_inputs(q_len, lens, "HND", group, 64, jnp.bfloat16, 32)
+    rng = np.random.default_rng(q_len + group)
+    q = jnp.asarray(
+        rng.standard_normal((len(lens), q_len, NUM_KV_HEADS * group, 64)) * 2.0, jnp.bfloat16
+    )
+    if split == "fixed1":
+        plan = paged.plan_decode(table, q.shape[2], NUM_KV_HEADS, 64, fixed_split_pages=1)
+    else:
+        plan = paged.plan_decode(table, q.shape[2], NUM_KV_HEADS, 64, max_grid=1)
+        assert plan.write_final
+    o, lse = run_mgpu_multi_token(
+        q, cache, table, plan, probs_in_smem=probs_in_smem, pages_per_step=pages_per_step
+    )
+    ref_o, ref_lse = reference64(q, cache, table)
+    assert o.shape == q.shape and lse.shape == q.shape[:-1]
+    assert relative_error(o, ref_o) < TOLERANCE
+    lse, sees_nothing = np.asarray(lse), np.isneginf(ref_lse)
+    assert np.all(np.asarray(o)[sees_nothing] == 0)
+    assert np.all(np.isneginf(lse[sees_nothing]))
+    np.testing.assert_allclose(lse[~sees_nothing], ref_lse[~sees_nothing], rtol=1e-5, atol=1e-5)
+
+
+def test_multi_token_request_shorter_than_q_len_sees_no_key_before_position_zero():
+    """Only jit lets a request of 2 tokens bring 5: its queries before position 0 see no key
+    (o = 0, lse = -inf), the others attend causally, like the reference; with a soft cap."""
+    lens = [2, 40, 0, 21]
+    _, cache, table = make_inputs(20, lens, "HND", 4, 64, jnp.bfloat16, 32)
+    rng = np.random.default_rng(20)
+    q = jnp.asarray(rng.standard_normal((4, 5, NUM_KV_HEADS * 4, 64)) * 2.0, jnp.bfloat16)
+    plan = paged.plan_decode(table, q.shape[2], NUM_KV_HEADS, 64, fixed_split_pages=1)
+    o, lse = run_mgpu_multi_token(q, cache, table, plan, soft_cap=3.0)
+    ref_o, ref_lse = reference64(q, cache, table, 3.0)
+    assert relative_error(o, ref_o) < TOLERANCE
+    sees_nothing = np.isneginf(ref_lse)
+    assert sees_nothing[0, :3].all() and not sees_nothing[0, 3:].any()
+    assert np.all(np.asarray(o)[sees_nothing] == 0)
+    assert np.all(np.isneginf(np.asarray(lse)[sees_nothing]))
