@@ -440,7 +440,25 @@ def _attend_step(
     return acc, new_max, running_sum
 
 
-@runs_in_32_bits  # x64 mode: kernels_pallas/x64.py
+def _runs_in_32_bits_also_interpreted(jitted):
+    """``x64.runs_in_32_bits``, except for an interpreted call with x64 on: Mosaic GPU's
+    interpreter runs host callbacks, which ``jax.export`` cannot serialize, so that call is
+    traced and run with x64 off instead (eagerly; under an outer ``jit`` with x64 on the
+    interpreter's lowering may still meet 64-bit indices, as ``x64.py`` says of Pallas's)."""
+    exported = runs_in_32_bits(jitted)
+
+    @functools.wraps(jitted)
+    def call(*args, **kwargs):
+        if kwargs.get("interpret") and jax.config.read("jax_enable_x64"):
+            with jax.enable_x64(False):
+                return jitted(*args, **kwargs)
+        return exported(*args, **kwargs)
+
+    call.trace, call.lower = jitted.trace, jitted.lower
+    return call
+
+
+@_runs_in_32_bits_also_interpreted  # x64 mode: kernels_pallas/x64.py
 @functools.partial(
     jax.jit,
     static_argnames=(

@@ -459,3 +459,18 @@ def test_multi_token_request_shorter_than_q_len_sees_no_key_before_position_zero
     assert sees_nothing[0, :3].all() and not sees_nothing[0, 3:].any()
     assert np.all(np.asarray(o)[sees_nothing] == 0)
     assert np.all(np.isneginf(np.asarray(lse)[sees_nothing]))
+
+
+def test_x64_mode_gives_the_32_bit_result():
+    """Researchers run with x64 on: the kernel still runs as a 32-bit program (interpreted: with
+    x64 off for the call, as Mosaic GPU's interpreter cannot be exported) and returns the same
+    bits, float32 LSE included."""
+    lens = (5, 40)
+    q, cache, table = make_inputs(14, lens, "HND", 4, 64, jnp.bfloat16, num_pool_pages=16)
+    plan = paged.plan_decode(table, q.shape[1], NUM_KV_HEADS, 64, max_grid=1)
+    expected, _ = run_mgpu(q, cache, table, plan)
+    with jax.enable_x64(True):
+        got, _ = run_mgpu(q, cache, table, plan)
+    assert got[1].dtype == jnp.float32
+    for a, b in zip(expected, got, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
