@@ -24,6 +24,19 @@ Usage (GPU): ``PYTHONPATH=. python3 -m bench.probes.mgpu_decode --out DIR`` (``-
 32x4096`` for a subset, ``--variants reg.p1.s4,smem.p1.s4``, ``--max-grid N`` to plan for a
 different grid). ``--smoke`` runs one tiny case in Mosaic GPU's interpret mode on a CPU: the
 checks and the code paths, no figures (``tests/test_bench.py`` runs it).
+
+``--memcheck`` instead runs a small ragged workload to put under NVIDIA's memcheck (interpret
+mode cannot show a read outside an array; memcheck on the compiled kernel can), with the
+platform allocator so that every array is its own allocation::
+
+    XLA_PYTHON_CLIENT_ALLOCATOR=platform XLA_PYTHON_CLIENT_PREALLOCATE=false \\
+        compute-sanitizer --tool memcheck python3 -m bench.probes.mgpu_decode --memcheck
+
+It covers ragged lengths (empty, one token, a page plus one, a last page partly filled, an item
+longer than a 4-entry index window), a pool and ``page_indices`` sized exactly to the pages in
+use (their last entries are read), the final request's rows at the end of the outputs, padding
+items, split and unsplit plans, both p paths, pages_per_step 1 and 2, one and five new tokens,
+and a table with page numbers outside the pool; it exits 1 if a valid input's result is off.
 """
 
 from __future__ import annotations
@@ -42,8 +55,9 @@ import paged.decode as decode_module
 from bench.harness.attention_inputs import make_attention_setup
 from bench.harness.timing import TimedLoop
 from kernels_pallas.merge_states import merge_partial_states
-from kernels_pallas.paged_decode import paged_decode
+from kernels_pallas.paged_decode import paged_decode, token_major
 from kernels_pallas.paged_decode_mgpu import paged_decode_mgpu
+from paged.attention_reference import decode_attention_reference
 
 CASES = ((1, 4096), (4, 1024), (4, 32768), (32, 4096), (256, 512))
 SMOKE_CASE = (2, 70)  # a partly filled last page; split by the smoke plan
@@ -127,6 +141,112 @@ def arms_for(setup, plan, variants, interpret):
     return arms, params
 
 
+def memcheck_workload(interpret: bool, smoke: bool) -> int:
+    """The ``--memcheck`` workload (module docstring); returns the exit status. ``smoke``: a
+    smaller one (one split per token count, fewer heads) for an interpreted run on a CPU."""
+    rng = np.random.default_rng(0)
+    lens = [0, 1, 17, 300, 33, 100]
+    page_size, num_kv_heads, group, head_dim = 16, 8, 4, 128
+    if smoke:
+        lens, num_kv_heads, head_dim = [0, 1, 17, 100], 2, 64
+    num_pages = sum(-(-n // page_size) for n in lens)
+    table = paged.PageTable.from_seq_lens(
+        lens, page_size, pages=rng.permutation(num_pages).tolist(), num_indices=num_pages
+    )
+    shape = (num_pages, num_kv_heads, page_size, head_dim)
+    k_pages, v_pages = (
+        jax.numpy.asarray(rng.standard_normal(shape), jax.numpy.bfloat16) for _ in range(2)
+    )
+    cache = paged.KVCache(k_pages, v_pages, "HND")
+    cpu = jax.devices("cpu")[0]  # the reference on the CPU: only the kernels under test on the GPU
+    worst = 0.0
+    paths = ("smem",) if interpret else ("reg", "smem")
+    for q_len in (1, 5):
+        q_shape = (len(lens), *((q_len,) if q_len > 1 else ()), num_kv_heads * group, head_dim)
+        q = jax.numpy.asarray(rng.standard_normal(q_shape), jax.numpy.bfloat16)
+        expected, _ = decode_attention_reference(
+            jax.device_put(q, cpu),
+            jax.device_put(cache, cpu),
+            jax.device_put(table, cpu),
+            sm_scale=head_dim**-0.5,
+        )
+        expected = np.asarray(expected, np.float32)
+        splits = [dict(fixed_split_pages=3), dict(max_grid=1)]
+        for split in splits[q_len > 1 :] if smoke else splits:
+            plan = paged.plan_decode(table, q_shape[-2], num_kv_heads, head_dim, **split)
+            for probs_path in paths:
+                for pages_per_step in (1,) if smoke else (1, 2):
+                    o, _ = run_decode(q, cache, table, plan, probs_path, pages_per_step, interpret)
+                    o = np.asarray(o, np.float32)
+                    error = np.linalg.norm(o - expected) / np.linalg.norm(expected)
+                    worst = max(worst, float(error))
+                    print(
+                        f"q_len={q_len} {split} {probs_path}.p{pages_per_step} "
+                        f"write_final={plan.write_final} relative error {error:.2e}",
+                        flush=True,
+                    )
+    # Page numbers outside the pool (past its end, negative): wrong but finite, no bad access.
+    indices = np.asarray(table.page_indices).copy()
+    indices[0], indices[-1] = 10 * num_pages, -3
+    bad = paged.PageTable(
+        table.page_indptr, jax.numpy.asarray(indices), table.last_page_len, page_size
+    )
+    plan = paged.plan_decode(bad, num_kv_heads * group, num_kv_heads, head_dim, max_grid=1)
+    q = jax.numpy.asarray(
+        rng.standard_normal((len(lens), num_kv_heads * group, head_dim)), jax.numpy.bfloat16
+    )
+    o, _ = run_decode(q, cache, bad, plan, paths[0], 1, interpret)
+    finite = bool(np.isfinite(np.asarray(o, np.float32)).all())
+    print(f"page numbers outside the pool: finite output {finite}", flush=True)
+    print(f"device {jax.devices()[0].device_kind}; worst relative error {worst:.2e}")
+    return 0 if worst < 1e-2 and finite else 1
+
+
+def run_decode(q, cache, table, plan, probs_path, pages_per_step, interpret):
+    """The Mosaic GPU kernel and, for a split plan, the merge: ``(o, lse)`` shaped like ``q``."""
+    q_len = 1 if q.ndim == 3 else q.shape[1]
+    o, lse = paged_decode_mgpu(
+        q,
+        cache.k_pages,
+        cache.v_pages,
+        table.page_indices,
+        *(
+            jax.numpy.asarray(a)
+            for a in (
+                plan.work_request,
+                plan.work_page_start,
+                plan.work_page_end,
+                plan.work_last_page_len,
+            )
+        ),
+        page_indptr=table.page_indptr if q_len > 1 else None,
+        last_page_len=table.last_page_len if q_len > 1 else None,
+        sm_scale=q.shape[-1] ** -0.5,
+        logits_soft_cap=None,
+        write_final=plan.write_final,
+        pages_per_step=pages_per_step,
+        # Windows of 4 page numbers with one page a step: items of more pages than a window
+        # (double-buffered windows); the default 256 with two.
+        index_window=4 if pages_per_step == 1 else 256,
+        probs_in_smem=probs_path == "smem",
+        interpret=interpret,
+    )
+    if plan.write_final:
+        return o, lse
+    o, lse = merge_partial_states(
+        o,
+        lse,
+        jax.numpy.asarray(plan.merge_indptr),
+        num_q_heads=q_len * q.shape[-2],
+        out_dtype=q.dtype,
+        interpret=interpret,
+    )
+    num_kv_heads = cache.k_pages.shape[1]
+    o = token_major(o.reshape(q.shape[0], -1, q.shape[-1]), q_len, num_kv_heads)
+    lse = token_major(lse.reshape(q.shape[0], -1), q_len, num_kv_heads)
+    return o.reshape(q.shape), lse.reshape(q.shape[:-1])
+
+
 def first_line(error: BaseException) -> str:
     text = f"{type(error).__name__}: {error}".strip().splitlines()
     return text[0][:300] if text else type(error).__name__
@@ -143,8 +263,13 @@ def main(argv=None) -> int:
     parser.add_argument("--max-grid", type=int, default=None, help="plan_decode's max_grid")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("-v", "--verbose", action="store_true", help="print full tracebacks")
+    parser.add_argument(
+        "--memcheck", action="store_true", help="the compute-sanitizer workload, no timing"
+    )
     args = parser.parse_args(argv)
     interpret = args.smoke or jax.default_backend() != "gpu"
+    if args.memcheck:
+        return memcheck_workload(interpret, args.smoke)
     cases = (SMOKE_CASE,) if args.smoke else CASES
     if args.cases:
         cases = tuple(tuple(int(n) for n in case.split("x")) for case in args.cases.split(","))
