@@ -535,11 +535,18 @@ def paged_decode_mgpu(
         q, k_pages, v_pages, pages_per_step, num_stages, index_window, probs_in_smem, interpret
     )
     q_len = 1 if q.ndim == 3 else q.shape[1]
-    if q_len > 1 and (page_indptr is None or last_page_len is None):
-        raise ValueError(
-            f"q_len={q_len} needs the table's page_indptr and last_page_len for the causal mask"
-        )
     batch, num_q_heads, head_dim = q.shape[0], q.shape[-2], q.shape[-1]
+    if q_len > 1:
+        if page_indptr is None or last_page_len is None:
+            raise ValueError(
+                f"q_len={q_len} needs the table's page_indptr and last_page_len for the causal mask"
+            )
+        if page_indptr.shape != (batch + 1,) or last_page_len.shape != (batch,):
+            raise ValueError(
+                f"page_indptr and last_page_len must be [{batch + 1}] and [{batch}] for q's batch "
+                f"of {batch} (the kernel reads them at a request's index), got "
+                f"{page_indptr.shape} and {last_page_len.shape}"
+            )
     num_kv_heads = k_pages.shape[1]
     group_size = num_q_heads // num_kv_heads
     query_rows = q_len * group_size

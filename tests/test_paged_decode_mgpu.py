@@ -246,6 +246,10 @@ def test_padding_items_store_nothing():
         (dict(q_shape=(2, 64)), "q must be \\[batch, num_q_heads, head_dim\\] or"),
         (dict(q_shape=(2, 17, 8, 64)), "q_len=17 must be 1 to 16 for a group of 4"),
         (dict(q_shape=(2, 3, 8, 64)), "q_len=3 needs the table's page_indptr and last_page_len"),
+        (
+            dict(q_shape=(2, 3, 8, 64), table=(4, 2)),
+            r"page_indptr and last_page_len must be \[3\] and \[2\]",
+        ),
         (dict(dtype=jnp.float32), "bfloat16 or float16"),
         (dict(page_size=32), "page_size must be 16"),
         (dict(head_dim=32), "head_dim must be one of \\(64, 128\\)"),
@@ -270,6 +274,11 @@ def test_bad_arguments_are_rejected_with_their_values(change, message):
         if k in change
     }
     launch.setdefault("probs_in_smem", True)
+    if "table" in change:  # page_indptr and last_page_len of these lengths
+        launch.update(
+            page_indptr=jnp.zeros(change["table"][:1], jnp.int32),
+            last_page_len=jnp.zeros(change["table"][1:], jnp.int32),
+        )
     with pytest.raises(ValueError, match=message):
         paged_decode_mgpu(
             jnp.zeros(q_shape, dtype),
