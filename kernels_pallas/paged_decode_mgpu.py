@@ -491,7 +491,7 @@ def paged_decode_mgpu(
     num_stages: int = 4,
     index_window: int = MAX_INDEX_WINDOW,
     probs_in_smem: bool = False,
-    interpret: bool = False,
+    interpret: bool | plgpu.InterpretGPUParams = False,
 ):
     """Runs the Mosaic GPU decode kernel over a list of work items (HND layout).
 
@@ -522,7 +522,8 @@ def paged_decode_mgpu(
         ``pages_per_step``, at most 256).
       probs_in_smem: store the softmax weights to shared memory before ``p @ V`` (runs in
         interpret mode); False feeds them from registers (compiled only).
-      interpret: run in Mosaic GPU's interpret mode (CPU); needs ``probs_in_smem=True``.
+      interpret: run in Mosaic GPU's interpret mode (CPU); needs ``probs_in_smem=True``. A
+        ``plgpu.InterpretGPUParams`` sets the interpreter's options (its race detector).
 
     Returns:
       The final or partial ``(o, lse)`` described above.
@@ -594,7 +595,7 @@ def paged_decode_mgpu(
             # the Triton kernel's grid is.
             grid=(num_kv_heads, num_work),
             grid_names=("kv_head", "work"),
-            interpret=plgpu.InterpretGPUParams() if interpret else None,
+            interpret=_interpret_params(interpret),
             kernel_name=f"paged_decode_mgpu_p{pages_per_step}_s{num_stages}"
             + ("_psmem" if probs_in_smem else "_preg")
             + (f"_q{q_len}" if q_len > 1 else "")
@@ -618,6 +619,15 @@ def paged_decode_mgpu(
         o.reshape(num_work, num_kv_heads, partial_block, head_dim),
         lse.reshape(num_work, num_kv_heads, partial_block),
     )
+
+
+def _interpret_params(interpret):
+    """``interpret`` as ``plgpu.kernel`` takes it: None (compiled), default interpreter
+    parameters for True, or the caller's ``plgpu.InterpretGPUParams`` (e.g. with the race
+    detector on)."""
+    if isinstance(interpret, plgpu.InterpretGPUParams):
+        return interpret
+    return plgpu.InterpretGPUParams() if interpret else None
 
 
 def max_query_len(group_size: int) -> int:

@@ -483,3 +483,43 @@ def test_x64_mode_gives_the_32_bit_result():
     assert got[1].dtype == jnp.float32
     for a, b in zip(expected, got, strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.skipif(ON_GPU, reason="the interpreter's race detector runs on the CPU")
+@pytest.mark.parametrize("fixed,pages_per_step,window,stages", [(None, 1, 4, 2), (3, 2, 4, 3)])
+def test_interpreter_race_detector_finds_no_race(fixed, pages_per_step, window, stages):
+    """Mosaic GPU's interpreter with its happens-before race detector: the double-buffered
+    index windows (items of 7 pages in 4-entry windows), the pipeline's slots, the V rows
+    zeroed in place and p in shared memory are read and written in order. (It does find one:
+    without the wait on an index window's barrier it reports the window's copy racing the
+    reads of its page numbers.)"""
+    # Private JAX module: if a JAX version moves it, the test skips rather than fails.
+    gpu_callbacks = pytest.importorskip("jax._src.pallas.mosaic_gpu.interpret.gpu_callbacks")
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    lens = (1, 17, 0, 100)
+    q, cache, table = make_inputs(15, lens, "HND", 4, 64, jnp.bfloat16, num_pool_pages=16)
+    plan = paged.plan_decode(
+        table,
+        q.shape[1],
+        NUM_KV_HEADS,
+        64,
+        fixed_split_pages=fixed,
+        max_grid=1 if not fixed else None,
+    )
+    paged_decode_mgpu(
+        q,
+        cache.k_pages,
+        cache.v_pages,
+        table.page_indices,
+        *plan_arrays(plan),
+        sm_scale=0.125,
+        logits_soft_cap=None,
+        write_final=plan.write_final,
+        pages_per_step=pages_per_step,
+        num_stages=stages,
+        index_window=window,
+        probs_in_smem=True,
+        interpret=plgpu.InterpretGPUParams(detect_races=True),
+    )[0].block_until_ready()
+    assert not gpu_callbacks.get_races().races_found
