@@ -178,12 +178,9 @@ def test_unused_slots_holding_nan_never_reach_the_output(probs_in_smem):
             k[page, :, :filled] = real_k[page, :, :filled]
             v[page, :, :filled] = real_v[page, :, :filled]
     poisoned = paged.KVCache(jnp.asarray(k, q.dtype), jnp.asarray(v, q.dtype), "HND")
-    for fixed in (None, 1):
-        plan = paged.plan_decode(table, q.shape[1], NUM_KV_HEADS, 64, fixed_split_pages=fixed)
-        (o, lse), _ = run_mgpu(
-            q, poisoned, table, plan, probs_in_smem=probs_in_smem, pages_per_step=2
-        )
-        check_against_reference(o, lse, q, cache, table, lens)
+    plan = paged.plan_decode(table, q.shape[1], NUM_KV_HEADS, 64, max_grid=1)
+    (o, lse), _ = run_mgpu(q, poisoned, table, plan, probs_in_smem=probs_in_smem, pages_per_step=2)
+    check_against_reference(o, lse, q, cache, table, lens)
 
 
 @pytest.mark.parametrize("probs_in_smem", PROBS_PATHS)
@@ -460,7 +457,7 @@ def test_multi_token_request_shorter_than_q_len_sees_no_key_before_position_zero
     _, cache, table = make_inputs(20, lens, "HND", 4, 64, jnp.bfloat16, 32)
     rng = np.random.default_rng(20)
     q = jnp.asarray(rng.standard_normal((4, 5, NUM_KV_HEADS * 4, 64)) * 2.0, jnp.bfloat16)
-    plan = paged.plan_decode(table, q.shape[2], NUM_KV_HEADS, 64, fixed_split_pages=1)
+    plan = paged.plan_decode(table, q.shape[2], NUM_KV_HEADS, 64, fixed_split_pages=2)
     o, lse = run_mgpu_multi_token(q, cache, table, plan, soft_cap=3.0)
     ref_o, ref_lse = reference64(q, cache, table, 3.0)
     assert relative_error(o, ref_o) < TOLERANCE
@@ -486,8 +483,7 @@ def test_x64_mode_gives_the_32_bit_result():
 
 
 @pytest.mark.skipif(ON_GPU, reason="the interpreter's race detector runs on the CPU")
-@pytest.mark.parametrize("fixed,pages_per_step,window,stages", [(None, 1, 4, 2), (3, 2, 4, 3)])
-def test_interpreter_race_detector_finds_no_race(fixed, pages_per_step, window, stages):
+def test_interpreter_race_detector_finds_no_race():
     """Mosaic GPU's interpreter with its happens-before race detector: the double-buffered
     index windows (items of 7 pages in 4-entry windows), the pipeline's slots, the V rows
     zeroed in place and p in shared memory are read and written in order. (It does find one:
@@ -499,14 +495,8 @@ def test_interpreter_race_detector_finds_no_race(fixed, pages_per_step, window, 
 
     lens = (1, 17, 0, 100)
     q, cache, table = make_inputs(15, lens, "HND", 4, 64, jnp.bfloat16, num_pool_pages=16)
-    plan = paged.plan_decode(
-        table,
-        q.shape[1],
-        NUM_KV_HEADS,
-        64,
-        fixed_split_pages=fixed,
-        max_grid=1 if not fixed else None,
-    )
+    # Unsplit: request 3's item has 7 pages, two windows of 4 page numbers.
+    plan = paged.plan_decode(table, q.shape[1], NUM_KV_HEADS, 64, max_grid=1)
     paged_decode_mgpu(
         q,
         cache.k_pages,
@@ -516,9 +506,9 @@ def test_interpreter_race_detector_finds_no_race(fixed, pages_per_step, window, 
         sm_scale=0.125,
         logits_soft_cap=None,
         write_final=plan.write_final,
-        pages_per_step=pages_per_step,
-        num_stages=stages,
-        index_window=window,
+        pages_per_step=2,
+        num_stages=3,
+        index_window=4,
         probs_in_smem=True,
         interpret=plgpu.InterpretGPUParams(detect_races=True),
     )[0].block_until_ready()
