@@ -332,7 +332,8 @@ def main(argv=None) -> int:
             o_diff = float(np.max(np.abs(o - triton_out[0])))
             finite = np.isfinite(lse) & np.isfinite(triton_out[1])
             lse_diff = float(np.max(np.abs(lse - triton_out[1])[finite], initial=0.0))
-            ok = bool(np.isfinite(o).all()) and o_diff <= MAX_DIFFERENCE
+            same_empty_rows = np.array_equal(np.isfinite(lse), np.isfinite(triton_out[1]))
+            ok = bool(np.isfinite(o).all()) and o_diff <= MAX_DIFFERENCE and same_empty_rows
             row.update(
                 status="ok" if ok else "mismatch", max_abs_diff_o=o_diff, max_abs_diff_lse=lse_diff
             )
