@@ -337,10 +337,22 @@ def test_partial_rows_match_the_merge_layout():
     check_against_reference(o, lse, q, cache, table, lens)
 
 
+# (batch, context, probs_in_smem, pages_per_step, num_stages): every case on the register path
+# at the default pipeline, two with p in shared memory, two with two pages a step.
+GPU_CASES = [
+    (1, 4096, False, 1, 4),
+    (4, 32768, False, 1, 4),
+    (32, 4096, False, 1, 4),
+    (256, 512, False, 1, 4),
+    (1, 4096, True, 1, 4),
+    (32, 4096, True, 2, 3),
+    (4, 32768, False, 2, 3),
+    (256, 512, False, 2, 4),
+]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("probs_in_smem", [False, True])
-@pytest.mark.parametrize("batch,context", [(1, 4096), (4, 32768), (32, 4096), (256, 512)])
-@pytest.mark.parametrize("pages_per_step,num_stages", [(1, 4), (2, 3)])
+@pytest.mark.parametrize("batch,context,probs_in_smem,pages_per_step,num_stages", GPU_CASES)
 def test_benchmark_shapes_on_gpu(batch, context, probs_in_smem, pages_per_step, num_stages):
     """Compiled, at the benchmark's shapes: 32 query heads, 8 KV heads, head_dim 128, bf16, the
     planner's split; against the reference in float32 and the Triton kernel."""
