@@ -341,12 +341,12 @@ def test_partial_rows_match_the_merge_layout():
 # at the default pipeline, two with p in shared memory, two with two pages a step.
 GPU_CASES = [
     (1, 4096, False, 1, 4),
-    (4, 32768, False, 1, 4),
+    (1, 32768, False, 1, 4),
     (32, 4096, False, 1, 4),
     (256, 512, False, 1, 4),
     (1, 4096, True, 1, 4),
     (32, 4096, True, 2, 3),
-    (4, 32768, False, 2, 3),
+    (1, 32768, False, 2, 3),
     (256, 512, False, 2, 4),
 ]
 
