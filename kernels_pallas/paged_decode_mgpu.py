@@ -5,8 +5,12 @@ Same contract as ``kernels_pallas/paged_decode.py`` (the Triton kernel) in the H
 strided box per page and is left out): the work items of ``paged.plan_decode``, the CSR page
 table, one new token a request or ``q_len`` of them (causal among themselves, as there), final
 ``(o, lse)`` when ``write_final`` or partial states that ``merge_states.py`` merges unchanged.
-Not yet wired into ``paged.decode_attention``; its speed is not yet measured
-(``bench/probes/mgpu_decode.py`` measures it on the H200).
+Not yet wired into ``paged.decode_attention``. First compiled run on the H200 (2026-12-01,
+``bench/probes/mgpu_decode.py``, two cases only; ``docs/benchmark_results/archive/
+2026-12-01-mgpu-decode-probe.md``): it agrees with the Triton kernel (largest difference of o
+4.9e-4 in bfloat16) and is not yet faster: 171.6 against 165.1 us at B=32 x 4096 (3.13 TB/s;
+the issue asks 3.6), 21.8 against 21.5 us at B=1 x 4096, with the register path, two pages a
+step, three stages. The whole grid, tuning and memcheck are still to run.
 
 What it optimizes. Decode attention is memory bound (each K/V byte serves only the ``G`` query
 heads of its KV head), so the kernel's job is to keep enough page copies in flight to stream K
