@@ -622,7 +622,11 @@ def unfold_new_tokens(folded: jax.Array, q_len: int, num_kv_heads: int) -> jax.A
 def _cascade_decode_attention_per_level(queries, cache, levels, sm_scale, logits_soft_cap):
     """The kernel path until the shared-level kernel exists: every level through the decode
     kernel, a shared level expanded to one row a request, the states merged by the reference
-    merge (XLA fuses it; a few ``[B, L, H, D]`` float32 arrays)."""
+    merge (XLA fuses it; a few ``[B, L, H, D]`` float32 arrays).
+
+    ``decode_attention`` returns each level's output in q's dtype, so with bfloat16 inputs
+    every level's state is rounded to bfloat16 once before the merge (within the bfloat16
+    bound); the shared-level kernel should hand over float32 partial states instead."""
     batch, q_len = queries.shape[:2]
     num_kv_heads = cache.num_kv_heads
     options = dict(
