@@ -142,17 +142,16 @@ def grouped_batches(draw, q_len: int):
     """Groups (of 1 to 5 requests; some requests in none), prefixes of any length up to
     ``MAX_PREFIX`` (mid-page included), suffixes of any length with the new tokens in the own
     level (an empty suffix where ``q_len = 1`` allows it)."""
-    group_of = draw(st.lists(st.integers(-1, 2), min_size=BATCH, max_size=BATCH))
-    groups = [[b for b in range(BATCH) if group_of[b] == g] for g in range(3)]
-    groups = [members for members in groups if members]
+    group_of = draw(st.lists(st.integers(-1, 2), min_size=BATCH, max_size=BATCH))  # -1: none
+    group_ids = sorted({g for g in group_of if g >= 0})
+    groups = [[b for b in range(BATCH) if group_of[b] == g] for g in group_ids]
     prefix_lens = [draw(st.integers(0, MAX_PREFIX)) for _ in groups]
+    prefix_of = {b: prefix_lens[i] for i, members in enumerate(groups) for b in members}
     suffix_lens = []
     for b in range(BATCH):
         suffix = draw(st.integers(0, MAX_SUFFIX))
-        prefix = (
-            prefix_lens[groups.index(next(m for m in groups if b in m))] if group_of[b] >= 0 else 0
-        )
-        own_len = prefix % PAGE_SIZE + suffix if group_of[b] >= 0 else suffix
+        # The own level: the prefix's partly filled page (each request's copy), then the suffix.
+        own_len = prefix_of.get(b, 0) % PAGE_SIZE + suffix
         if own_len < q_len and not (own_len == 0 and q_len == 1):
             suffix = q_len  # the new tokens must lie in the own level
         suffix_lens.append(suffix)
@@ -357,6 +356,24 @@ def test_per_request_page_table_lists_each_requests_group_pages():
     traced = jax.jit(lambda lv: lv.per_request_page_table(BATCH))(level)
     assert traced.page_lists() == expanded.page_lists()
     assert traced.last_page_len.tolist() == expanded.last_page_len.tolist()
+
+
+def test_x64_mode_changes_nothing(float64):
+    """With x64 on and float32 inputs: int32 tables from the expansion, float32 results that
+    match the oracle (``docs/testing.md``: every public function works in x64 mode)."""
+    rng = np.random.default_rng(2)
+    cache = random_cache(rng, 16, jnp.float32, "NHD")
+    q = random_queries(rng, 2, NUM_KV_HEADS * 2, 16, jnp.float32)
+    groups, prefix_lens = [[0, 4], [1, 2]], [7, 12]
+    table, seq_lens = plain_rows(groups, prefix_lens, [3, 2, 9, 4, 5], range(NUM_POOL_PAGES))
+    levels = paged.cascade_levels_from_shared_prefix(table, groups, prefix_lens)
+    expanded = levels.shared[0].per_request_page_table(BATCH)
+    for array in (expanded.page_indptr, expanded.page_indices, expanded.last_page_len):
+        assert array.dtype == jnp.int32
+    o, lse = paged.cascade_decode_attention(q, cache, levels, return_lse=True, backend="reference")
+    assert o.dtype == jnp.float32 and lse.dtype == jnp.float32
+    o_ref, lse_ref = plain_oracle(q, cache, table, None)
+    assert_matches_oracle(o, lse, o_ref, lse_ref, seq_lens, jnp.float32)
 
 
 def test_jitted_cascade_equals_eager():
