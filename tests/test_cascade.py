@@ -558,3 +558,47 @@ def test_levels_of_the_wrong_type_are_refused():
     table = paged.PageTable.from_seq_lens([4], PAGE_SIZE)
     with pytest.raises(TypeError, match="levels must be a CascadeLevels, got PageTable"):
         paged.cascade_decode_attention(jnp.ones((1, 2, 16)), cache, table)
+
+
+# --------------------------------------------------------------------------------------------
+# Compiled, at a benchmark shape (GPU only)
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("q_len", [1, 4])
+def test_per_level_kernel_path_at_a_benchmark_shape_on_gpu(q_len):
+    """Compiled: 32 requests sharing a 4100-token prefix (ending mid-page), ragged suffixes of
+    up to 256 tokens, 32 query heads, 8 KV heads, head_dim 128, bfloat16, against the float32
+    reference of plain decode over the plain rows."""
+    from paged.attention_reference import decode_attention_reference
+
+    page_size, prefix_len, batch, num_kv_heads, head_dim = 16, 4100, 32, 8, 128
+    rng = np.random.default_rng(q_len)
+    suffix_lens = rng.integers(q_len, 257, batch).tolist()
+    shared = list(range(prefix_len // page_size))
+    next_page = len(shared)
+    page_lists, seq_lens = [], []
+    for suffix in suffix_lens:
+        seq_len = prefix_len + suffix
+        own = pages_needed(seq_len, page_size) - len(shared)
+        page_lists.append(shared + list(range(next_page, next_page + own)))
+        next_page += own
+        seq_lens.append(seq_len)
+    table = paged.PageTable.from_page_lists(page_lists, seq_lens, page_size)
+    shape = (next_page, num_kv_heads, page_size, head_dim)
+    k = jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
+    v = jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
+    cache = paged.KVCache(k, v, "HND")
+    q = jnp.asarray(rng.standard_normal((batch, q_len, 32, head_dim)), jnp.bfloat16)
+    levels = paged.cascade_levels_from_shared_prefix(table, [list(range(batch))], [prefix_len])
+    o, lse = paged.cascade_decode_attention(q, cache, levels, return_lse=True, backend="pallas")
+    ref_o, ref_lse = decode_attention_reference(
+        q.astype(jnp.float32),
+        paged.KVCache(k.astype(jnp.float32), v.astype(jnp.float32), "HND"),
+        table,
+        sm_scale=head_dim**-0.5,
+    )
+    for b in range(batch):
+        assert relative_error(o[b], np.asarray(ref_o[b], np.float64)) < TOLERANCE[jnp.bfloat16]
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), rtol=1e-4, atol=1e-3)
