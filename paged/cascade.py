@@ -109,7 +109,9 @@ class SharedLevel:
         target = jnp.where(real, requests, batch_size)  # past the end: dropped
         return jnp.full((batch_size,), -1, jnp.int32).at[target].set(group_of_member, mode="drop")
 
-    def per_request_page_table(self, batch_size: int, *, num_indices: int | None = None):
+    def per_request_page_table(
+        self, batch_size: int, *, num_indices: int | None = None
+    ) -> PageTable:
         """This level as a plain ``PageTable`` over the batch: request ``b``'s row lists its
         group's pages (no pages for a request in no group).
 
@@ -125,9 +127,12 @@ class SharedLevel:
 
         Returns:
           A ``PageTable`` of JAX arrays, ``B`` rows.
+
+        Raises:
+          ValueError: a concrete level whose pages for the batch exceed ``num_indices``.
         """
         size_per_request = self.group_pages.page_indices.shape[0]
-        if batch_size == 0 or self.num_groups == 0:
+        if batch_size == 0 or self.num_groups == 0 or size_per_request == 0:
             empty = jnp.zeros((batch_size,), jnp.int32)
             return PageTable(
                 page_indptr=jnp.zeros((batch_size + 1,), jnp.int32),
@@ -141,11 +146,17 @@ class SharedLevel:
         group_page_counts = jnp.asarray(self.group_pages.num_pages())
         counts = jnp.where(in_group, group_page_counts[safe_group], 0)
         indptr = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(counts)]).astype(jnp.int32)
-        if num_indices is None:
-            if is_concrete(indptr):
-                num_indices = bucket_size(int(indptr[-1]))
-            else:
-                num_indices = max(1, batch_size * size_per_request)
+        if is_concrete(indptr):
+            needed = int(indptr[-1])
+            if num_indices is None:
+                num_indices = bucket_size(needed)
+            elif num_indices < needed:
+                raise ValueError(
+                    f"num_indices={num_indices} is smaller than the {needed} pages the batch's "
+                    "rows list at this level"
+                )
+        elif num_indices is None:
+            num_indices = batch_size * size_per_request
         slot = jnp.arange(num_indices, dtype=jnp.int32)
         owner = jnp.clip(jnp.searchsorted(indptr, slot, side="right") - 1, 0, batch_size - 1)
         source = jnp.asarray(self.group_pages.page_indptr)[safe_group[owner]] + slot - indptr[owner]

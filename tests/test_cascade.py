@@ -353,6 +353,8 @@ def test_per_request_page_table_lists_each_requests_group_pages():
     group_lists = level.group_pages.page_lists()
     assert expanded.page_lists() == [group_lists[1], group_lists[0], [], group_lists[0], []]
     assert expanded.last_page_len.tolist() == [4, 4, 0, 4, 0]
+    with pytest.raises(ValueError, match="num_indices=4 is smaller than the 8 pages"):
+        level.per_request_page_table(BATCH, num_indices=4)
     traced = jax.jit(lambda lv: lv.per_request_page_table(BATCH))(level)
     assert traced.page_lists() == expanded.page_lists()
     assert traced.last_page_len.tolist() == expanded.last_page_len.tolist()
