@@ -7,6 +7,9 @@ Public API (names are part of the contract):
 - ``plan_decode``, ``plan_decode_tables``, ``DecodePlan``: the split-KV planner (host side, once
   per step; every table of a step in one call)
 - ``decode_attention`` (``backend="auto" | "reference" | "pallas"``)
+- ``CascadeLevels``, ``SharedLevel``, ``cascade_levels_from_shared_prefix``,
+  ``cascade_levels_from_nested_prefixes``, ``cascade_decode_attention`` (``backend=``): decode
+  with shared prefixes split into levels, merged exactly
 - ``merge_state``, ``merge_states``: exact merging of partial attention states
 - ``RopeParams``, ``Llama3Scaling``, ``apply_rope``, ``inverse_frequencies``: rotary embedding
 - ``rope_append_kv`` (``backend=``): RoPE on new tokens' q and k, k and v written into pages
@@ -15,6 +18,14 @@ Public API (names are part of the contract):
 """
 
 from paged.attention_reference import merge_state, merge_states
+from paged.cascade import (
+    CascadeLevels,
+    SharedLevel,
+    cascade_decode_attention,
+    cascade_levels_from_nested_prefixes,
+    cascade_levels_from_shared_prefix,
+    validate_cascade_levels,
+)
 from paged.decode import decode_attention
 from paged.kv_cache import KVCache, append_kv, new_kv_cache
 from paged.page_table import (
@@ -37,6 +48,7 @@ from paged.rope import Llama3Scaling, RopeParams, apply_rope, inverse_frequencie
 from paged.rope_append import rope_append_kv
 
 __all__ = [
+    "CascadeLevels",
     "DecodePlan",
     "KVCache",
     "Llama3Scaling",
@@ -45,9 +57,13 @@ __all__ = [
     "PoolExhaustedError",
     "PrefillChunk",
     "RopeParams",
+    "SharedLevel",
     "append_kv",
     "apply_rope",
     "bucket_size",
+    "cascade_decode_attention",
+    "cascade_levels_from_nested_prefixes",
+    "cascade_levels_from_shared_prefix",
     "check_holds_new_tokens",
     "decode_attention",
     "host_page_table",
@@ -62,5 +78,6 @@ __all__ = [
     "prefill_chunks",
     "rope_append_kv",
     "truncated_page_table",
+    "validate_cascade_levels",
     "validate_page_table",
 ]
