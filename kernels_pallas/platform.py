@@ -37,12 +37,8 @@ KILL_SWITCH_VARIABLE = "DECODELAB_BACKEND"
 # - chain_speculative_sampling: 2026-11-30-gpu-checks.md and 2026-12-01-speculative.md (the
 #   target's distribution at vocab 128256, the reference's tokens on 2048 of 2048 rows, 24.8 us
 #   at B=64, n=4, 3.06x the XLA reference).
-# - cascade_decode_attention: for now it runs each cascade level through decode_attention's
-#   kernels (measured above); the kernel that reads a shared level once per group is not yet
-#   written, so no cascade speed-up is claimed.
 AUTO_PICKS_KERNEL = {
     "decode_attention": True,
-    "cascade_decode_attention": True,
     "rope_append_kv": True,
     "rmsnorm": True,
     "fused_add_rmsnorm": True,
