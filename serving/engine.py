@@ -33,6 +33,7 @@ from serving.config import ModelConfig
 from serving.keys import request_key_data, seedless_key_data
 from serving.requests import Request, RequestOutput
 from serving.scheduler import DecodeBatch, Scheduler, Step
+from serving.step_decision import DEFAULT_PREFILL_GRANT_INTERVAL
 from serving.step_stats import AcceptanceStats, RequestTiming, StepOutput, StepStats
 
 
@@ -64,6 +65,10 @@ class Engine:
       layout: the KV pools' layout, ``"HND"`` or ``"NHD"``.
       max_prefill_tokens, prefill_chunk_size: the scheduler's prefill budget per step and
         longest chunk (a power of two).
+      max_batched_tokens: tokens a step carries at most, decode rows first, then prefill
+        chunks (None: no limit beyond ``max_prefill_tokens``).
+      prefill_grant_interval: a prefill that got no chunk for this many steps gets one
+        (``serving/step_decision.py``).
       seed: derives the keys of requests submitted without a seed.
 
     Raises:
@@ -97,6 +102,8 @@ class Engine:
         layout: str = "HND",
         max_prefill_tokens: int = 512,
         prefill_chunk_size: int = 512,
+        max_batched_tokens: int | None = None,
+        prefill_grant_interval: int = DEFAULT_PREFILL_GRANT_INTERVAL,
         seed: int = 0,
     ):
         self.target_config, self.target_params = _check_model("target", target)
@@ -134,6 +141,8 @@ class Engine:
             num_speculative=num_speculative,
             max_prefill_tokens=max_prefill_tokens,
             prefill_chunk_size=prefill_chunk_size,
+            max_batched_tokens=max_batched_tokens,
+            prefill_grant_interval=prefill_grant_interval,
         )
         self.parallel = self.scheduler.parallel
         self.target_caches = model_lib.new_caches(self.target_config, num_pages, page_size, layout)

@@ -66,6 +66,15 @@ page past the prefill range are always private (so nothing is copied on write). 
 the registry when its last holder frees it: no cache outlives its requests, so no eviction
 policy is needed. Both models prefill each chunk, so a shared page is valid in both pools.
 
+What a step prefills
+--------------------
+``serving/step_decision.py`` decides, as a pure function of a state the scheduler carries from
+step to step: every decoding row runs, then prefill chunks fill what is left of the budget
+(``max_batched_tokens`` minus the decode rows' ``n + 1`` tokens each, at most
+``max_prefill_tokens``), oldest prefill first, and a prefill that got no chunk for
+``prefill_grant_interval`` steps gets one chunk beyond the budget (``Step.granted``). Admission
+comes first, so a request admitted in a step may prefill in it.
+
 Static shapes for ``jit``
 -------------------------
 The decode batch always has ``parallel`` rows; ``page_indices`` is padded to
@@ -106,6 +115,12 @@ import numpy as np
 
 import paged
 from serving.requests import Request, RequestOutput, SamplingParams
+from serving.step_decision import (
+    DEFAULT_PREFILL_GRANT_INTERVAL,
+    StepBudget,
+    StepState,
+    decide_step,
+)
 from serving.step_stats import StepOutput
 
 # The registry key of a prefix's first page has no parent page.
@@ -189,6 +204,8 @@ class Step:
       prefill: chunks to run first; a request may have several, in position order.
       decode: the decode batch, or None when no request is ready to decode.
       admitted, preempted: requests that entered and left the running set in this plan.
+      granted: requests whose chunks the fairness grant gave beyond the step's prefill budget
+        (``serving/step_decision.py``).
     """
 
     index: int
@@ -196,6 +213,7 @@ class Step:
     decode: DecodeBatch | None
     admitted: tuple[Hashable, ...]
     preempted: tuple[Hashable, ...]
+    granted: tuple[Hashable, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -268,6 +286,11 @@ class Scheduler:
       max_prefill_tokens: prompt tokens prefilled per step at most, over all requests (bounds
         how long decoding requests wait behind a long prompt).
       prefill_chunk_size: the longest chunk, a power of two.
+      max_batched_tokens: tokens a step carries at most, decode rows (``n + 1`` each) first,
+        then prefill chunks; None: no limit beyond ``max_prefill_tokens``.
+      prefill_grant_interval: ``N``: a prefilling request that got no chunk for ``N`` steps gets
+        one (``prefill_chunk_size`` tokens) in the next, beyond the budget
+        (``serving/step_decision.py``).
 
     Raises:
       ValueError: naming the argument and the bad value.
@@ -284,6 +307,8 @@ class Scheduler:
         num_speculative: int = 0,
         max_prefill_tokens: int = 512,
         prefill_chunk_size: int = 512,
+        max_batched_tokens: int | None = None,
+        prefill_grant_interval: int = DEFAULT_PREFILL_GRANT_INTERVAL,
     ):
         for name, value, low in (
             ("num_pages", num_pages, 2),
@@ -302,6 +327,15 @@ class Scheduler:
         self.num_speculative = int(num_speculative)
         self.max_prefill_tokens = int(max_prefill_tokens)
         self.prefill_chunk_size = int(prefill_chunk_size)
+        self.budget = StepBudget(
+            max_batched_tokens=max_batched_tokens,
+            max_prefill_tokens=self.max_prefill_tokens,
+            prefill_chunk_size=self.prefill_chunk_size,
+            prefill_grant_interval=prefill_grant_interval,
+        )
+        # The last decision's state: the grant counters travel from one decide_step to the next
+        # here, and nowhere else.
+        self._decision = StepState(self.budget, decode_tokens=0, prefills=())
         self.pool = paged.PagePool(int(num_pages))
         (self.padding_page,) = self.pool.allocate(1)
         # Counts for reports: admitted, preempted, finished, shared_prefix_pages,
@@ -418,12 +452,6 @@ class Scheduler:
         if self._plan is not None:
             raise RuntimeError("commit_step the previous step before planning another")
         preempted = self._grow_running()
-        budget = self.max_prefill_tokens
-        chunks: list[PromptChunk] = []
-        prefill_ends: list[tuple[_Live, int]] = []
-        for live in self._running:
-            if live.prefilling:
-                budget = self._plan_prefill(live, budget, chunks, prefill_ends)
         admitted = []
         if not preempted:
             while self._waiting and self._free_slots:
@@ -431,8 +459,22 @@ class Scheduler:
                 if live is None:
                     break
                 admitted.append(live.request.request_id)
-                if live.prefilling:
-                    budget = self._plan_prefill(live, budget, chunks, prefill_ends)
+        # Decodes first, then prefill within the budget, and the grant (step_decision.py).
+        n = self.num_speculative
+        prefilling = [live for live in self._running if live.prefilling]
+        state = dataclasses.replace(
+            self._decision,
+            decode_tokens=(len(self._running) - len(prefilling)) * (n + 1),
+            prefills=tuple(
+                (live.request.request_id, live.prefill_end - live.cached) for live in prefilling
+            ),
+        )
+        decision, self._decision = decide_step(state)
+        chunks: list[PromptChunk] = []
+        prefill_ends: list[tuple[_Live, int]] = []
+        for live, (_, tokens) in zip(prefilling, decision.prefill_tokens, strict=True):
+            if tokens:
+                self._plan_prefill(live, tokens, chunks, prefill_ends)
         # Rows ready to decode: those past prefill, and those whose prefill ends in this step.
         ends = {id(live): end for live, end in prefill_ends}
         rows = [
@@ -446,6 +488,7 @@ class Scheduler:
             decode=self._decode_batch(rows, ends) if rows else None,
             admitted=tuple(admitted),
             preempted=tuple(preempted),
+            granted=decision.granted,
         )
         self._plan = _Plan(step, prefill_ends, rows)
         return step

@@ -169,6 +169,67 @@ def test_one_hot_chain_sampling_is_greedy_verification():
 
 
 # ----------------------------------------------------------------------------------------------
+# Mixed steps: the token budget and the fairness grant (serving/step_decision.py)
+
+LONG_PROMPT = "def main(argv):\n    import os, sys\n    return 0  # e"  # 41 bytes: 40 to prefill
+
+
+def _steps_to_first_token(engine, request_id) -> int:
+    """Steps from now until ``request_id``'s first token (the step that emits it counted)."""
+    for count in range(1, 200):
+        if request_id in engine.step().new_token_ids:
+            return count
+    raise AssertionError(f"{request_id!r} had no token after 200 steps")
+
+
+@pytest.mark.parametrize("interval", [0, 2])
+def test_a_long_prompt_under_full_decode_load_gets_its_first_token_within_the_bound(pair, interval):
+    """One request decodes every step and its row alone fills the step's budget
+    (``max_batched_tokens=1``), so a long prompt admitted next to it gets no token from the
+    budget: only the grant prefills it, one chunk of 8 every ``N + 1`` steps. Its 40 prompt
+    tokens are 5 chunks, so its first token comes within ``(N + 1) * 5`` steps of its
+    submission; without the grant (an interval of 1000) it has none by then."""
+    prompt = encode_text(LONG_PROMPT)
+    num_chunks = -(-(len(prompt) - 1) // 8)
+    bound = (interval + 1) * num_chunks
+    options = dict(num_pages=16, max_batched_tokens=1, prefill_chunk_size=8)
+    for grant_interval in (interval, 1000):
+        engine = _engine(pair, prefill_grant_interval=grant_interval, **options)
+        load = SamplingParams(temperature=0, max_tokens=3 * bound)
+        engine.submit(Request("load", encode_text(PROMPTS[0]), load))
+        while "load" not in engine.step().new_token_ids:  # the load decodes from here on
+            pass
+        engine.submit(Request("long", prompt, SamplingParams(temperature=0, max_tokens=2)))
+        if grant_interval == interval:
+            assert _steps_to_first_token(engine, "long") == bound
+        else:
+            for _ in range(bound):
+                step = engine.step()
+                assert "long" not in step.new_token_ids and step.stats.num_prefill_tokens == 0
+
+
+def test_greedy_tokens_do_not_depend_on_the_step_budget(pair):
+    """The budget and the grant decide when prompts are prefilled, never what is generated:
+    greedy tokens (float32) with a budget that the decode rows fill, and small chunks granted
+    every step or every other, equal those of the default engine."""
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    prompts = [LONG_PROMPT, *PROMPTS[:3]]
+    requests = lambda: [Request(i, encode_text(p), params) for i, p in enumerate(prompts)]
+    baseline = _tokens(_engine(pair, num_pages=16).generate(requests()))
+    for n in (0, 2):
+        for interval in (0, 1):
+            engine = _engine(
+                pair,
+                num_speculative=n,
+                num_pages=16,
+                max_batched_tokens=2,
+                prefill_chunk_size=8,
+                prefill_grant_interval=interval,
+            )
+            assert _tokens(engine.generate(requests())) == baseline, (n, interval)
+
+
+# ----------------------------------------------------------------------------------------------
 # A request's randomness is its own
 
 

@@ -30,7 +30,8 @@ module-level ``jax.jit`` functions whose static arguments are the (hashable) mod
 every engine of every example reuses them: ten programs in all (measured with
 ``_decode_step_jit._cache_size()``: per ``n`` in {0, 2}, one decode program, since every table fits
 the 16-entry index bucket, and prefill chunks of 1, 2, 4 and 8 tokens). Hypothesis draws only
-host-side values (prompts, sampling parameters, the prefill budget and chunk limit, seeds).
+host-side values (prompts, sampling parameters, the prefill and step budgets, the chunk limit,
+the grant interval, seeds).
 
 Shown to fail: each of these breaks, patched in one at a time, was caught (which check fired):
 ``_finish`` or ``_preempt`` or a rewind's trim skipping a free (reference counts, pool not full);
@@ -165,7 +166,11 @@ def check_step_writes(scheduler, step, requests) -> None:
         assert pages == list(state.pages[: pages_needed(length, size)]), "not the writer's pages"
         return pages
 
-    assert sum(len(chunk.token_ids) for chunk in step.prefill) <= scheduler.max_prefill_tokens
+    # Within the prefill budget, but for the grant's chunks (serving/step_decision.py).
+    granted = [chunk for chunk in step.prefill if chunk.request_id in step.granted]
+    budgeted = [chunk for chunk in step.prefill if chunk.request_id not in step.granted]
+    assert sum(len(chunk.token_ids) for chunk in budgeted) <= scheduler.max_prefill_tokens
+    assert all(len(chunk.token_ids) <= scheduler.prefill_chunk_size for chunk in granted)
     for chunk in step.prefill:
         state = states[chunk.request_id]
         start, end = chunk.start_position, chunk.start_position + len(chunk.token_ids)
@@ -276,6 +281,8 @@ class EngineMachine(RuleBasedStateMachine):
         num_speculative=st.sampled_from([0, 2]),
         max_prefill_tokens=st.integers(1, 8),
         prefill_chunk_size=st.sampled_from([1, 2, 4, 8]),
+        max_batched_tokens=st.one_of(st.none(), st.integers(1, 8)),
+        prefill_grant_interval=st.integers(0, 3),
         seed=st.integers(0, 2**31 - 1),
         bases=st.lists(
             st.lists(
@@ -287,11 +294,22 @@ class EngineMachine(RuleBasedStateMachine):
             max_size=2,
         ),
     )
-    def setup(self, num_speculative, max_prefill_tokens, prefill_chunk_size, seed, bases):
+    def setup(
+        self,
+        num_speculative,
+        max_prefill_tokens,
+        prefill_chunk_size,
+        max_batched_tokens,
+        prefill_grant_interval,
+        seed,
+        bases,
+    ):
         self.engine = _engine(
             num_speculative,
             max_prefill_tokens=max_prefill_tokens,
             prefill_chunk_size=prefill_chunk_size,
+            max_batched_tokens=max_batched_tokens,
+            prefill_grant_interval=prefill_grant_interval,
             seed=seed,
         )
         scheduler = self.engine.scheduler

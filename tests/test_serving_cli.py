@@ -32,6 +32,9 @@ GENERATE_FLAGS = (
     "--seed",
     "--parallel",
     "--speculative",
+    "--max-batched-tokens",
+    "--prefill-chunk-size",
+    "--prefill-grant-interval",
     "--backend",
     "--stats",
 )
@@ -169,6 +172,13 @@ def test_progress_writes_a_line_each_quarter_and_each_interval():
         (["--parallel", "0"], "--parallel must be >= 1, got 0"),
         (["--speculative", "-1"], f"--speculative must be in [0, {MAX_SPECULATIVE}]"),
         (["--speculative", "16"], "(the target verifies N + 1 tokens a step), got 16"),
+        (["--max-batched-tokens", "0"], "--max-batched-tokens must be >= 1, got 0"),
+        (
+            ["--prefill-chunk-size", "24"],
+            "--prefill-chunk-size must be a power of two >= 1, got 24",
+        ),
+        (["--prefill-chunk-size", "0"], "--prefill-chunk-size must be a power of two >= 1, got 0"),
+        (["--prefill-grant-interval", "-1"], "--prefill-grant-interval must be >= 0, got -1"),
     ],
 )
 def test_generate_refuses_bad_values_under_the_flags_names(flags, message, capsys):
@@ -177,7 +187,11 @@ def test_generate_refuses_bad_values_under_the_flags_names(flags, message, capsy
     assert main(["generate", *flags]) == 2
     error = capsys.readouterr().err
     assert error.startswith("error: ") and message in error, error
-    assert not re.search(r"\b(top_p|top_k|min_p|max_tokens|num_speculative)\b", error)
+    assert not re.search(
+        r"\b(top_p|top_k|min_p|max_tokens|num_speculative|max_batched_tokens|"
+        r"prefill_chunk_size|prefill_grant_interval)\b",
+        error,
+    )
 
 
 @pytest.mark.parametrize(
