@@ -155,6 +155,13 @@ def build_parser() -> argparse.ArgumentParser:
         "requests or older prompts) gets one chunk in the next step, beyond the budget, "
         ">= 0 (default: %(default)s)",
     )
+    generate.add_argument(
+        "--no-overlap",
+        action="store_true",
+        help="step synchronously: fetch each step's tokens before planning the next, instead "
+        "of dispatching the next step first (plain decoding; the output is the same, only the "
+        "speed differs)",
+    )
     generate.add_argument("--backend", default="auto", choices=BACKENDS, help=BACKEND_HELP)
     generate.add_argument(
         "--stats",
@@ -391,6 +398,7 @@ def run_generate(args: argparse.Namespace) -> int:
         prefill_chunk_size=args.prefill_chunk_size,
         max_batched_tokens=args.max_batched_tokens,
         prefill_grant_interval=args.prefill_grant_interval,
+        overlap=not args.no_overlap,
     )
     progress = GenerationProgress(engine, total_tokens=args.max_tokens * len(requests))
     steps = []

@@ -125,6 +125,9 @@ from serving.step_stats import StepOutput
 
 # The registry key of a prefix's first page has no parent page.
 _NO_PARENT = -1
+# The placeholder of a token sampled on the device but not yet on the host (overlapped steps,
+# ``Scheduler.commit_step_unresolved``); a decode batch feeding it takes it from the device.
+UNRESOLVED_TOKEN = -1
 
 
 def pages_needed(num_tokens: int, page_size: int) -> int:
@@ -255,6 +258,10 @@ class _Live:
     # in k order: they become shareable when prefill passes their end.
     pending: collections.deque = dataclasses.field(default_factory=collections.deque)
     num_preemptions: int = 0
+    # Overlapped steps (commit_step_unresolved): the provisional finish of a request retired
+    # before its last token reached the host, and whether its output was given.
+    provisional_reason: str | None = None
+    done: bool = False
 
     @property
     def num_generated(self) -> int:
@@ -348,6 +355,9 @@ class Scheduler:
         self._free_slots = list(range(self.parallel))  # a heap: lowest slot first
         self._steps = itertools.count()
         self._plan: _Plan | None = None
+        # Steps committed before their tokens reached the host: step index -> (slot, request,
+        # index of its unresolved token), until resolve_step.
+        self._unresolved: dict[int, list[tuple[int, _Live, int]]] = {}
         # The prefix registry: key -> page, page -> key, and registered pages not yet computed.
         self._prefix_page: dict[tuple[int, tuple[int, ...]], int] = {}
         self._page_key: dict[int, tuple[int, tuple[int, ...]]] = {}
@@ -540,6 +550,9 @@ class Scheduler:
         """Admits the head of the queue if its prefix is not being computed elsewhere and the
         pool has its pages; returns it, or None (nothing changes then)."""
         live = self._waiting[0]
+        # A preempted request is readmitted only once its tokens are known (resolve_step runs
+        # before the next plan, and a step that preempts admits nobody).
+        assert UNRESOLVED_TOKEN not in live.tokens, "readmitting a request with unknown tokens"
         num_full = (len(live.tokens) - 1) // self.page_size  # full pages inside the prefill
         shared: list[int] = []
         parent = _NO_PARENT
@@ -709,10 +722,7 @@ class Scheduler:
             raise ValueError("step is not the outstanding step of this scheduler")
         emitted = self._check_outputs(plan, token_ids, num_accepted, draft_token_ids)
         self._plan = None
-        for live, end in plan.prefill_ends:
-            live.cached = end
-            while live.pending and (live.pending[0][0] + 1) * self.page_size <= end:
-                self._pending_pages.discard(live.pending.popleft()[1])
+        self._commit_prefill(plan)
         new_token_ids, finished = {}, []
         for (_, live), tokens in zip(plan.decode_rows, emitted, strict=True):
             # Both caches hold the fed last token and the accepted drafts, nothing after.
@@ -720,13 +730,120 @@ class Scheduler:
             kept, reason = self._append_tokens(live, tokens)
             new_token_ids[live.request.request_id] = kept
             if reason is None:
-                keep = pages_needed(live.cached, self.page_size)
-                if keep < len(live.pages):
-                    self._release(live.pages[keep:])
-                    del live.pages[keep:]
+                self._trim_pages(live)
             else:
                 finished.append(self._finish(live, reason))
         return StepOutput(new_token_ids, tuple(finished))
+
+    def _commit_prefill(self, plan: _Plan) -> None:
+        for live, end in plan.prefill_ends:
+            live.cached = end
+            while live.pending and (live.pending[0][0] + 1) * self.page_size <= end:
+                self._pending_pages.discard(live.pending.popleft()[1])
+
+    def _trim_pages(self, live: _Live) -> None:
+        """Frees the request's pages past its cached length (a rewind's leftovers)."""
+        keep = pages_needed(live.cached, self.page_size)
+        if keep < len(live.pages):
+            self._release(live.pages[keep:])
+            del live.pages[keep:]
+
+    # --- committing before the tokens are known (overlapped steps, n = 0) -------------------
+
+    def commit_step_unresolved(self, step: Step) -> None:
+        """Commits ``step`` before its tokens reach the host (plain decoding only).
+
+        Each decode row emitted exactly one token (``n = 0``), so everything but the token's
+        value is known: the cache grows by one, the token list gets ``UNRESOLVED_TOKEN`` in its
+        place (the next step feeds it from the device: ``DecodeBatch.token_ids`` is -1 there),
+        and a request that reached ``max_tokens`` retires now (pages and slot freed; a later
+        step on the device may still write its pages, but it runs before any step that reuses
+        them). Stop tokens can only be applied when the tokens are known: ``resolve_step``
+        does it, one step late; the request's row in the step planned meanwhile is wasted and
+        its token discarded. Rows of requests that such a stop finished after ``step`` was
+        planned are skipped.
+
+        Raises:
+          ValueError: a step other than the outstanding one, or a speculative scheduler (the
+            number of tokens a speculative row emits is only known with them).
+        """
+        plan = self._plan
+        if plan is None or step is not plan.step:
+            raise ValueError("step is not the outstanding step of this scheduler")
+        if self.num_speculative:
+            raise ValueError(
+                f"commit_step_unresolved needs plain decoding; num_speculative is "
+                f"{self.num_speculative} (a row's token count is known only with its tokens)"
+            )
+        self._plan = None
+        self._commit_prefill(plan)
+        rows = []
+        for slot, live in plan.decode_rows:
+            if live.done:  # a stop token resolved after this step was planned
+                continue
+            live.cached = self._accepted_length(live.cached, 0)
+            live.tokens.append(UNRESOLVED_TOKEN)
+            rows.append((slot, live, len(live.tokens) - 1))
+            if live.num_generated >= live.request.params.max_tokens:
+                live.provisional_reason = "length"
+                self._retire(live)
+            else:
+                self._trim_pages(live)
+        self._unresolved[step.index] = rows  # even empty: the engine resolves every step
+
+    def resolve_step(self, step: Step, token_ids) -> StepOutput:
+        """The tokens of a step committed by ``commit_step_unresolved``: they replace the
+        placeholders, and stop tokens finish their requests now (one step late: a later token
+        of such a request is discarded; its pages and slot are freed).
+
+        Args:
+          step: the step, as ``plan_step`` returned it.
+          token_ids: int ``[B]`` or ``[B, 1]``, the step's sampled tokens per slot.
+
+        Returns:
+          The ``StepOutput`` of ``step``: tokens kept and requests finished.
+
+        Raises:
+          ValueError: a step with nothing to resolve, or tokens of the wrong shape or < 0.
+        """
+        rows = self._unresolved.get(step.index)
+        if rows is None:
+            raise ValueError(f"step {step.index} has no unresolved tokens")
+        tokens = np.asarray(token_ids)
+        if tokens.ndim == 2 and tokens.shape[1] == 1:
+            tokens = tokens[:, 0]
+        if tokens.shape != (self.parallel,) or not np.issubdtype(tokens.dtype, np.integer):
+            raise ValueError(
+                f"token_ids must be integers of shape [{self.parallel}], got "
+                f"{tokens.dtype}{list(tokens.shape)}"
+            )
+        for slot, live, _ in rows:
+            if not live.done and tokens[slot] < 0:
+                raise ValueError(f"token_ids[{slot}]={tokens[slot]} is not a token id")
+        del self._unresolved[step.index]
+        new_token_ids, finished = {}, []
+        for slot, live, index in rows:
+            if live.done:
+                continue
+            token = int(tokens[slot])
+            live.tokens[index] = token
+            new_token_ids[live.request.request_id] = (token,)
+            if token in live.stop_token_ids:
+                del live.tokens[index + 1 :]  # whatever a later step added is discarded
+                if live.provisional_reason is None:
+                    if live in self._running:
+                        self._retire(live)
+                    else:  # preempted after this step: it waits to be recomputed
+                        self._waiting.remove(live)
+                finished.append(self._output(live, "stop"))
+            elif live.provisional_reason is not None and index == len(live.tokens) - 1:
+                finished.append(self._output(live, live.provisional_reason))
+        return StepOutput(new_token_ids, tuple(finished))
+
+    @property
+    def num_unresolved_steps(self) -> int:
+        """Steps committed whose tokens ``resolve_step`` has not yet received."""
+        return len(self._unresolved)
 
     @staticmethod
     def _accepted_length(position: int, num_accepted: int) -> int:
@@ -799,10 +916,20 @@ class Scheduler:
         return tuple(kept), None
 
     def _finish(self, live: _Live, reason) -> RequestOutput:
+        self._retire(live)
+        return self._output(live, reason)
+
+    def _retire(self, live: _Live) -> None:
+        """Takes a finished request out of the running set: its pages and slot are free."""
         self._running.remove(live)
         self._release(live.pages)
         live.pages = []
         heapq.heappush(self._free_slots, live.slot)
+        live.slot = -1
+
+    def _output(self, live: _Live, reason) -> RequestOutput:
+        """The finished request's output; its id is free from now on."""
+        live.done = True
         del self._by_id[live.request.request_id]
         self.stats["finished"] += 1
         prompt = live.request.prompt_token_ids

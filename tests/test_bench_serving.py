@@ -27,6 +27,10 @@ ROW_FIELDS = (
     "dispatch_us_per_step",
     "device_wait_us_per_step",
     "fetch_us_per_step",
+    "plan_us_per_step",
+    "commit_us_per_step",
+    "overlap",
+    "wall_over_device_step",
     "device_step_us",
     "attention_fraction",
     "sampling_fraction",
@@ -87,6 +91,7 @@ def test_dry_run_rows_carry_the_fixed_and_the_serving_fields(dry_run):
         assert case["compiled_steps"] == 0, case["case"]
         assert case["decode_steps"] > 0
         assert case["kill_switch"] == (case["arm"] == "reference")
+        assert case["overlap"] == (case["arm"] != "decodelab-sync")
 
 
 def test_dry_run_attribution_says_which_backend_ran(dry_run):
@@ -94,6 +99,8 @@ def test_dry_run_attribution_says_which_backend_ran(dry_run):
     for case in document["cases"]:
         attribution = case["attribution"]
         assert "decode: attention=" in attribution and "decode: sampling=" in attribution
+        loop = "synchronous" if case["arm"] == "decodelab-sync" else "overlapped"
+        assert attribution.endswith(f"; engine loop={loop}"), attribution
         if case["arm"] == "reference":
             assert "pallas" not in attribution, attribution
         else:  # the dry run forces every kernel (interpreted) in the default arm
@@ -108,6 +115,9 @@ def test_dry_run_notes_compare_the_arms_in_every_scenario(dry_run):
         assert any(note.startswith(f"{scenario.case}: the default decodes at") for note in notes), (
             scenario.case
         )
+        assert any(
+            note.startswith(f"{scenario.case}: overlapped steps decode at") for note in notes
+        ), scenario.case
     assert any(note.startswith("target (issue 7)") for note in notes)
     assert any("DECODELAB_BACKEND=reference" in note for note in notes)
     assert "not speed figures" in markdown and "DRY RUN" in printed

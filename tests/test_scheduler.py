@@ -28,7 +28,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 import paged
 from serving.requests import Request, RequestOutput, SamplingParams
-from serving.scheduler import Scheduler, pages_needed
+from serving.scheduler import UNRESOLVED_TOKEN, Scheduler, pages_needed
 from serving.step_decision import prefill_budget
 
 VOCAB = 6  # small, so prompts share prefixes and drafts hit stop tokens often
@@ -807,3 +807,63 @@ TestSchedulerMachine = SchedulerMachine.TestCase
 TestSchedulerMachine.settings = settings(
     max_examples=8 * settings.default.max_examples, stateful_step_count=40
 )
+
+
+# ----------------------------------------------------------------------------------------------
+# Committing before the tokens are known (the engine's overlapped steps)
+
+
+def test_a_stop_token_resolved_one_step_late_finishes_a_preempted_request():
+    """Two requests decode overlapped: each step is committed before its tokens are known, and
+    resolved after the next step is planned. The plan of step 3 preempts "b" (the pool runs
+    dry) while its token of step 2 is still unknown; that token is a stop token, so "b"
+    finishes from the queue, its tokens cut after the stop; "a" finishes by max_tokens, its
+    output given when its last token is resolved; every page comes back."""
+    scheduler = Scheduler(num_pages=5, page_size=2, parallel=2)
+    scheduler.submit(request("a", [1, 2], max_tokens=6))
+    scheduler.submit(request("b", [3, 4], max_tokens=6, stop=[5]))
+    previous, outputs, streamed = None, {}, collections.defaultdict(list)
+    for index in range(10):
+        step = scheduler.plan_step()
+        if index == 3:
+            assert step.preempted == ("b",) and scheduler.waiting() == ("b",)
+        if step.decode is not None:  # the unknown token is fed from the device: -1 here
+            fed = step.decode.token_ids[step.decode.active].tolist()
+            assert index == 0 or set(fed) == {UNRESOLVED_TOKEN}
+        if previous is not None:
+            tokens = np.array([0, 5 if index == 3 else 0])
+            output = scheduler.resolve_step(previous, tokens)
+            for rid, kept in output.new_token_ids.items():
+                streamed[rid].extend(kept)
+            outputs.update((out.request_id, out) for out in output.finished)
+        if step.decode is not None:
+            scheduler.commit_step_unresolved(step)
+            previous = step
+        else:
+            scheduler.commit_step(step)
+            previous = None
+        if not scheduler.has_unfinished:
+            break
+    assert outputs["b"].token_ids == (0, 0, 5) and outputs["b"].finish_reason == "stop"
+    assert outputs["b"].num_preemptions == 1
+    assert outputs["a"].token_ids == (0,) * 6 and outputs["a"].finish_reason == "length"
+    assert streamed == {"a": [0] * 6, "b": [0, 0, 5]}
+    assert scheduler.pool.num_free == scheduler.usable_pages and scheduler.num_unresolved_steps == 0
+
+
+def test_unresolved_commits_refuse_what_they_cannot_do():
+    speculative = Scheduler(num_pages=8, page_size=2, parallel=1, num_speculative=2)
+    speculative.submit(request("a", [1, 2]))
+    with pytest.raises(ValueError, match="needs plain decoding; num_speculative is 2"):
+        speculative.commit_step_unresolved(speculative.plan_step())
+    scheduler = Scheduler(num_pages=8, page_size=2, parallel=2)
+    scheduler.submit(request("a", [1, 2]))
+    step = scheduler.plan_step()
+    with pytest.raises(ValueError, match="has no unresolved tokens"):
+        scheduler.resolve_step(step, [1, 0])
+    scheduler.commit_step_unresolved(step)
+    with pytest.raises(ValueError, match=r"token_ids must be integers of shape \[2\]"):
+        scheduler.resolve_step(step, [1, 0, 0])
+    with pytest.raises(ValueError, match=r"token_ids\[0\]=-1 is not a token id"):
+        scheduler.resolve_step(step, [-1, 0])
+    assert scheduler.resolve_step(step, [[4], [0]]).new_token_ids == {"a": (4,)}

@@ -35,6 +35,7 @@ GENERATE_FLAGS = (
     "--max-batched-tokens",
     "--prefill-chunk-size",
     "--prefill-grant-interval",
+    "--no-overlap",
     "--backend",
     "--stats",
 )
@@ -225,3 +226,15 @@ def test_module_entry_point_runs():
         check=False,
     )
     assert result.returncode == 0 and "--speculative" in result.stdout
+
+
+def test_no_overlap_changes_the_speed_not_the_output(capsys):
+    """Greedy plain decoding with the overlapped loop (the default) and with ``--no-overlap``
+    prints the same continuation."""
+    argv = ["generate", "--prompt", "def main(", "--max-tokens", "5", "--temperature", "0"]
+    argv += ["--backend", "reference", "--parallel", "1"]
+    printed = []
+    for extra in ([], ["--no-overlap"]):
+        assert main([*argv, *extra]) == 0
+        printed.append(capsys.readouterr().out)
+    assert printed[0] == printed[1] and printed[0].strip()

@@ -40,7 +40,11 @@ Arms, each a fresh engine per scenario, one after the other (``ARMS``):
   op included. The engine's programs cache on ``backend="auto"`` like the default's, so the jit
   caches are cleared (``jax.clear_caches``) before each arm: otherwise the second arm would run
   the first arm's compiled programs.
-- ``decodelab``: the default, ``Engine(backend="auto")``: on a GPU the paged-decode, norm,
+- ``decodelab-sync``: the default's kernels with ``Engine(overlap=False)``: the synchronous
+  loop (each step's tokens fetched before the next step is planned), the engine's step as it was
+  before issue 18, so the overlap's gain is measured in the same run.
+- ``decodelab``: the default, ``Engine(backend="auto")`` (steps overlapped: step ``N + 1``
+  dispatched before step ``N``'s tokens are fetched; speculative engines step synchronously): on a GPU the paged-decode, norm,
   RoPE + append and dual-pivot sampling kernels (and the acceptance kernel when speculating;
   Gumbel-max runs its kernel from batch ``sampling.api.GUMBEL_KERNEL_MIN_BATCH`` up and XLA's
   reference below); in a dry run on the
@@ -48,7 +52,7 @@ Arms, each a fresh engine per scenario, one after the other (``ARMS``):
   interpreted) to exercise the kernel path.
 
 ``attribution`` is what ``Engine.backend_report()`` reads off the traced programs: the kernel
-names each op calls, or ``reference``. Two arms that ran the same code have the same
+names each op calls, or ``reference``, and the engine's loop (overlapped or synchronous). Two arms that ran the same code have the same
 attribution and the report is refused (``bench.harness.report.check_distinguishable``).
 
 Each (scenario, arm) runs the scenario twice on fresh engines of the same shapes: the first run
@@ -147,7 +151,8 @@ PAGE_SIZE = 16
 PREFILL_CHUNK = 512
 TEMPERATURE, TOP_K, TOP_P = 1.0, 50, 0.9
 SEED = 7
-ARMS = ("reference", "decodelab")  # the report's arm names; reference first (the ratio's base)
+# The report's arm names; reference first (the ratio's base).
+ARMS = ("reference", "decodelab-sync", "decodelab")
 # Seconds a timed step loop should last (its calls are sized from the engine's step time).
 LOOP_TARGET_SECONDS = 0.2
 MAX_LOOP_CALLS = 256
@@ -276,16 +281,22 @@ def pool_pages(scenarios: tuple[Scenario, ...], page_size: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class Arm:
-    """An arm: its report name, the engine's ``backend=``, and whether the kill switch is set."""
+    """An arm: its report name, the engine's ``backend=``, whether the kill switch is set, and
+    whether the engine overlaps its steps (``Engine(overlap=...)``)."""
 
     name: str
     backend: str
     kill_switch: bool
+    overlap: bool = True
 
 
 def arms_for(options: RunOptions) -> tuple[Arm, ...]:
     default_backend = "pallas" if options.interpret else "auto"
-    return (Arm("reference", "auto", True), Arm("decodelab", default_backend, False))
+    return (
+        Arm("reference", "auto", True),
+        Arm("decodelab-sync", default_backend, False, overlap=False),
+        Arm("decodelab", default_backend, False),
+    )
 
 
 @contextlib.contextmanager
@@ -370,6 +381,7 @@ def new_engine(model, scenario: Scenario, arm: Arm, num_pages: int, options: Run
         page_size=PAGE_SIZE,
         parallel=parallel,
         backend=arm.backend,
+        overlap=arm.overlap,
         max_prefill_tokens=max(chunk, scenario.total_prompt_tokens),
         prefill_chunk_size=chunk,
         seed=SEED,
@@ -391,22 +403,25 @@ def measured_run(model, scenario, arm, num_pages, options, prompts) -> MeasuredR
 
 def run_engine(engine, requests: list[Request], capture: bool) -> MeasuredRun:
     """Submits ``requests`` together and steps until all finish; with ``capture``, keeps the
-    decode inputs of steps in which every request decodes."""
+    decode inputs of steps in which every request decodes (an overlapped step's rows feed
+    their last token from the device: -1 in the captured inputs, see ``_decode_loop``)."""
     captured: list[tuple[int, programs.DecodeInputs]] = []
     stats: list[StepStats] = []
-    run_decode = engine._run_decode
+    decode_inputs = engine._decode_inputs
 
-    def recording_run_decode(inputs):
+    def recording_decode_inputs(batch):
+        inputs = decode_inputs(batch)
         captured.append((len(stats), inputs))
-        return run_decode(inputs)
+        return inputs
 
     if capture:
-        engine._run_decode = recording_run_decode
+        engine._decode_inputs = recording_decode_inputs
     for request in requests:
         engine.submit(request)
     while engine.has_unfinished:
         stats.append(engine.step().stats)
-    engine._run_decode = run_decode
+    if capture:
+        del engine._decode_inputs  # the method again
     full = [(i, inputs) for i, inputs in captured if stats[i].num_decode_rows == len(requests)]
     return MeasuredRun(engine, requests, stats, full)
 
@@ -469,7 +484,8 @@ def _decode_loop(params, caches, inputs, *, config, backend, variant, num_calls)
             tokens = result.token_ids[:, 0]
             return caches, tokens, checksum + jnp.sum(tokens.astype(jnp.float32))
 
-        carry = (caches, jnp.asarray(inputs.token_ids), jnp.float32(0))
+        # An overlapped step's captured tokens are -1 (fed from the device): any token will do.
+        carry = (caches, jnp.maximum(jnp.asarray(inputs.token_ids), 0), jnp.float32(0))
         caches, _, checksum = lax.fori_loop(0, num_calls, body, carry)
     return caches, checksum
 
@@ -722,6 +738,13 @@ def run_case(
         "dispatch_us_per_step": statistics.median(s.dispatch_s for s in timed_steps) * 1e6,
         "device_wait_us_per_step": statistics.median(s.device_wait_s for s in timed_steps) * 1e6,
         "fetch_us_per_step": statistics.median(s.fetch_s for s in timed_steps) * 1e6,
+        # Host work of a step apart (issue 18): planning (plan_step, inputs, split-KV plans)
+        # and committing; with the overlap both run while the device runs the previous step.
+        "plan_us_per_step": statistics.median(s.plan_s for s in timed_steps) * 1e6,
+        "commit_us_per_step": statistics.median(s.commit_s for s in timed_steps) * 1e6,
+        "overlap": engine.overlap,
+        # The client-visible step over the device step (issue 18's target: within 1.15x).
+        "wall_over_device_step": step_s * 1e6 / full_us,
         "device_step_us": full_us,
         "attention_fraction": attention_us / step_us,
         "sampling_fraction": sampling_us / step_us,
@@ -755,10 +778,11 @@ def run_case(
             notes.append(f"{scenario.case}: the kill switch did not reach {sorted(ran)}")
     elif backends.get("decode: attention", "reference") == "reference":
         notes.append(f"{scenario.case}: the default ran no attention kernel in decode")
+    loop = "overlapped" if engine.overlap else "synchronous"
     row = CaseResult(
         case=scenario.case,
         arm=arm.name,
-        attribution=attribution_of(backends),
+        attribution=f"{attribution_of(backends)}; engine loop={loop}",
         median_us=step_us,
         min_us=min(wall) * 1e6,
         max_us=max(wall) * 1e6,
@@ -775,6 +799,32 @@ def run_case(
 
 # ----------------------------------------------------------------------------------------------
 # Notes comparing the arms
+
+
+def overlap_notes(rows: list[CaseResult]) -> list[str]:
+    """Per scenario: the overlapped default against the synchronous loop (``decodelab-sync``):
+    tokens/s, and the client-visible step over the device step (issue 18: within 1.15x)."""
+    notes = []
+    by_case: dict[str, dict[str, CaseResult]] = {}
+    for row in rows:
+        by_case.setdefault(row.case, {})[row.arm] = row
+    for case, arms in by_case.items():
+        overlapped, synchronous = arms.get("decodelab"), arms.get("decodelab-sync")
+        if overlapped is None or synchronous is None:
+            continue
+        speedup = overlapped.extra["tokens_per_s"] / synchronous.extra["tokens_per_s"]
+        ratio = overlapped.extra["wall_over_device_step"]
+        notes.append(
+            f"{case}: overlapped steps decode at {speedup:.2f}x the synchronous loop's tokens/s "
+            f"({overlapped.extra['tokens_per_s']:.1f} vs "
+            f"{synchronous.extra['tokens_per_s']:.1f}); wall step / device step "
+            f"{ratio:.2f} (synchronous {synchronous.extra['wall_over_device_step']:.2f}; "
+            f"issue 18's target 1.15: {'met' if ratio <= 1.15 else 'not met'}); host per step: "
+            f"plan {overlapped.extra['plan_us_per_step']:.0f} us, dispatch "
+            f"{overlapped.extra['dispatch_us_per_step']:.0f} us, commit "
+            f"{overlapped.extra['commit_us_per_step']:.0f} us"
+        )
+    return notes
 
 
 def comparison_notes(rows: list[CaseResult]) -> list[str]:
@@ -889,6 +939,7 @@ def run(options: RunOptions, ceiling: CopyCeiling) -> SuiteOutput:
     order = {scenario.case: index for index, scenario in enumerate(scenarios)}
     rows.sort(key=lambda row: (order[row.case], ARMS.index(row.arm)))
     notes += comparison_notes(rows)
+    notes += overlap_notes(rows)
     return SuiteOutput(results=rows, notes=notes, peers_for_ratio=("reference",))
 
 
