@@ -41,6 +41,8 @@ class StepStats:
       plan_s: part of ``host_s``: ``plan_step`` and the decode program's host inputs (split-KV
         plans included).
       commit_s: part of ``host_s``: committing the tokens (stop tokens, rewinds, finishes).
+      num_granted: prefilling requests whose chunks the fairness grant gave beyond the step's
+        budget (``Step.granted``).
       overlapped: whether the step ran overlapped (``Engine(overlap=True)``): its prefill and
         decode were dispatched without waiting, and ``device_wait_s``, ``fetch_s`` and
         ``num_emitted`` belong to the PREVIOUS step's tokens, fetched after this step was
@@ -62,6 +64,7 @@ class StepStats:
     plan_s: float = 0.0
     commit_s: float = 0.0
     overlapped: bool = False
+    num_granted: int = 0
 
     @property
     def total_s(self) -> float:

@@ -23,6 +23,11 @@ Scenarios (``SCENARIOS``; ``--quick``: the first two):
   (256 full pages, shared read-only by the scheduler) and differ in a 32-token tail; 64 new
   tokens each.
 
+- ``continuous``: requests arriving while others decode (Poisson, seeded), prompts of 64 to
+  8192 tokens, one row per (prefill chunk size, grant interval) under the default arm:
+  ``bench/suites/serving_load.py`` (``LOAD_SCENARIO``; not in ``--quick``; its dry run runs
+  toy prompts for about a second on the reference backend).
+
 ``ctx`` counts the tokens in the cache when decoding starts: a prompt has ``ctx + 1`` tokens
 (``ctx + 32 + 1`` with the shared-prefix tail), since the scheduler prefills all but the last
 token and the first decode step feeds it. Prefills are then whole chunks of 512, one program a
@@ -136,7 +141,7 @@ import sampling
 import speculative
 from bench.harness import CaseResult, CopyCeiling, RunOptions, TimedLoop, expected_us, report
 from bench.harness.attention_inputs import make_attention_setup
-from bench.suites import SuiteOutput
+from bench.suites import SuiteOutput, serving_load
 from kernels_pallas.platform import KILL_SWITCH_VARIABLE, resolve_backend
 from serving import config as config_lib
 from serving import engine as engine_lib
@@ -230,6 +235,27 @@ DRY_RUN_SCENARIOS = (
     Scenario("long", 1, 128, 4),
     Scenario("shared_prefix", 2, 64, 4, shared_prefix=64, tail=32),
 )
+# Continuous load (bench/suites/serving_load.py): Poisson arrivals while others decode, one row
+# per (prefill_chunk_size, prefill_grant_interval). On the GPU: 30 s of arrivals at 16 slots,
+# prompts of 64 to 8192 tokens; in a dry run a few seconds of toy prompts on the reference.
+LOAD_SCENARIO = serving_load.LoadScenario(
+    parallel=16,
+    rate_per_s=24.0,
+    duration_s=30.0,
+    prompt_lengths=(64, 512, 2048, 8192),
+    new_tokens=128,
+    configs=((512, 1), (512, 8), (2048, 1), (2048, 8)),
+    seed=SEED,
+)
+DRY_RUN_LOAD_SCENARIO = serving_load.LoadScenario(
+    parallel=2,
+    rate_per_s=30.0,
+    duration_s=1.0,
+    prompt_lengths=(8, 24, 40),
+    new_tokens=6,
+    configs=((8, 0), (16, 2)),
+    seed=SEED,
+)
 DRY_RUN_PARALLEL = 2
 DRY_RUN_PREFILL_CHUNK = 32
 DRY_RUN_OP_CONTEXT = 48  # one op-level shape for every dry-run scenario: one compilation
@@ -251,11 +277,82 @@ def scenarios_for(options: RunOptions) -> tuple[Scenario, ...]:
     wanted = os.environ.get(SCENARIOS_VARIABLE, "").strip()
     if wanted:
         kinds = {kind.strip() for kind in wanted.split(",") if kind.strip()}
-        unknown = kinds - {scenario.kind for scenario in SCENARIOS}
+        unknown = kinds - {scenario.kind for scenario in SCENARIOS} - {LOAD_SCENARIO.kind}
         if unknown:
             raise ValueError(f"{SCENARIOS_VARIABLE} names unknown kinds {sorted(unknown)}")
         chosen = tuple(scenario for scenario in chosen if scenario.kind in kinds)
     return chosen
+
+
+def load_scenario_for(options: RunOptions) -> serving_load.LoadScenario | None:
+    """The continuous load of this run: in a full run and a dry run (not ``--quick``), unless
+    ``DECODELAB_SERVING_SCENARIOS`` leaves out ``continuous``."""
+    if options.quick and not options.dry_run:
+        return None
+    wanted = os.environ.get(SCENARIOS_VARIABLE, "").strip()
+    if wanted and LOAD_SCENARIO.kind not in {kind.strip() for kind in wanted.split(",")}:
+        return None
+    return DRY_RUN_LOAD_SCENARIO if options.dry_run else LOAD_SCENARIO
+
+
+def run_load_rows(model, num_pages: int, options: RunOptions) -> tuple[list, list[str]]:
+    """The continuous-load rows (``bench/suites/serving_load.py``): the default arm's engine
+    (overlapped, every kernel "auto" picks); in a dry run the reference backend, as interpreted
+    kernels would take minutes of CPU for a few seconds of load."""
+    scenario = load_scenario_for(options)
+    if scenario is None:
+        return [], []
+    config = model[0]
+    backend = "reference" if options.dry_run else "auto"
+    rows, notes = [], []
+
+    def make_engine(chunk, budget, interval):
+        return engine_lib.Engine(
+            model,
+            num_pages=num_pages,
+            page_size=PAGE_SIZE,
+            parallel=scenario.parallel,
+            backend=backend,
+            max_prefill_tokens=budget,
+            prefill_chunk_size=chunk,
+            max_batched_tokens=budget,
+            prefill_grant_interval=interval,
+            seed=SEED,
+        )
+
+    for chunk, interval in scenario.configs:
+        case = scenario.case(chunk, interval)
+        report.print_progress(case)
+        try:
+            figures, engine = serving_load.run_load_case(
+                make_engine, scenario, chunk, interval, config.vocab_size
+            )
+        except Exception as error:  # one failing configuration must not lose the others
+            notes.append(f"{case} failed: {type(error).__name__}: {str(error)[:300]}")
+            continue
+        loop = "overlapped" if engine.overlap else "synchronous"
+        attribution = (
+            f"{attribution_of(engine.backend_report())}; engine loop={loop}; "
+            f"chunk={chunk}; grant={interval}"
+        )
+        rows.append(serving_load.load_row(case, "decodelab", attribution, figures))
+        if figures["compiled_steps"]:
+            notes.append(
+                f"{case}: {figures['compiled_steps']} measured step(s) compiled a program; "
+                "ITL and TTFT include compilation"
+            )
+        notes.append(
+            f"{case}: {figures['requests']} requests, TTFT p50/p99 "
+            f"{figures['ttft_p50_ms']:.1f}/{figures['ttft_p99_ms']:.1f} ms, ITL p50/p99 "
+            f"{figures['itl_p50_ms']:.2f}/{figures['itl_p99_ms']:.2f} ms, in admission "
+            f"windows {figures['itl_admission_p50_ms']:.2f}/"
+            f"{figures['itl_admission_p99_ms']:.2f} ms, {figures['tokens_per_s']:.1f} tokens/s, "
+            f"{figures['granted_chunks']} granted chunk(s)"
+        )
+        engine.target_caches = None
+        del engine
+        gc.collect()
+    return rows, notes
 
 
 def model_config(options: RunOptions) -> config_lib.ModelConfig:
@@ -269,8 +366,16 @@ def pool_pages(scenarios: tuple[Scenario, ...], page_size: int) -> int:
     """One pool size for every scenario: the largest scenario's pages if nothing were shared
     (every request's whole footprint), plus the padding page, rounded up to 1024 pages."""
     needed = max(
-        scenario.num_requests * -(-(scenario.prompt_tokens + scenario.new_tokens) // page_size)
-        for scenario in scenarios
+        (
+            scenario.num_requests * -(-(scenario.prompt_tokens + scenario.new_tokens) // page_size)
+            for scenario in scenarios
+        ),
+        default=0,
+    )
+    # The continuous load: every slot holding the longest prompt at once.
+    load = LOAD_SCENARIO
+    needed = max(
+        needed, load.parallel * -(-(max(load.prompt_lengths) + load.new_tokens) // page_size)
     )
     return -(-(needed + 1) // 1024) * 1024
 
@@ -869,6 +974,8 @@ def comparison_notes(rows: list[CaseResult]) -> list[str]:
                     f"{theirs.extra[f'{op}_fraction']:.0%} of the reference's step"
                 )
         ours.extra["vs_reference_tokens_per_s"] = speedup
+    if not verdicts:  # only the continuous load ran
+        return notes
     measured = [faster for _, faster in verdicts if faster is not None]
     slower = [case for case, faster in verdicts if faster is False]
     met = bool(measured) and all(measured) and len(measured) == len(verdicts)
@@ -940,6 +1047,9 @@ def run(options: RunOptions, ceiling: CopyCeiling) -> SuiteOutput:
     rows.sort(key=lambda row: (order[row.case], ARMS.index(row.arm)))
     notes += comparison_notes(rows)
     notes += overlap_notes(rows)
+    load_rows, load_notes = run_load_rows(model, num_pages, options)
+    rows += load_rows
+    notes += load_notes
     return SuiteOutput(results=rows, notes=notes, peers_for_ratio=("reference",))
 
 
