@@ -268,3 +268,20 @@ def test_load_arrivals_are_seeded_poisson_within_the_duration():
     expected = load.rate_per_s * load.duration_s
     assert abs(len(arrivals) - expected) < 4 * expected**0.5
     assert {len(prompt) for _, prompt in arrivals} == set(load.prompt_lengths)
+
+
+def test_load_configurations_can_be_chosen(monkeypatch):
+    options = RunOptions(dry_run=False, quick=False)
+    monkeypatch.setenv(serving.LOAD_CONFIGS_VARIABLE, "512:1, 2048:8")
+    assert serving.load_scenario_for(options).configs == ((512, 1), (2048, 8))
+    for bad in ("512", "500:1", "512:-1", "a:b"):
+        monkeypatch.setenv(serving.LOAD_CONFIGS_VARIABLE, bad)
+        with pytest.raises(ValueError, match="DECODELAB_SERVING_LOAD_CONFIGS entries must be"):
+            serving.load_scenario_for(options)
+    monkeypatch.delenv(serving.LOAD_CONFIGS_VARIABLE)
+    monkeypatch.setenv(serving.SCENARIOS_VARIABLE, "single,batch")
+    assert serving.load_scenario_for(options) is None
+    monkeypatch.setenv(serving.SCENARIOS_VARIABLE, "continuous")
+    assert serving.load_scenario_for(options) is serving.LOAD_SCENARIO
+    assert serving.scenarios_for(options) == ()
+    assert serving.load_scenario_for(RunOptions(dry_run=False, quick=True)) is None

@@ -163,6 +163,8 @@ LOOP_TARGET_SECONDS = 0.2
 MAX_LOOP_CALLS = 256
 # Split a run across commands: a comma-separated list of scenario kinds (``Scenario.kind``).
 SCENARIOS_VARIABLE = "DECODELAB_SERVING_SCENARIOS"
+# ... and the continuous load's configurations (``load_scenario_for``).
+LOAD_CONFIGS_VARIABLE = "DECODELAB_SERVING_LOAD_CONFIGS"
 MAX_MEASURED_RUNS = 3
 # Priors (TB/s, floor us) for sizing the op-level programs (a prior 4x off costs one more
 # compilation): the reference attention reads every padded slot once per request; sort-based
@@ -236,12 +238,12 @@ DRY_RUN_SCENARIOS = (
     Scenario("shared_prefix", 2, 64, 4, shared_prefix=64, tail=32),
 )
 # Continuous load (bench/suites/serving_load.py): Poisson arrivals while others decode, one row
-# per (prefill_chunk_size, prefill_grant_interval). On the GPU: 30 s of arrivals at 16 slots,
+# per (prefill_chunk_size, prefill_grant_interval). On the GPU: 20 s of arrivals at 16 slots,
 # prompts of 64 to 8192 tokens; in a dry run a few seconds of toy prompts on the reference.
 LOAD_SCENARIO = serving_load.LoadScenario(
     parallel=16,
     rate_per_s=24.0,
-    duration_s=30.0,
+    duration_s=20.0,
     prompt_lengths=(64, 512, 2048, 8192),
     new_tokens=128,
     configs=((512, 1), (512, 8), (2048, 1), (2048, 8)),
@@ -286,13 +288,36 @@ def scenarios_for(options: RunOptions) -> tuple[Scenario, ...]:
 
 def load_scenario_for(options: RunOptions) -> serving_load.LoadScenario | None:
     """The continuous load of this run: in a full run and a dry run (not ``--quick``), unless
-    ``DECODELAB_SERVING_SCENARIOS`` leaves out ``continuous``."""
+    ``DECODELAB_SERVING_SCENARIOS`` leaves out ``continuous``; its configurations chosen by
+    ``DECODELAB_SERVING_LOAD_CONFIGS`` when set (``CHUNK:INTERVAL`` pairs, comma-separated, e.g.
+    ``512:1,512:8``), to split the load across device commands.
+
+    Raises:
+      ValueError: naming the variable and the entry that is not ``CHUNK:INTERVAL`` with a
+        power-of-two chunk and an interval >= 0.
+    """
     if options.quick and not options.dry_run:
         return None
     wanted = os.environ.get(SCENARIOS_VARIABLE, "").strip()
     if wanted and LOAD_SCENARIO.kind not in {kind.strip() for kind in wanted.split(",")}:
         return None
-    return DRY_RUN_LOAD_SCENARIO if options.dry_run else LOAD_SCENARIO
+    scenario = DRY_RUN_LOAD_SCENARIO if options.dry_run else LOAD_SCENARIO
+    chosen = os.environ.get(LOAD_CONFIGS_VARIABLE, "").strip()
+    if not chosen:
+        return scenario
+    configs = []
+    for entry in chosen.split(","):
+        try:
+            chunk, interval = (int(part) for part in entry.split(":"))
+        except ValueError:
+            chunk, interval = 0, -1
+        if chunk < 1 or chunk & (chunk - 1) or interval < 0:
+            raise ValueError(
+                f"{LOAD_CONFIGS_VARIABLE} entries must be CHUNK:INTERVAL (a power-of-two chunk, "
+                f"an interval >= 0), got {entry!r}"
+            )
+        configs.append((chunk, interval))
+    return dataclasses.replace(scenario, configs=tuple(configs))
 
 
 def run_load_rows(model, num_pages: int, options: RunOptions) -> tuple[list, list[str]]:
@@ -1022,9 +1047,10 @@ def run(options: RunOptions, ceiling: CopyCeiling) -> SuiteOutput:
         f"the default (Engine backend={arms_for(options)[1].backend!r})",
     ]
     notes.append(SAMPLING_SHRINK_NOTE)
-    chosen = os.environ.get(SCENARIOS_VARIABLE, "").strip()
-    if chosen:  # the command line alone does not say which scenarios ran
-        notes.append(f"scenarios chosen by {SCENARIOS_VARIABLE}={chosen}")
+    for variable in (SCENARIOS_VARIABLE, LOAD_CONFIGS_VARIABLE):
+        chosen = os.environ.get(variable, "").strip()
+        if chosen:  # the command line alone does not say which scenarios ran
+            notes.append(f"scenarios chosen by {variable}={chosen}")
     rows: list[CaseResult] = []
     ops: dict = {}
     for arm in arms_for(options):
