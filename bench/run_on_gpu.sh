@@ -8,6 +8,7 @@
 #   bash bench/run_on_gpu.sh sampling-32 speculative serving-a serving-b
 #   timeout -s KILL 560 bash bench/run_on_gpu.sh speculative-quick engine-bf16 serving-single; \
 #     bash bench/run_on_gpu.sh pack
+#   bash bench/run_on_gpu.sh serving-batch; bash bench/run_on_gpu.sh serving-load-a  # issue 18
 # (merge a suite's parts into one report with python -m bench.harness.merge_reports)
 # The stage names are unchanged since bench/ was split into harness/, suites/, tuning/, probes/
 # and memcheck/; only the modules they run moved (prefill is now `python -m bench prefill`).
@@ -81,8 +82,18 @@ for stage in "$@"; do
       timeout 200 python3 -m pytest -q -s -p no:cacheprovider tests/test_engine.py -k bfloat16 \
         2>&1 | tee "$out/engine_bf16.log" | grep -E 'bf16 greedy|passed|failed' ;;
     serving-single|serving-batch|serving-long|serving-shared_prefix)  # one scenario a process
-      DECODELAB_SERVING_SCENARIOS="${stage#serving-}" timeout 300 python3 -m bench serving \
-        --out "$out/$stage" 2>&1 | tee "$out/$stage.log" | grep -E 'tok/s|^note: .*(faster|target)' ;;
+      # Three arms since issue 18 (reference, decodelab-sync, decodelab): 450 s, not 300.
+      DECODELAB_SERVING_SCENARIOS="${stage#serving-}" timeout 450 python3 -m bench serving \
+        --out "$out/$stage" 2>&1 | tee "$out/$stage.log" \
+        | grep -E 'tok/s|^note: .*(faster|target|overlapped)' ;;
+    serving-load-a|serving-load-b)  # issue 18: the continuous load, two configurations a process
+      configs="512:1,512:8"; [ "$stage" = serving-load-b ] && configs="2048:1,2048:8"
+      DECODELAB_SERVING_SCENARIOS=continuous DECODELAB_SERVING_LOAD_CONFIGS="$configs" \
+        timeout 550 python3 -m bench serving --out "$out/$stage" 2>&1 | tee "$out/$stage.log" \
+        | grep -E '^note: continuous|wrote' ;;
+    engine-overlap)  # issue 18: the overlapped loop's tests, compiled kernels (about 2 min)
+      timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_engine.py -k \
+        'overlap or bound or budget' 2>&1 | tee "$out/engine_overlap.log" | tail -n 3 ;;
     prefill)  # the prefill kernel's GPU tests, then one chunk at 16K and 32K (about 90 s)
       timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_paged_prefill_kernel.py \
         2>&1 | tee "$out/gpu_prefill_tests.log" | tail -n 2
