@@ -8,8 +8,9 @@
 #   bash bench/run_on_gpu.sh sampling-32 speculative serving-a serving-b
 #   timeout -s KILL 560 bash bench/run_on_gpu.sh speculative-quick engine-bf16 serving-single; \
 #     bash bench/run_on_gpu.sh pack
-#   bash bench/run_on_gpu.sh serving-batch; bash bench/run_on_gpu.sh serving-load-a  # issue 18
 # (merge a suite's parts into one report with python -m bench.harness.merge_reports)
+# Issue 18 (the engine's step, version 2): serving-batch, serving-single, serving-load-a and -b,
+# engine-overlap; one device command each.
 # The stage names are unchanged since bench/ was split into harness/, suites/, tuning/, probes/
 # and memcheck/; only the modules they run moved (prefill is now `python -m bench prefill`).
 # Each stage has its own timeout, but a chain of stages can outlast one device command (600 s):
