@@ -75,6 +75,18 @@ step to step: every decoding row runs, then prefill chunks fill what is left of 
 ``prefill_grant_interval`` steps gets one chunk beyond the budget (``Step.granted``). Admission
 comes first, so a request admitted in a step may prefill in it.
 
+Committing before the tokens are known (overlapped steps)
+---------------------------------------------------------
+With plain decoding the engine may commit a step before its tokens reach the host
+(``commit_step_unresolved``): each row emitted exactly one token, so lengths, pages and
+``max_tokens`` finishes are known; the token itself is ``UNRESOLVED_TOKEN`` in the request's list
+(the next decode batch feeds -1 there, and the engine takes the token from the device) until
+``resolve_step`` brings it, after the next step was planned. Stop tokens apply there, one step
+late: the request finishes (from the running set, or from the queue if the plan in between
+preempted it), its token of the step planned meanwhile is discarded, and a request that a later
+plan still holds is skipped when that plan commits. A preempted request is readmitted only with
+its tokens known (``resolve_step`` runs before the next plan).
+
 Static shapes for ``jit``
 -------------------------
 The decode batch always has ``parallel`` rows; ``page_indices`` is padded to
