@@ -168,9 +168,12 @@ def test_real_configuration_suits_the_kernels_and_the_pool():
         # Prefill (all but the last prompt token) is whole chunks: one chunk length compiles.
         assert (scenario.prompt_tokens - 1) % serving.PREFILL_CHUNK in (0, scenario.tail)
         assert scenario.tail == 0 or scenario.tail > 16  # no chunk runs the kernel's short path
-    pages = serving.pool_pages(serving.SCENARIOS, serving.PAGE_SIZE)
-    # The shared-prefix batch fits even if nothing were shared.
+    pages = serving.pool_pages(serving.SCENARIOS, serving.PAGE_SIZE, serving.LOAD_SCENARIO)
+    # The shared-prefix batch fits even if nothing were shared, and the continuous load with
+    # every slot at its longest prompt.
     assert pages > 32 * -(-(4096 + 33 + 64) // serving.PAGE_SIZE)
+    load = serving.LOAD_SCENARIO
+    assert pages > load.parallel * -(-(8192 + load.new_tokens) // serving.PAGE_SIZE)
     pool_bytes = pages * serving.PAGE_SIZE * 2 * 8 * 128 * 2 * serving.NUM_LAYERS
     assert pool_bytes < 8 << 30
 

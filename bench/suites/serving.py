@@ -387,9 +387,14 @@ def model_config(options: RunOptions) -> config_lib.ModelConfig:
     return config_lib.llama3_8b_like(NUM_LAYERS, "bfloat16")
 
 
-def pool_pages(scenarios: tuple[Scenario, ...], page_size: int) -> int:
+def pool_pages(
+    scenarios: tuple[Scenario, ...],
+    page_size: int,
+    load: serving_load.LoadScenario | None = None,
+) -> int:
     """One pool size for every scenario: the largest scenario's pages if nothing were shared
-    (every request's whole footprint), plus the padding page, rounded up to 1024 pages."""
+    (every request's whole footprint; for the continuous ``load``, every slot holding its
+    longest prompt), plus the padding page, rounded up to 1024 pages."""
     needed = max(
         (
             scenario.num_requests * -(-(scenario.prompt_tokens + scenario.new_tokens) // page_size)
@@ -397,11 +402,9 @@ def pool_pages(scenarios: tuple[Scenario, ...], page_size: int) -> int:
         ),
         default=0,
     )
-    # The continuous load: every slot holding the longest prompt at once.
-    load = LOAD_SCENARIO
-    needed = max(
-        needed, load.parallel * -(-(max(load.prompt_lengths) + load.new_tokens) // page_size)
-    )
+    if load is not None:
+        longest = max(load.prompt_lengths) + load.new_tokens
+        needed = max(needed, load.parallel * -(-longest // page_size))
     return -(-(needed + 1) // 1024) * 1024
 
 
@@ -1026,7 +1029,7 @@ def run(options: RunOptions, ceiling: CopyCeiling) -> SuiteOutput:
     config = model_config(options)
     params = model_lib.init_params(config, jax.random.key(SEED))
     model = (config, params)
-    num_pages = pool_pages(scenarios, PAGE_SIZE)
+    num_pages = pool_pages(scenarios, PAGE_SIZE, load_scenario_for(options))
     notes = [
         f"model: random weights, {config.num_layers} layers (Llama 3 8B has 32) of hidden "
         f"{config.hidden}, "
