@@ -10,6 +10,8 @@
 #     bash bench/run_on_gpu.sh pack
 #   SAMPLING_BATCH=1 DECODELAB_SAMPLING_CASES=gumbel,top_p bash bench/run_on_gpu.sh sampling-part
 # (merge a suite's parts into one report with python -m bench.harness.merge_reports)
+# Issue 18 (the engine's step, version 2): serving-batch, serving-single, serving-load-a and -b,
+# engine-overlap; one device command each.
 # The stage names are unchanged since bench/ was split into harness/, suites/, tuning/, probes/
 # and memcheck/; only the modules they run moved (prefill is now `python -m bench prefill`).
 # Each stage has its own timeout, but a chain of stages can outlast one device command (600 s):
@@ -82,8 +84,18 @@ for stage in "$@"; do
       timeout 200 python3 -m pytest -q -s -p no:cacheprovider tests/test_engine.py -k bfloat16 \
         2>&1 | tee "$out/engine_bf16.log" | grep -E 'bf16 greedy|passed|failed' ;;
     serving-single|serving-batch|serving-long|serving-shared_prefix)  # one scenario a process
-      DECODELAB_SERVING_SCENARIOS="${stage#serving-}" timeout 300 python3 -m bench serving \
-        --out "$out/$stage" 2>&1 | tee "$out/$stage.log" | grep -E 'tok/s|^note: .*(faster|target)' ;;
+      # Three arms since issue 18 (reference, decodelab-sync, decodelab): 450 s, not 300.
+      DECODELAB_SERVING_SCENARIOS="${stage#serving-}" timeout 450 python3 -m bench serving \
+        --out "$out/$stage" 2>&1 | tee "$out/$stage.log" \
+        | grep -E 'tok/s|^note: .*(faster|target|overlapped)' ;;
+    serving-load-a|serving-load-b)  # issue 18: the continuous load, two configurations a process
+      configs="512:1,512:8"; [ "$stage" = serving-load-b ] && configs="2048:1,2048:8"
+      DECODELAB_SERVING_SCENARIOS=continuous DECODELAB_SERVING_LOAD_CONFIGS="$configs" \
+        timeout 550 python3 -m bench serving --out "$out/$stage" 2>&1 | tee "$out/$stage.log" \
+        | grep -E '^note: continuous|wrote' ;;
+    engine-overlap)  # issue 18: the overlapped loop's tests, compiled kernels (about 2 min)
+      timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_engine.py -k \
+        'overlap or bound or budget' 2>&1 | tee "$out/engine_overlap.log" | tail -n 3 ;;
     prefill)  # the prefill kernel's GPU tests, then one chunk at 16K and 32K (about 90 s)
       timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_paged_prefill_kernel.py \
         2>&1 | tee "$out/gpu_prefill_tests.log" | tail -n 2
