@@ -57,7 +57,13 @@ from paged.attention_reference import (
 )
 from paged.decode import _static_float, decode_attention, kernel_supports, validate_decode_inputs
 from paged.kv_cache import KVCache
-from paged.page_table import PageTable, bucket_size, host_page_table, validate_page_table
+from paged.page_table import (
+    PageTable,
+    bucket_size,
+    check_csr_offsets,
+    host_page_table,
+    validate_page_table,
+)
 
 # What backend="auto" runs here follows decode_attention's evidence (kernels_pallas/platform.py):
 # every cascade level runs decode_attention's kernels, so the kernel path is faster than the
@@ -461,20 +467,8 @@ def _validate_groups(name: str, level: SharedLevel, batch_size: int) -> None:
     if not is_concrete(level.group_indptr, level.group_requests):
         return
     indptr = np.asarray(level.group_indptr)
-    if indptr[0] != 0:
-        raise ValueError(f"{name}.group_indptr must start at 0, got {indptr[0]}")
-    steps = np.diff(indptr)
-    if np.any(steps < 0):
-        g = int(np.argmax(steps < 0))
-        raise ValueError(
-            f"{name}.group_indptr must be non-decreasing, but group_indptr[{g}]={indptr[g]} > "
-            f"group_indptr[{g + 1}]={indptr[g + 1]}"
-        )
     num_members = level.group_requests.shape[0]
-    if indptr[-1] > num_members:
-        raise ValueError(
-            f"{name}.group_indptr[-1]={indptr[-1]} exceeds len(group_requests)={num_members}"
-        )
+    check_csr_offsets(indptr, name, "group_indptr", "group_requests", num_members)
     members = np.asarray(level.group_requests)[: indptr[-1]]
     outside = (members < 0) | (members >= batch_size)
     if np.any(outside):

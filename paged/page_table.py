@@ -294,6 +294,27 @@ def check_holds_new_tokens(table: PageTable, num_new_tokens: int, what: str) -> 
         )
 
 
+def check_csr_offsets(
+    indptr: np.ndarray, owner: str, offsets_name: str, entries_name: str, num_entries: int
+) -> np.ndarray:
+    """Checks concrete CSR offsets (the rows of ``entries_name`` are ``[indptr[r],
+    indptr[r + 1])``): they start at 0, never decrease, and end inside the entries. Errors name
+    ``owner.offsets_name`` and the bad entries. Returns each row's length (``np.diff``)."""
+    full = f"{owner}.{offsets_name}"
+    if indptr[0] != 0:
+        raise ValueError(f"{full} must start at 0, got {indptr[0]}")
+    steps = np.diff(indptr)
+    if np.any(steps < 0):
+        r = int(np.argmax(steps < 0))
+        raise ValueError(
+            f"{full} must be non-decreasing, but {offsets_name}[{r}]={indptr[r]} > "
+            f"{offsets_name}[{r + 1}]={indptr[r + 1]}"
+        )
+    if indptr[-1] > num_entries:
+        raise ValueError(f"{full}[-1]={indptr[-1]} exceeds len({entries_name})={num_entries}")
+    return steps
+
+
 def validate_page_table(
     table: PageTable, num_pool_pages: int | None, *, batch_size: int | None = None
 ) -> None:
@@ -330,20 +351,9 @@ def validate_page_table(
         return
     indptr = np.asarray(table.page_indptr)
     last = np.asarray(table.last_page_len)
-    if indptr[0] != 0:
-        raise ValueError(f"page_table.page_indptr must start at 0, got {indptr[0]}")
-    steps = np.diff(indptr)
-    if np.any(steps < 0):
-        b = int(np.argmax(steps < 0))
-        raise ValueError(
-            f"page_table.page_indptr must be non-decreasing, but page_indptr[{b}]={indptr[b]} > "
-            f"page_indptr[{b + 1}]={indptr[b + 1]}"
-        )
-    num_indices = table.page_indices.shape[0]
-    if indptr[-1] > num_indices:
-        raise ValueError(
-            f"page_table.page_indptr[-1]={indptr[-1]} exceeds len(page_indices)={num_indices}"
-        )
+    steps = check_csr_offsets(
+        indptr, "page_table", "page_indptr", "page_indices", table.page_indices.shape[0]
+    )
     has_pages = steps > 0
     bad_len = np.where(has_pages, (last < 1) | (last > table.page_size), last != 0)
     if np.any(bad_len):
