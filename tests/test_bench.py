@@ -635,8 +635,7 @@ def test_sampling_gumbel_arms_lower_to_the_triton_kernel_for_an_h200(
     )
 
     def cuda_text(loop):
-        program = loop.program(num_sets)
-        return program.trace(loop.operands).lower(lowering_platforms=("cuda",)).as_text()
+        return loop.trace(num_sets).lower(lowering_platforms=("cuda",)).as_text()
 
     # The kernel's name carries its launch (kernels_pallas/gumbel.py): the default one here.
     launch = default_launch(batch, vocab)

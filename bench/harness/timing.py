@@ -19,6 +19,7 @@ divided by in ``bench/harness/ceiling.py``; both reuse the constants and the pro
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import statistics
 import time
@@ -292,9 +293,14 @@ class TimedLoop:
             self.operands
         )
 
+    def trace(self, iters: int = 1):
+        """The traced program of ``iters`` calls (``jax.stages.Traced``), to lower it for
+        another platform than this machine's."""
+        return self.program(iters).trace(self.operands)
+
     def lowered_text(self, iters: int = 1) -> str:
         """A program's StableHLO text, to check which kernels it calls (attribution)."""
-        return self.program(iters).lower(self.operands).as_text()
+        return self.trace(iters).lower().as_text()
 
     def time(
         self,
@@ -405,28 +411,44 @@ class SetsInTurnLoop(TimedLoop):
         self.call = call
         # One compilation serves every set (they share shapes): checks visit hundreds of sets.
         self._single_call = jax.jit(call)
+        self._loop_program = None
 
     def program(self, iters: int):
-        if iters not in self._programs:
-            num_sets = self.num_sets
-            rounds = math.ceil(iters / num_sets)
-            if rounds * num_sets != iters:
-                raise ValueError(f"iters={iters} is not a multiple of the {num_sets} sets")
+        """The program of ``iters`` calls. Every ``iters`` shares one compiled program (the
+        number of rounds is an argument, not a constant), and its R calls all call one jitted
+        function, which JAX lowers once: a program of R sets costs one lowering of the arm, not
+        R, and a re-sized program (``_time_fixed_length_programs``) no new compilation."""
+        num_sets = self.num_sets
+        rounds = math.ceil(iters / num_sets)
+        if rounds * num_sets != iters:
+            raise ValueError(f"iters={iters} is not a multiple of the {num_sets} sets")
+        if iters in self._programs:
+            return self._programs[iters]
+        if self._loop_program is None:
+            single_call = self._single_call
 
-            def loop_program(operands):
+            def loop_program(operands, *, num_rounds):
                 def body(round_index, checksum):
                     for set_operands in operands:
-                        checksum = checksum + checksum_of(self.call(set_operands, round_index))
+                        checksum = checksum + checksum_of(single_call(set_operands, round_index))
                     return checksum
 
-                return lax.fori_loop(0, rounds, body, jnp.float32(0))
+                return lax.fori_loop(0, num_rounds, body, jnp.float32(0))
 
-            self._programs[iters] = jax.jit(loop_program)
+            self._loop_program = jax.jit(loop_program)
+        # The round count goes to the device here, once, not inside a timed run.
+        self._programs[iters] = functools.partial(self._loop_program, num_rounds=jnp.int32(rounds))
         return self._programs[iters]
 
     def output(self, set_index: int = 0):
         """One call on set ``set_index`` at round 0 (what the timed calls compute)."""
         return self._single_call(self.operands[set_index], jnp.int32(0))
 
+    def trace(self, iters: int | None = None):
+        """The traced program of ``iters`` calls (``jax.stages.Traced``), to lower it for
+        another platform than this machine's."""
+        program = self.program(iters or self.num_sets)
+        return self._loop_program.trace(self.operands, **program.keywords)
+
     def lowered_text(self, iters: int | None = None) -> str:
-        return self.program(iters or self.num_sets).lower(self.operands).as_text()
+        return self.trace(iters).lower().as_text()
