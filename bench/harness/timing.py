@@ -19,7 +19,6 @@ divided by in ``bench/harness/ceiling.py``; both reuse the constants and the pro
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import statistics
 import time
@@ -411,33 +410,34 @@ class SetsInTurnLoop(TimedLoop):
         self.call = call
         # One compilation serves every set (they share shapes): checks visit hundreds of sets.
         self._single_call = jax.jit(call)
-        self._loop_program = None
 
     def program(self, iters: int):
-        """The program of ``iters`` calls. Every ``iters`` shares one compiled program (the
-        number of rounds is an argument, not a constant), and its R calls all call one jitted
-        function, which JAX lowers once: a program of R sets costs one lowering of the arm, not
-        R, and a re-sized program (``_time_fixed_length_programs``) no new compilation."""
-        num_sets = self.num_sets
-        rounds = math.ceil(iters / num_sets)
-        if rounds * num_sets != iters:
-            raise ValueError(f"iters={iters} is not a multiple of the {num_sets} sets")
-        if iters in self._programs:
-            return self._programs[iters]
-        if self._loop_program is None:
-            single_call = self._single_call
+        """The program of ``iters`` calls: ``iters / R`` rounds, a constant of the program.
 
-            def loop_program(operands, *, num_rounds):
+        Why a constant: at 62bfd3a the round count was a program argument (and every call went
+        through one jitted function, to lower the arm once); measured on the H200, every JAX arm
+        then took about 15 us more a round (5 us a call at batch 256 with 3 sets a round, 0.9 us
+        at batch 32 with 17), the PyTorch arms nothing more
+        (``docs/benchmark_results/archive/2026-12-01-sampling-62bfd3a.md``). The likely cause: a
+        while loop whose trip count XLA cannot see reads its predicate back to the host every
+        iteration. The two changes were not told apart; both are undone, so each ``iters``
+        compiles its own program, as in ``TimedLoop``.
+        """
+        if iters not in self._programs:
+            num_sets = self.num_sets
+            rounds = math.ceil(iters / num_sets)
+            if rounds * num_sets != iters:
+                raise ValueError(f"iters={iters} is not a multiple of the {num_sets} sets")
+
+            def loop_program(operands):
                 def body(round_index, checksum):
                     for set_operands in operands:
-                        checksum = checksum + checksum_of(single_call(set_operands, round_index))
+                        checksum = checksum + checksum_of(self.call(set_operands, round_index))
                     return checksum
 
-                return lax.fori_loop(0, num_rounds, body, jnp.float32(0))
+                return lax.fori_loop(0, rounds, body, jnp.float32(0))
 
-            self._loop_program = jax.jit(loop_program)
-        # The round count goes to the device here, once, not inside a timed run.
-        self._programs[iters] = functools.partial(self._loop_program, num_rounds=jnp.int32(rounds))
+            self._programs[iters] = jax.jit(loop_program)
         return self._programs[iters]
 
     def output(self, set_index: int = 0):
@@ -445,10 +445,8 @@ class SetsInTurnLoop(TimedLoop):
         return self._single_call(self.operands[set_index], jnp.int32(0))
 
     def trace(self, iters: int | None = None):
-        """The traced program of ``iters`` calls (``jax.stages.Traced``), to lower it for
-        another platform than this machine's."""
-        program = self.program(iters or self.num_sets)
-        return self._loop_program.trace(self.operands, **program.keywords)
+        """The traced program of ``iters`` calls (R by default: one round)."""
+        return super().trace(iters or self.num_sets)
 
     def lowered_text(self, iters: int | None = None) -> str:
         return self.trace(iters).lower().as_text()
