@@ -11,7 +11,7 @@
 #   SAMPLING_BATCH=1 DECODELAB_SAMPLING_CASES=gumbel,top_p bash bench/run_on_gpu.sh sampling-part
 # (merge a suite's parts into one report with python -m bench.harness.merge_reports)
 # Issue 18 (the engine's step, version 2): serving-batch, serving-single, serving-load-a and -b,
-# engine-overlap; one device command each.
+# engine-overlap, engine-dispatch (where a step's host time goes); one device command each.
 # The stage names are unchanged since bench/ was split into harness/, suites/, tuning/, probes/
 # and memcheck/; only the modules they run moved (prefill is now `python -m bench prefill`).
 # Each stage has its own timeout, but a chain of stages can outlast one device command (600 s):
@@ -128,6 +128,13 @@ for stage in "$@"; do
       part="${part//,/_}"
       timeout "${SAMPLING_PART_TIMEOUT:-540}" python3 -m bench sampling --batches "$SAMPLING_BATCH" \
         --out "$out/$part" 2>&1 | tee "$out/$part.log" | grep -E '^\.\.\. .* done in|^note|wrote' ;;
+    engine-dispatch)  # issue 18: an engine step's host time under three XLA command-buffer settings
+      for setting in "default:" "off:--xla_gpu_enable_command_buffer=" \
+          "all:--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL --xla_gpu_graph_min_graph_size=1"; do
+        label="${setting%%:*}"; flags="${setting#*:}"
+        XLA_FLAGS="$flags" timeout 170 python3 -m bench.probes.engine_dispatch --label "$label" \
+          --out "$out/engine-dispatch" 2>&1 | tee -a "$out/engine_dispatch.log" | grep -vE '^#|^$'
+      done ;;
     *) echo "unknown stage $stage" ;;
   esac
 done

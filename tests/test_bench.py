@@ -1058,3 +1058,17 @@ def test_mgpu_decode_probe_memcheck_workload_runs_interpreted(capsys):
     assert mgpu_decode.main(["--memcheck", "--smoke"]) == 0
     printed = capsys.readouterr().out
     assert "q_len=5" in printed and "finite output True" in printed
+
+
+def test_engine_dispatch_probe_runs_a_smoke_case(tmp_path, capsys):
+    """The probe of an engine step's host time runs both loops and the program alone, and
+    writes one row a loop (figures on a CPU mean nothing; the code paths do)."""
+    from bench.probes import engine_dispatch
+
+    assert engine_dispatch.main(["--smoke", "--label", "smoke", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "engine_dispatch_smoke.json").read_text())
+    assert [row["loop"] for row in rows] == ["overlapped", "synchronous"]
+    for row in rows:
+        assert row["steps"] > 0 and row["dispatch_us"] > 0 and row["wall_step_us"] > 0
+    assert rows[0]["call_us"] > 0 and rows[0]["calls"] == 3
+    assert "program alone" in capsys.readouterr().out
