@@ -505,7 +505,8 @@ def test_sampling_dry_run_times_every_decodelab_arm_beside_the_peers(tmp_path):
     document = json.loads(json_path.read_text())
     assert document["suite"] == "sampling"
     rows = {(case["case"], case["arm"]): case for case in document["cases"]}
-    for batch in peers.DRY_RUN_SAMPLING_BATCHES:
+    assert {int(case.split("B=")[1]) for case, _ in rows} == set(sampling_suite.DRY_RUN_BATCHES)
+    for batch in sampling_suite.DRY_RUN_BATCHES:
         arms = {arm for case, arm in rows if case == f"gumbel B={batch}"}
         assert {
             "decodelab_reference",
@@ -546,7 +547,8 @@ def test_sampling_dry_run_times_every_decodelab_arm_beside_the_peers(tmp_path):
         batch = int(case["case"].split("B=")[1])
         assert case["bytes"] == batch * peers.DRY_RUN_VOCAB * 4
     assert not [note for note in document["notes"] if "failed" in note or "Triton" in note]
-    assert any(note.startswith("target gumbel B=1") for note in document["notes"])
+    batch = sampling_suite.DRY_RUN_BATCHES[0]
+    assert any(note.startswith(f"target gumbel B={batch}") for note in document["notes"])
 
 
 def test_sampling_part_keeps_a_partial_report_when_the_run_is_cut_short(tmp_path, monkeypatch):
