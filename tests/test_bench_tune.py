@@ -113,6 +113,10 @@ def test_command_line_refusals(tmp_path, capsys):
         == 2
     )
     assert "rounds=1 cannot reach alpha=0.1" in capsys.readouterr().err
+    assert bench_main(["tune", "paged_decode", "--dry-run", "--top", "0", *out]) == 2
+    assert "top must be >= 1, got 0" in capsys.readouterr().err
+    assert bench_main(["tune", "paged_decode", "--dry-run", "--min-gain", "1.5", *out]) == 2
+    assert "min_gain must be in [0, 1), got 1.5" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         bench_main(["tune", "merge_states"])
     assert not list(tmp_path.iterdir())

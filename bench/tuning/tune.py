@@ -243,6 +243,19 @@ def _table_directory(out: pathlib.Path | None, dry_run: bool) -> pathlib.Path:
     return out
 
 
+def _check_selection(selection: dict[str, Any]) -> None:
+    """Raises ``ValueError`` for selection arguments ``select`` would refuse, before any bucket
+    is set up and compiled."""
+    from bench.tuning.autotune import required_wins
+
+    for name in ("top", "stage1_samples"):
+        if selection.get(name, 1) < 1:
+            raise ValueError(f"{name} must be >= 1, got {selection[name]}")
+    if not 0 <= selection["min_gain"] < 1:
+        raise ValueError(f"min_gain must be in [0, 1), got {selection['min_gain']}")
+    required_wins(selection.get("rounds", DEFAULT_ROUNDS), selection.get("alpha", DEFAULT_ALPHA))
+
+
 def main(argv: list[str] | None = None, measure_for=None) -> int:
     """``python -m bench tune``; returns the exit status. ``measure_for``: see
     ``tune_kernel``."""
@@ -276,11 +289,7 @@ def main(argv: list[str] | None = None, measure_for=None) -> int:
     command = shlex.join(["python", "-m", "bench", "tune", *argv])
     print(f"tune {arguments.kernel} on {device.device_kind}: {command}", flush=True)
     try:
-        from bench.tuning.autotune import required_wins
-
-        required_wins(
-            selection.get("rounds", DEFAULT_ROUNDS), selection.get("alpha", DEFAULT_ALPHA)
-        )
+        _check_selection(selection)
     except ValueError as error:
         print(f"bad selection arguments: {error}", file=sys.stderr)
         return 2
