@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -418,3 +419,197 @@ def test_a_base2_lse_breaks_the_merge(float64):
     merged_base2, _ = merge_states(states, natural * math.log2(math.e))
     assert relative_error(merged, whole) < FLOAT64_TOLERANCE
     assert relative_error(merged_base2, whole) > MISTAKE_MIN_ERROR
+
+
+def test_values_wider_than_keys(float64):
+    """``v_head_dim > qk_nope + qk_rope``: the expansion pads the keys instead of the values."""
+    rng = np.random.default_rng(3)
+    page_lists, seq_lens = [[1, 3], [0]], [7, 2]
+    table = paged.PageTable.from_page_lists(page_lists, seq_lens, page_size=4)
+    cache = _random_cache(rng, 4, 4)
+    wide = QK_NOPE_HEAD_DIM + QK_ROPE_HEAD_DIM + 6
+    w_uk, w_uv = _weights(rng, v=wide)
+    q_nope, q_rope = _queries(rng, 2, 2)
+    scale = default_softmax_scale(QK_NOPE_HEAD_DIM, QK_ROPE_HEAD_DIM)
+    expected, _ = mla_oracle(
+        q_nope, q_rope, cache, page_lists, seq_lens, w_uk, w_uv, softmax_scale=scale
+    )
+    for reference in (ABSORBED, UNABSORBED):
+        out, _ = reference(q_nope, q_rope, cache, table, w_uk, w_uv)
+        assert out.shape == (2, 2, NUM_HEADS, wide)
+        assert relative_error(out, expected) < FLOAT64_TOLERANCE
+
+
+# --------------------------------------------------------------------------------------------
+# Bad input
+# --------------------------------------------------------------------------------------------
+
+
+def _good_inputs():
+    """Two requests (6 and 3 tokens), q_len 2: the start every bad case changes once."""
+    rng = np.random.default_rng(2)
+    table = paged.PageTable.from_page_lists([[3, 0], [1]], seq_lens=[6, 3], page_size=4)
+    cache = _random_cache(rng, 4, 4)
+    w_uk, w_uv = _weights(rng)
+    q_nope, q_rope = _queries(rng, 2, 2)
+    return dict(q_nope=q_nope, q_rope=q_rope, cache=cache, page_table=table, w_uk=w_uk, w_uv=w_uv)
+
+
+def _changed(**overrides):
+    return lambda: _good_inputs() | overrides
+
+
+BAD_MLA_INPUTS = [
+    (
+        "q_nope_width",
+        _changed(q_nope=jnp.zeros((2, 2, NUM_HEADS, 15))),
+        "q_nope has qk_nope_head_dim 15 but w_uk has 16 (its last axis)",
+    ),
+    (
+        "q_rope_width",
+        _changed(q_rope=jnp.zeros((2, 2, NUM_HEADS, 64))),
+        "q_rope has qk_rope_head_dim 64 but the cache has 8",
+    ),
+    (
+        "q_heads",
+        _changed(
+            q_nope=jnp.zeros((2, 2, 5, QK_NOPE_HEAD_DIM)),
+            q_rope=jnp.zeros((2, 2, 5, QK_ROPE_HEAD_DIM)),
+        ),
+        "q_nope has 5 heads but the projections have 4 heads",
+    ),
+    (
+        "q_rope_q_len_differs",
+        _changed(q_rope=jnp.zeros((2, 3, NUM_HEADS, QK_ROPE_HEAD_DIM))),
+        "q_nope (2, 2, 4, 16) and q_rope (2, 3, 4, 8) must agree on every axis but the last",
+    ),
+    (
+        "q_rope_single_token_form",
+        _changed(q_rope=jnp.zeros((2, NUM_HEADS, QK_ROPE_HEAD_DIM))),
+        "q_nope (2, 2, 4, 16) and q_rope (2, 4, 8) must agree on every axis but the last",
+    ),
+    (
+        "q_len_zero",
+        _changed(
+            q_nope=jnp.zeros((2, 0, NUM_HEADS, QK_NOPE_HEAD_DIM)),
+            q_rope=jnp.zeros((2, 0, NUM_HEADS, QK_ROPE_HEAD_DIM)),
+        ),
+        "q_nope's q_len (axis 1 of (2, 0, 4, 16)) must be >= 1, got 0",
+    ),
+    (
+        "q_len_longer_than_a_request",
+        _changed(
+            q_nope=jnp.zeros((2, 4, NUM_HEADS, QK_NOPE_HEAD_DIM)),
+            q_rope=jnp.zeros((2, 4, NUM_HEADS, QK_ROPE_HEAD_DIM)),
+        ),
+        "request 1 has seq_len 3 in page_table, fewer than the q_len=4 new tokens",
+    ),
+    (
+        "q_five_axes",
+        _changed(q_nope=jnp.zeros((2, 2, 1, NUM_HEADS, QK_NOPE_HEAD_DIM))),
+        "q_nope must have shape [B, H, D] or [B, q_len, H, D], got (2, 2, 1, 4, 16)",
+    ),
+    (
+        "w_uk_heads_differ_from_w_uv",
+        _changed(w_uk=jnp.zeros((3, KV_LORA_RANK, QK_NOPE_HEAD_DIM))),
+        "w_uk has 3 heads but w_uv has 4",
+    ),
+    (
+        "w_uv_rank",
+        _changed(w_uv=jnp.zeros((NUM_HEADS, 512, V_HEAD_DIM))),
+        "w_uv has kv_lora_rank 512 (axis 1 of (4, 512, 12)) but the cache has 24",
+    ),
+    (
+        "w_uk_two_axes",
+        _changed(w_uk=jnp.zeros((KV_LORA_RANK, QK_NOPE_HEAD_DIM))),
+        "w_uk must have shape [heads, kv_lora_rank, qk_nope_head_dim], got (24, 16)",
+    ),
+    (
+        "batch_differs_from_table",
+        _changed(page_table=paged.PageTable.from_page_lists([[3, 0]], seq_lens=[6], page_size=4)),
+        "page_table describes 1 requests but the batch has 2",
+    ),
+    (
+        "page_size_differs",
+        _changed(
+            page_table=paged.PageTable.from_page_lists([[3], [1]], seq_lens=[6, 3], page_size=8)
+        ),
+        "page_table.page_size=8 differs from the cache's page_size=4",
+    ),
+    (
+        "page_outside_pool",
+        _changed(
+            page_table=paged.PageTable.from_page_lists([[3, 7], [1]], seq_lens=[6, 3], page_size=4)
+        ),
+        "page_table.page_indices[1]=7 is outside the pool of 4 pages",
+    ),
+]
+
+BAD_SCALES = [
+    (0.0, "softmax_scale must be finite and > 0, got 0.0"),
+    (-0.1, "softmax_scale must be finite and > 0, got -0.1"),
+    (float("nan"), "softmax_scale must be finite and > 0, got nan"),
+    ("0.1", "softmax_scale must be a float, got '0.1'"),
+]
+
+BOTH_REFERENCES = [mla_decode_absorbed_reference, mla_decode_unabsorbed_reference]
+
+
+@pytest.mark.parametrize("reference", BOTH_REFERENCES, ids=["absorbed", "unabsorbed"])
+@pytest.mark.parametrize(
+    "make_inputs, message",
+    [case[1:] for case in BAD_MLA_INPUTS],
+    ids=[case[0] for case in BAD_MLA_INPUTS],
+)
+def test_references_refuse_bad_input(reference, make_inputs, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        reference(**make_inputs())
+
+
+@pytest.mark.parametrize("reference", BOTH_REFERENCES, ids=["absorbed", "unabsorbed"])
+@pytest.mark.parametrize("scale, message", BAD_SCALES)
+def test_references_refuse_bad_softmax_scale(reference, scale, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        reference(**_good_inputs(), softmax_scale=scale)
+
+
+def test_the_good_inputs_the_bad_cases_start_from_are_accepted():
+    """Each bad case differs from these in one argument, so its error names its own cause."""
+    for reference in BOTH_REFERENCES:
+        out, lse = reference(**_good_inputs())
+        assert out.shape == (2, 2, NUM_HEADS, V_HEAD_DIM) and lse.shape == (2, 2, NUM_HEADS)
+
+
+def _state_inputs(**overrides):
+    inputs = _good_inputs()
+    args = dict(
+        q_latent=absorb_query(inputs["q_nope"], inputs["w_uk"]),
+        q_rope=inputs["q_rope"],
+        cache=inputs["cache"],
+        page_table=inputs["page_table"],
+        softmax_scale=0.2,
+    )
+    return args | overrides
+
+
+BAD_STATE_INPUTS = [
+    (
+        dict(q_latent=jnp.zeros((2, 2, NUM_HEADS, 576))),
+        "q_latent has width 576 but the cache's kv_lora_rank is 24",
+    ),
+    (
+        dict(query_positions=jnp.zeros((2, 3), jnp.int32)),
+        "query_positions must have shape [2, 2] ([B, q_len]), got (2, 3)",
+    ),
+    (
+        dict(first_key_position=jnp.zeros((3,), jnp.int32)),
+        "first_key_position must have shape [2] ([B]), got (3,)",
+    ),
+    (dict(softmax_scale=None), "softmax_scale must be a float, got None"),
+]
+
+
+@pytest.mark.parametrize("overrides, message", BAD_STATE_INPUTS)
+def test_latent_state_refuses_bad_input(overrides, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        mla_latent_attention_state(**_state_inputs(**overrides))
