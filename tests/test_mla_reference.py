@@ -357,7 +357,7 @@ def test_yarn_mscale_enters_through_softmax_scale(float64):
     """Under YaRN the scale is ``mscale**2 / sqrt(N + P)``: passed as ``softmax_scale``, both
     formulations use it and still agree with the oracle at that scale."""
     q_nope, q_rope, cache, table, page_lists, seq_lens, w_uk, w_uv = _one_request_case()
-    mscale = 0.1 * math.log(40.0) + 1.0  # DeepSeek-V2's YaRN factor 40, mscale_all_dim 1
+    mscale = 0.1 * math.log(40.0) + 1.0  # DeepSeek-V3's YaRN: factor 40, mscale_all_dim 1
     scale = mscale**2 / math.sqrt(QK_NOPE_HEAD_DIM + QK_ROPE_HEAD_DIM)
     expected, _ = mla_oracle(
         q_nope, q_rope, cache, page_lists, seq_lens, w_uk, w_uv, softmax_scale=scale
