@@ -155,8 +155,8 @@ def expand_latent_cache(cache: LatentCache, w_uk: jax.Array, w_uv: jax.Array) ->
     Head ``h``'s key of a token is ``concat(c @ W_UK[h], k_rope)`` and its value ``c @ W_UV[h]``.
     ``KVCache`` wants keys and values of one width, so both are zero-padded on the right to
     ``max(qk_nope + qk_rope, v_head_dim)``: zeros add nothing to ``q . k`` (the query is padded
-    the same way) and the value's padding is sliced off the output. What this pool would cost
-    per token (``2 * heads * width`` values against ``kv_lora_rank + qk_rope``) is MLA's saving.
+    the same way) and the value's padding is sliced off the output. What such a pool costs a
+    token (``H * (N + P + V)`` values unpadded, against the latent's ``R + P``) is what MLA saves.
 
     Args:
       cache: ``[num_pages, page_size, R]`` latents and ``[num_pages, page_size, P]`` RoPE keys.
