@@ -15,6 +15,9 @@ Public API (names are part of the contract):
 - ``rope_append_kv`` (``backend=``): RoPE on new tokens' q and k, k and v written into pages
 - ``prefill_chunks``, ``PrefillChunk``, ``truncated_page_table``, ``new_token_positions``,
   ``prefill_attention`` (``backend=``): chunked prefill against the paged cache
+- ``LatentCache``, ``new_latent_cache``, ``append_latent``: the MLA latent cache (a latent and
+  a RoPE key a token, under the same CSR page table); ``mla_decode_absorbed_reference`` and
+  ``mla_decode_unabsorbed_reference``: MLA decode, the two formulations (``docs/mla.md``)
 """
 
 from paged.attention_reference import merge_state, merge_states
@@ -28,6 +31,8 @@ from paged.cascade import (
 )
 from paged.decode import decode_attention
 from paged.kv_cache import KVCache, append_kv, new_kv_cache
+from paged.mla_cache import LatentCache, append_latent, new_latent_cache
+from paged.mla_reference import mla_decode_absorbed_reference, mla_decode_unabsorbed_reference
 from paged.page_table import (
     PageTable,
     bucket_size,
@@ -51,6 +56,7 @@ __all__ = [
     "CascadeLevels",
     "DecodePlan",
     "KVCache",
+    "LatentCache",
     "Llama3Scaling",
     "PagePool",
     "PageTable",
@@ -59,6 +65,7 @@ __all__ = [
     "RopeParams",
     "SharedLevel",
     "append_kv",
+    "append_latent",
     "apply_rope",
     "bucket_size",
     "cascade_decode_attention",
@@ -70,7 +77,10 @@ __all__ = [
     "inverse_frequencies",
     "merge_state",
     "merge_states",
+    "mla_decode_absorbed_reference",
+    "mla_decode_unabsorbed_reference",
     "new_kv_cache",
+    "new_latent_cache",
     "new_token_positions",
     "plan_decode",
     "plan_decode_tables",
