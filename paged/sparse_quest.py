@@ -296,9 +296,15 @@ def quest_selected_pages(scores: jax.Array, page_table: PageTable, token_budget:
             f"scores must have shape [{batch}, R, {num_indices}] for page_table, got {scores.shape}"
         )
     budget_pages = max(token_budget // page_table.page_size, 2)
+    return _keep_top_pages(scores, page_table.page_indptr, jnp.int32(budget_pages))
+
+
+@jax.jit  # one compilation per shape, whatever the budget (a traced argument here)
+def _keep_top_pages(scores: jax.Array, page_indptr: jax.Array, budget_pages: jax.Array):
+    num_indices = scores.shape[2]
     j = jnp.arange(num_indices)
-    start = page_table.page_indptr[:-1, None]  # [B, 1]
-    end = page_table.page_indptr[1:, None]
+    start = page_indptr[:-1, None]  # [B, 1]
+    end = page_indptr[1:, None]
     owned = (start <= j) & (j < end)  # [B, nnz]
     forced = owned & ((j == start) | (j == end - 1))
     keep = jnp.minimum(end - start, budget_pages)  # [B, 1]
