@@ -126,6 +126,11 @@ def block_page_table(page_table: PageTable, selection: BlockSelection) -> PageTa
       ([[4, 7]], [2])
     """
     validate_block_selection(selection, page_table)
+    return _block_page_table(page_table, selection)
+
+
+@jax.jit  # one compilation per shape: the eager version is dozens of small dispatches
+def _block_page_table(page_table: PageTable, selection: BlockSelection) -> PageTable:
     indptr, blocks = selection.block_indptr, selection.block_indices
     width = blocks.shape[0]
     e = jnp.arange(width)

@@ -19,6 +19,8 @@ increasing order (``TokenSelection``).
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -61,6 +63,11 @@ def lightning_indexer_scores(
       [2.0, 1.0, -inf]
     """
     _check_indexer_inputs(q_index, head_weights, index_k_pages, page_table)
+    return _indexer_scores(q_index, head_weights, index_k_pages, page_table)
+
+
+@jax.jit  # one compilation per shape: the eager version is many small dispatches
+def _indexer_scores(q_index, head_weights, index_k_pages, page_table: PageTable) -> jax.Array:
     dtype = jnp.promote_types(jnp.result_type(q_index, head_weights, index_k_pages), jnp.float32)
     keys = index_k_pages[page_table.page_indices].astype(dtype)  # [nnz, page_size, index_dim]
     keys = keys.reshape(-1, keys.shape[-1])  # [nnz * page_size, index_dim]
@@ -105,7 +112,13 @@ def lightning_indexer_top_k(
         raise TypeError(f"top_k must be an int, got {top_k!r}")
     if top_k < 1:
         raise ValueError(f"top_k must be >= 1, got {top_k}")
-    scores = lightning_indexer_scores(q_index, head_weights, index_k_pages, page_table)
+    _check_indexer_inputs(q_index, head_weights, index_k_pages, page_table)
+    return _indexer_top_k(q_index, head_weights, index_k_pages, page_table, int(top_k))
+
+
+@functools.partial(jax.jit, static_argnums=4)
+def _indexer_top_k(q_index, head_weights, index_k_pages, page_table: PageTable, top_k: int):
+    scores = _indexer_scores(q_index, head_weights, index_k_pages, page_table)
     batch, num_slots = scores.shape
     width = min(top_k, num_slots)
     mine = token_mask(page_table).reshape(batch, num_slots)

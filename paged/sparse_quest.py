@@ -30,6 +30,7 @@ empty page's score is ``-inf`` (the maximum over no keys).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import NamedTuple
 
 import jax
@@ -360,11 +361,17 @@ def head_split_page_table(
     Returns:
       A ``PageTable`` of ``B * R`` rows, ``page_indices`` padded to ``R * nnz_padded``.
     """
-    batch, heads, num_indices = selected.shape
+    heads = selected.shape[1]
     if heads % num_kv_heads:
         raise ValueError(
             f"selected has {heads} heads, not a multiple of num_kv_heads={num_kv_heads}"
         )
+    return _head_split_page_table(page_table, selected, num_kv_heads)
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _head_split_page_table(page_table: PageTable, selected: jax.Array, num_kv_heads: int):
+    batch, heads, num_indices = selected.shape
     kv_head = jnp.arange(heads) * num_kv_heads // heads  # [R]
     pages = page_table.page_indices[None, None, :] * num_kv_heads + kv_head[None, :, None]
     indptr, indices = compact_rows(

@@ -139,6 +139,11 @@ def token_page_table(page_table: PageTable, selection: TokenSelection) -> PageTa
       ([[12, 5]], [1])
     """
     validate_token_selection(selection, page_table)
+    return _token_page_table(page_table, selection)
+
+
+@jax.jit  # one compilation per shape: the eager version is dozens of small dispatches
+def _token_page_table(page_table: PageTable, selection: TokenSelection) -> PageTable:
     positions = selection.positions.astype(jnp.int32)
     batch, width = positions.shape
     page_size = page_table.page_size
