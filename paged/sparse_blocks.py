@@ -23,7 +23,7 @@ import numpy as np
 
 from kernels_pallas.platform import is_concrete
 from paged.page_table import PageTable, check_csr_offsets
-from paged.sparse_tables import compact_rows
+from paged.sparse_tables import MIN_INDICES, compact_rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,6 +126,11 @@ def block_page_table(page_table: PageTable, selection: BlockSelection) -> PageTa
       ([[4, 7]], [2])
     """
     validate_block_selection(selection, page_table)
+    if page_table.batch_size == 0:  # nothing to gather from; an empty table
+        empty = jnp.zeros(0, jnp.int32)
+        return PageTable(
+            jnp.zeros(1, jnp.int32), jnp.zeros(MIN_INDICES, jnp.int32), empty, page_table.page_size
+        )
     return _block_page_table(page_table, selection)
 
 
@@ -150,7 +155,9 @@ def _block_page_table(page_table: PageTable, selection: BlockSelection) -> PageT
     # One row per request over the entries: entry e belongs to row[e] alone.
     requests = jnp.arange(page_table.batch_size)[:, None]
     chosen = chosen_flat[None, :] & (row[None, :] == requests)  # [B, width]
-    new_indptr, new_indices = compact_rows(jnp.broadcast_to(pages, chosen.shape), chosen, width)
+    new_indptr, new_indices = compact_rows(
+        jnp.broadcast_to(pages, chosen.shape), chosen, max(width, MIN_INDICES)
+    )
     # A row's last listed page is the request's last page exactly when its last valid block is.
     last_block = jnp.max(jnp.where(chosen, blocks[None, :], -1), axis=1, initial=-1)  # [B]
     last_len = jnp.where(

@@ -41,7 +41,7 @@ from kernels_pallas.platform import is_concrete
 from paged.attention_reference import token_mask
 from paged.kv_cache import KVCache, token_slots, validate_kv_cache
 from paged.page_table import PageTable, validate_page_table
-from paged.sparse_tables import compact_rows
+from paged.sparse_tables import MIN_INDICES, compact_rows
 
 GRANULARITIES = ("kv_head", "query_head")
 
@@ -105,6 +105,11 @@ def page_key_bounds(cache: KVCache, page_table: PageTable) -> PageKeyBounds:
     """
     validate_kv_cache(cache)
     _check_table_fits(page_table, cache.num_pages, cache.page_size)
+    return _page_key_bounds(cache, page_table)
+
+
+@jax.jit  # one compilation per shape: the eager version is many small dispatches
+def _page_key_bounds(cache: KVCache, page_table: PageTable) -> PageKeyBounds:
     keys = cache.to_nhd(cache.k_pages[page_table.page_indices])  # [nnz, page_size, KVH, D]
     valid = jnp.any(token_mask(page_table), axis=0)[:, :, None, None]  # [nnz, page_size, 1, 1]
     listed_min = jnp.min(jnp.where(valid, keys, jnp.inf), axis=1)  # [nnz, KVH, D]
@@ -246,6 +251,12 @@ def quest_page_scores(
     num_pages, num_kv_heads, head_dim = bounds.kmin.shape
     _check_query(q, num_kv_heads, head_dim)
     _check_table_fits(page_table, num_pages, page_table.page_size, batch_size=q.shape[0])
+    return _quest_page_scores(q, bounds, page_table, per)
+
+
+@functools.partial(jax.jit, static_argnums=3)
+def _quest_page_scores(q, bounds: PageKeyBounds, page_table: PageTable, per: str) -> jax.Array:
+    num_kv_heads, head_dim = bounds.kmin.shape[1:]
     dtype = jnp.promote_types(jnp.result_type(q, bounds.kmin), jnp.float32)
     batch, num_heads, _ = q.shape
     group = num_heads // num_kv_heads
@@ -259,7 +270,11 @@ def quest_page_scores(
     # (the formula would give +inf, or NaN where q_i = 0).
     empty = jnp.any(kmin > kmax, axis=-1)[None, :, None, :]  # [1, KVH, 1, nnz]
     upper = jnp.where(empty, -jnp.inf, upper)  # [B, KVH, G, nnz]
-    upper = upper.max(axis=2) if per == "kv_head" else upper.reshape(batch, num_heads, -1)
+    num_indices = page_table.page_indices.shape[0]
+    if per == "kv_head":
+        upper = upper.max(axis=2)
+    else:
+        upper = upper.reshape(batch, num_heads, num_indices)
     owned = jnp.any(token_mask(page_table), axis=-1)  # [B, nnz]
     return jnp.where(owned[:, None, :], upper, -jnp.inf)
 
@@ -314,7 +329,11 @@ def _keep_top_pages(scores: jax.Array, page_indptr: jax.Array, budget_pages: jax
         # Order: owned before not, forced before not, high score before low, early before late.
         # jnp.lexsort sorts by its last key first; NaN sorts last, as -NaN is NaN.
         order = jnp.lexsort((j, -score, ~forced_row, ~owned_row))
-        return jnp.zeros(num_indices, jnp.int32).at[order].set(jnp.arange(num_indices))
+        return (
+            jnp.zeros(num_indices, jnp.int32)
+            .at[order]
+            .set(jnp.arange(num_indices, dtype=jnp.int32))
+        )
 
     ranks = jax.vmap(jax.vmap(rank_row, in_axes=(0, None, None)))(scores, owned, forced)
     return owned[:, None, :] & (ranks < keep[:, :, None])
@@ -359,7 +378,8 @@ def head_split_page_table(
       num_kv_heads: KV heads of the pool.
 
     Returns:
-      A ``PageTable`` of ``B * R`` rows, ``page_indices`` padded to ``R * nnz_padded``.
+      A ``PageTable`` of ``B * R`` rows, ``page_indices`` padded to ``R * nnz_padded`` (at
+      least ``MIN_INDICES``).
     """
     heads = selected.shape[1]
     if heads % num_kv_heads:
@@ -377,7 +397,7 @@ def _head_split_page_table(page_table: PageTable, selected: jax.Array, num_kv_he
     indptr, indices = compact_rows(
         jnp.broadcast_to(pages, selected.shape).reshape(batch * heads, num_indices),
         selected.reshape(batch * heads, num_indices),
-        heads * num_indices,
+        max(heads * num_indices, MIN_INDICES),
     )
     last_entry = jnp.clip(page_table.page_indptr[1:] - 1, 0, max(num_indices - 1, 0))  # [B]
     if num_indices:
@@ -404,6 +424,11 @@ class QuestSelection:
     bounds: PageKeyBounds
     token_budget: int
     per: str = "kv_head"
+
+
+jax.tree_util.register_dataclass(
+    QuestSelection, data_fields=["bounds"], meta_fields=["token_budget", "per"]
+)
 
 
 def check_token_budget(token_budget) -> None:

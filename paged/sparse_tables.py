@@ -11,6 +11,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+# The fewest entries a virtual table's page_indices gets: the reference decode reduces over
+# every listed slot, which fails on a table of no slots at all (a batch of 0, a selection of 0).
+MIN_INDICES = 1
+
 
 def compact_rows(
     values: jax.Array, chosen: jax.Array, num_indices: int

@@ -20,7 +20,7 @@ import numpy as np
 from kernels_pallas.platform import is_concrete
 from paged.kv_cache import KVCache, validate_kv_cache
 from paged.page_table import PageTable
-from paged.sparse_tables import compact_rows
+from paged.sparse_tables import MIN_INDICES, compact_rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,7 +126,7 @@ def token_page_table(page_table: PageTable, selection: TokenSelection) -> PageTa
       selection: ``TokenSelection`` with ``B`` rows.
 
     Returns:
-      A ``PageTable`` with ``page_size=1``, ``page_indices`` of ``B * K`` entries.
+      A ``PageTable`` with ``page_size=1``, ``page_indices`` of ``max(B * K, 1)`` entries.
 
     Raises:
       ValueError: as ``validate_token_selection``.
@@ -160,6 +160,6 @@ def _token_page_table(page_table: PageTable, selection: TokenSelection) -> PageT
     else:  # no pages at all: nothing can be chosen
         pages = jnp.zeros_like(entry)
     slots = pages * page_size + positions % page_size
-    indptr, indices = compact_rows(slots, chosen, batch * width)
+    indptr, indices = compact_rows(slots, chosen, max(batch * width, MIN_INDICES))
     last = jnp.where(indptr[1:] > indptr[:-1], 1, 0).astype(jnp.int32)
     return PageTable(indptr, indices, last, 1)
