@@ -27,7 +27,7 @@ from strategies import PagedBucket, scattered_page_tables
 import paged
 from kernels_pallas.platform import record_backends
 from paged.sparse_quest import page_key_bounds, quest_page_scores, quest_selected_pages
-from tests.conftest import enable_x64
+from tests.conftest import ON_GPU, enable_x64
 
 NUM_KV_HEADS = 2
 GROUP = 2
@@ -365,3 +365,40 @@ def test_bounds_of_another_pool_are_refused():
     bounds = paged.PageKeyBounds(jnp.zeros((4, 2, 8)), jnp.zeros((4, 2, 8)))
     with pytest.raises(ValueError, match=re.escape("q has head_dim 16 but the bounds have 8")):
         paged.sparse_decode_attention(q, cache, table, paged.QuestSelection(bounds, 8))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("kind", "layout"), [("quest:kv_head", "HND"), ("tokens", "NHD")])
+def test_pallas_on_sparse_tables_at_benchmark_like_shapes_on_gpu(kind, layout):
+    """Compiled: 32 query heads, 8 KV heads, head_dim 128, pages of 16, bfloat16, two requests
+    of about 8K tokens, a 2048-token budget (Quest) or 2048 chosen tokens (one-token pages)."""
+    assert ON_GPU
+    num_kv_heads, num_heads, head_dim, page_size = 8, 32, 128, 16
+    lens = [8192 - 5, 6000]
+    num_pages = sum(-(-n // page_size) for n in lens)
+    rng = np.random.default_rng(11)
+    pages = rng.permutation(num_pages + 32)[:num_pages].tolist()
+    table = paged.PageTable.from_seq_lens(lens, page_size, pages=pages)
+    shape = (num_pages + 32, page_size, num_kv_heads, head_dim)
+    k, v = rng.standard_normal(shape), rng.standard_normal(shape)
+    cache = make_cache(k, v, layout, jnp.bfloat16)
+    q = jnp.asarray(rng.standard_normal((2, num_heads, head_dim)), jnp.bfloat16)
+    if kind == "tokens":
+        positions = np.stack([np.sort(rng.choice(n, 2048, replace=False)) for n in lens])
+        selection = paged.TokenSelection(
+            jnp.asarray(positions, jnp.int32), jnp.full(2, 2048, jnp.int32)
+        )
+    else:
+        selection = paged.QuestSelection(page_key_bounds(cache, table), token_budget=2048)
+    o, lse = paged.sparse_decode_attention(
+        q, cache, table, selection, return_lse=True, backend="pallas"
+    )
+    as_f32 = paged.KVCache(
+        cache.k_pages.astype(jnp.float32), cache.v_pages.astype(jnp.float32), layout
+    )
+    ref_o, ref_lse = paged.sparse_decode_attention(
+        q.astype(jnp.float32), as_f32, table, selection, return_lse=True, backend="reference"
+    )
+    for b in range(2):
+        assert relative_error(o[b], np.asarray(ref_o[b], np.float64)) < 1e-2
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), rtol=1e-4, atol=1e-3)
