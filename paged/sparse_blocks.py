@@ -126,42 +126,32 @@ def block_page_table(page_table: PageTable, selection: BlockSelection) -> PageTa
       ([[4, 7]], [2])
     """
     validate_block_selection(selection, page_table)
-    if page_table.batch_size == 0:  # nothing to gather from; an empty table
-        empty = jnp.zeros(0, jnp.int32)
-        return PageTable(
-            jnp.zeros(1, jnp.int32), jnp.zeros(MIN_INDICES, jnp.int32), empty, page_table.page_size
-        )
     return _block_page_table(page_table, selection)
 
 
 @jax.jit  # one compilation per shape: the eager version is dozens of small dispatches
 def _block_page_table(page_table: PageTable, selection: BlockSelection) -> PageTable:
     indptr, blocks = selection.block_indptr, selection.block_indices
-    width = blocks.shape[0]
-    e = jnp.arange(width)
-    row = jnp.clip(
-        jnp.searchsorted(indptr, e, side="right") - 1, 0, max(page_table.batch_size - 1, 0)
+    entries = jnp.arange(blocks.shape[0])[None, :]
+    num_pages = page_table.num_pages()[:, None]  # [B, 1]
+    # [B, width]: entry e is request b's when it lies in b's BSR row and names one of its pages.
+    chosen = (
+        (indptr[:-1, None] <= entries)
+        & (entries < indptr[1:, None])
+        & (blocks >= 0)
+        & (blocks < num_pages)
     )
-    num_pages = page_table.num_pages()
-    in_row = (e >= indptr[row]) & (e < indptr[row + 1]) if page_table.batch_size else e < 0
-    chosen_flat = in_row & (blocks >= 0) & (blocks < num_pages[row])
-    entry = jnp.clip(
-        page_table.page_indptr[row] + blocks, 0, max(page_table.page_indices.shape[0] - 1, 0)
-    )
+    entry = page_table.page_indptr[:-1, None] + blocks[None, :]
+    entry = jnp.clip(entry, 0, max(page_table.page_indices.shape[0] - 1, 0))
     if page_table.page_indices.shape[0]:
         pages = page_table.page_indices[entry]
-    else:
+    else:  # no pages at all: nothing can be chosen
         pages = jnp.zeros_like(entry)
-    # One row per request over the entries: entry e belongs to row[e] alone.
-    requests = jnp.arange(page_table.batch_size)[:, None]
-    chosen = chosen_flat[None, :] & (row[None, :] == requests)  # [B, width]
-    new_indptr, new_indices = compact_rows(
-        jnp.broadcast_to(pages, chosen.shape), chosen, max(width, MIN_INDICES)
-    )
+    new_indptr, new_indices = compact_rows(pages, chosen, max(blocks.shape[0], MIN_INDICES))
     # A row's last listed page is the request's last page exactly when its last valid block is.
     last_block = jnp.max(jnp.where(chosen, blocks[None, :], -1), axis=1, initial=-1)  # [B]
     last_len = jnp.where(
-        last_block == num_pages - 1, page_table.last_page_len, page_table.page_size
+        last_block == num_pages[:, 0] - 1, page_table.last_page_len, page_table.page_size
     )
     last_len = jnp.where(new_indptr[1:] > new_indptr[:-1], last_len, 0).astype(jnp.int32)
     return PageTable(new_indptr, new_indices, last_len, page_table.page_size)
