@@ -25,11 +25,76 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kernels_pallas.platform import is_concrete
 from paged.attention_reference import token_mask, token_positions
+from paged.kv_cache import token_slots
 from paged.page_table import PageTable, validate_page_table
 from paged.sparse_tokens import TokenSelection
 
 DEFAULT_TOP_K = 2048
+
+
+def append_index_keys(
+    index_k_pages: jax.Array,
+    page_table: PageTable,
+    k_index_new: jax.Array,
+    batch_indices: jax.Array,
+    positions: jax.Array,
+) -> jax.Array:
+    """Writes new tokens' indexer keys into their pages (reference; returns the new pool).
+
+    The same placement as ``paged.append_kv``: token ``i`` goes to slot ``positions[i] %
+    page_size`` of its request's page for that position; the table already covers it. Under
+    ``jit`` a token outside the table is dropped, never written elsewhere.
+
+    Args:
+      index_k_pages: ``[num_pages, page_size, index_dim]``.
+      page_table: the table after the append.
+      k_index_new: ``[nnz, index_dim]`` (cast to the pool's dtype).
+      batch_indices, positions: int ``[nnz]``, each token's request and position.
+
+    Raises:
+      ValueError: mismatched shapes, and (concrete inputs) a request or position outside the
+        table, or page-table invariants.
+
+    Example:
+      >>> table = PageTable.from_page_lists([[1]], seq_lens=[2], page_size=2)
+      >>> pool = append_index_keys(jnp.zeros((2, 2, 1)), table, jnp.array([[5.0], [6.0]]),
+      ...                          jnp.zeros(2, jnp.int32), jnp.arange(2))
+      >>> pool[:, :, 0].tolist()
+      [[0.0, 0.0], [5.0, 6.0]]
+    """
+    if index_k_pages.ndim != 3 or index_k_pages.shape[1] != page_table.page_size:
+        raise ValueError(
+            f"index_k_pages must have shape [num_pages, {page_table.page_size}, index_dim], "
+            f"got {index_k_pages.shape}"
+        )
+    nnz = k_index_new.shape[0]
+    if k_index_new.shape != (nnz, index_k_pages.shape[2]):
+        raise ValueError(
+            f"k_index_new must have shape [nnz, {index_k_pages.shape[2]}], got {k_index_new.shape}"
+        )
+    validate_page_table(page_table, index_k_pages.shape[0])
+    for name, array in [("batch_indices", batch_indices), ("positions", positions)]:
+        if array.shape != (nnz,) or not jnp.issubdtype(array.dtype, jnp.integer):
+            raise ValueError(
+                f"{name} must be an integer array of shape [{nnz}], got {array.dtype} "
+                f"of shape {array.shape}"
+            )
+    if is_concrete(batch_indices, positions, page_table.page_indptr, page_table.last_page_len):
+        batch = np.asarray(batch_indices)
+        pos = np.asarray(positions)
+        in_batch = (batch >= 0) & (batch < page_table.batch_size)
+        lengths = np.asarray(page_table.seq_lens())[np.where(in_batch, batch, 0)]
+        bad = ~in_batch | (pos < 0) | (pos >= lengths)
+        if np.any(bad):
+            i = int(np.argmax(bad))
+            raise ValueError(
+                f"(batch_indices[{i}], positions[{i}])=({batch[i]}, {pos[i]}) is outside the "
+                "table (it must already cover the appended tokens)"
+            )
+    pages, slots = token_slots(page_table, batch_indices, positions)  # INVALID_PAGE: dropped
+    return index_k_pages.at[pages, slots].set(k_index_new.astype(index_k_pages.dtype), mode="drop")
 
 
 def lightning_indexer_scores(

@@ -14,10 +14,14 @@ import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from strategies import PagedBucket, scattered_page_tables
+from strategies import PagedBucket, fixed_total_seq_lens, scattered_page_tables
 
 import paged
-from paged.sparse_indexer import lightning_indexer_scores, lightning_indexer_top_k
+from paged.sparse_indexer import (
+    append_index_keys,
+    lightning_indexer_scores,
+    lightning_indexer_top_k,
+)
 from paged.sparse_tokens import (
     TokenSelection,
     token_page_table,
@@ -230,3 +234,55 @@ def test_bad_indexer_inputs_are_named():
         lightning_indexer_top_k(q, w, jnp.zeros((3, 8, 4)), table)
     with pytest.raises(ValueError, match=re.escape("q_index must have shape [1, num_index_heads")):
         lightning_indexer_top_k(jnp.zeros((2, 2, 4)), w, keys, table)
+
+
+# A fixed token count: the append's nnz is a shape, so one compilation serves every example.
+APPENDED_TOKENS = 30
+
+
+@given(
+    batch=scattered_page_tables(
+        BUCKET, fixed_total_seq_lens(BUCKET.batch_size, APPENDED_TOKENS, BUCKET.max_seq_len)
+    ),
+    seed=st.integers(0, 2**16),
+)
+def test_appended_index_keys_land_where_the_indexer_reads_them(batch, seed):
+    """Append every token's indexer key, then each request's scores equal the formula applied
+    to its own keys, listed by position."""
+    rng = np.random.default_rng(seed)
+    total = sum(batch.seq_lens)
+    requests = np.repeat(np.arange(BUCKET.batch_size), batch.seq_lens).astype(np.int32)
+    positions = np.concatenate([np.arange(n) for n in batch.seq_lens]).astype(np.int32)
+    new_keys = rng.standard_normal((total, INDEX_DIM))
+    pool = jnp.full((BUCKET.num_pool_pages, BUCKET.page_size, INDEX_DIM), jnp.nan)
+    pool = append_index_keys(
+        pool, batch.page_table, jnp.asarray(new_keys, jnp.float32), requests, positions
+    )
+    q_index, weights, _ = indexer_inputs(seed)
+    scores = np.asarray(
+        lightning_indexer_scores(
+            jnp.asarray(q_index, jnp.float32),
+            jnp.asarray(weights, jnp.float32),
+            pool,
+            batch.page_table,
+        )
+    )
+    for b, length in enumerate(batch.seq_lens):
+        mine = new_keys[requests == b]  # [length, index_dim] in position order
+        want = np.maximum(mine @ q_index[b].T, 0) @ weights[b]
+        start = int(batch.page_table.page_indptr[b]) * BUCKET.page_size
+        got = scores[b, start : start + length]
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+        assert np.sum(np.isfinite(scores[b])) == length
+
+
+def test_bad_index_key_appends_are_named():
+    table = paged.PageTable.from_seq_lens([3], page_size=4)
+    pool = jnp.zeros((2, 4, 2))
+    one = jnp.zeros(1, jnp.int32)
+    with pytest.raises(ValueError, match=re.escape("(batch_indices[0], positions[0])=(0, 3)")):
+        append_index_keys(pool, table, jnp.zeros((1, 2)), one, one + 3)
+    with pytest.raises(ValueError, match=re.escape("(batch_indices[0], positions[0])=(1, 0)")):
+        append_index_keys(pool, table, jnp.zeros((1, 2)), one + 1, one)
+    with pytest.raises(ValueError, match=re.escape("k_index_new must have shape [nnz, 2]")):
+        append_index_keys(pool, table, jnp.zeros((1, 3)), one, one)
