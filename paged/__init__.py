@@ -51,19 +51,33 @@ from paged.prefill import (
 )
 from paged.rope import Llama3Scaling, RopeParams, apply_rope, inverse_frequencies
 from paged.rope_append import rope_append_kv
+from paged.sparse import sparse_decode_attention
+from paged.sparse_blocks import BlockSelection
+from paged.sparse_indexer import lightning_indexer_top_k
+from paged.sparse_quest import (
+    PageKeyBounds,
+    QuestSelection,
+    page_key_bounds,
+    update_page_key_bounds,
+)
+from paged.sparse_tokens import TokenSelection
 
 __all__ = [
+    "BlockSelection",
     "CascadeLevels",
     "DecodePlan",
     "KVCache",
     "LatentCache",
     "Llama3Scaling",
+    "PageKeyBounds",
     "PagePool",
     "PageTable",
     "PoolExhaustedError",
     "PrefillChunk",
+    "QuestSelection",
     "RopeParams",
     "SharedLevel",
+    "TokenSelection",
     "append_kv",
     "append_latent",
     "apply_rope",
@@ -75,6 +89,7 @@ __all__ = [
     "decode_attention",
     "host_page_table",
     "inverse_frequencies",
+    "lightning_indexer_top_k",
     "merge_state",
     "merge_states",
     "mla_decode_absorbed_reference",
@@ -82,12 +97,15 @@ __all__ = [
     "new_kv_cache",
     "new_latent_cache",
     "new_token_positions",
+    "page_key_bounds",
     "plan_decode",
     "plan_decode_tables",
     "prefill_attention",
     "prefill_chunks",
     "rope_append_kv",
+    "sparse_decode_attention",
     "truncated_page_table",
+    "update_page_key_bounds",
     "validate_cascade_levels",
     "validate_page_table",
 ]
