@@ -18,6 +18,10 @@ Public API (names are part of the contract):
 - ``LatentCache``, ``new_latent_cache``, ``append_latent``: the MLA latent cache (a latent and
   a RoPE key a token, under the same CSR page table); ``mla_decode_absorbed_reference`` and
   ``mla_decode_unabsorbed_reference``: MLA decode, the two formulations (``docs/mla.md``)
+- ``sparse_decode_attention`` (``backend=``) with a ``QuestSelection`` (``PageKeyBounds``,
+  ``page_key_bounds``, ``update_page_key_bounds``), a ``TokenSelection``
+  (``lightning_indexer_top_k``) or a ``BlockSelection``: decode over a selected subset of the
+  keys, as a smaller page table for ``decode_attention`` (``docs/sparse_decode.md``)
 """
 
 from paged.attention_reference import merge_state, merge_states
