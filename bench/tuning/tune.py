@@ -47,7 +47,12 @@ from bench.tuning.autotune import (
     Candidate,
 )
 
-TARGETS = {"paged_decode": "bench.tuning.paged_decode_target"}
+TARGETS = {
+    "paged_decode": "bench.tuning.paged_decode_target",
+    "merge_states": "bench.tuning.merge_states_target",
+    "gumbel": "bench.tuning.gumbel_target",
+    "dual_pivot": "bench.tuning.dual_pivot_target",
+}
 NO_GPU_MESSAGE = (
     "tuning needs a GPU; this machine has none (use --dry-run to exercise the code paths)"
 )

@@ -1,0 +1,159 @@
+"""Every ``python -m bench tune`` target besides ``paged_decode`` (``test_bench_tune.py``), on
+the CPU: a dry run of each times its kernel's real programs (interpreted, tiny shapes) through
+both selection stages and writes a table with the target's bucket key and a launch the kernel
+accepts; a ``--buckets`` naming other dimensions is refused. A fake factor on one candidate
+makes the decision certain (interpreted timings on a CPU are noise)."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+
+import jax
+import numpy as np
+import pytest
+
+from bench.__main__ import main as bench_main
+from bench.harness import RunOptions
+from bench.tuning import tune
+from kernels_pallas.tuning_tables import load_table
+
+
+@dataclasses.dataclass(frozen=True)
+class DryRun:
+    """What one target's dry run must do: ``buckets`` as given on the command line, the key
+    written, the candidate made fast and its launch."""
+
+    kernel: str
+    buckets: str
+    key: str
+    fast: str
+    launch: dict[str, int]
+    other_dimension: str  # a --buckets naming these dimensions is refused
+
+
+DRY_RUNS = [
+    DryRun(
+        "merge_states",
+        "batch=1,splits=3",
+        "head_dim=32,partial_rows=2,num_kv_heads=2,batch=1,splits=4",
+        "i4_w4",
+        {"items_per_step": 4, "num_warps": 4},
+        "context=4096",
+    ),
+    DryRun(
+        "gumbel",
+        "batch=1",
+        "vocab=1000,batch=1",
+        "q256x1_w8_s1",
+        {"quads": 256, "steps": 1, "num_warps": 8, "num_stages": 1},
+        "vocab=1000",
+    ),
+    DryRun(
+        "dual_pivot",
+        "batch=1",
+        "vocab=1000,batch=1",
+        "b512_w2_s1",
+        {"block": 512, "num_warps": 2, "num_stages": 1},
+        "batch=1,vocab=1000",
+    ),
+]
+
+
+def _target(kernel):
+    return importlib.import_module(tune.TARGETS[kernel])
+
+
+@pytest.mark.parametrize("case", DRY_RUNS, ids=lambda case: case.kernel)
+def test_dry_run_tunes_the_kernel_end_to_end(case, tmp_path, capsys):
+    runs: dict[str, int] = {}
+
+    def measure_for(session):
+        real = tune.HarnessMeasure(
+            session.loop_for, RunOptions(dry_run=True), session.expected_us_per_call
+        )
+
+        def measure(candidate):
+            runs[candidate.name] = runs.get(candidate.name, 0) + 1
+            return real(candidate) * (0.01 if candidate.name == case.fast else 1.0)
+
+        return measure
+
+    arguments = [case.kernel, "--dry-run", "--out", str(tmp_path), "--buckets", case.buckets]
+    assert tune.main(arguments, measure_for=measure_for) == 0
+    printed = capsys.readouterr().out
+    assert f"{case.key}: KEPT  {case.fast}" in printed
+    # The default and the fast candidate, 2 screening samples each and 2 ABBA blocks (2 + 2).
+    assert sorted(runs.values()) == [6, 6] and case.fast in runs
+
+    target = _target(case.kernel)
+    table = load_table(case.kernel, "cpu", jax.__version__, target.KERNEL_VERSION, tmp_path)
+    assert table["dimensions"] == list(target.DIMENSIONS)
+    assert table["bucketed"] == list(target.BUCKETED)
+    assert table["entries"] == {case.key: case.launch}
+    assert set(case.launch) == set(target.PARAMETERS)
+    assert table["provenance"]["decisions"][case.key]["kept"]
+
+
+@pytest.mark.parametrize("case", DRY_RUNS, ids=lambda case: case.kernel)
+def test_buckets_of_other_dimensions_are_refused(case, tmp_path, capsys):
+    arguments = ["tune", case.kernel, "--dry-run", "--out", str(tmp_path)]
+    assert bench_main([*arguments, "--buckets", case.other_dimension]) == 2
+    names = sorted(item.split("=")[0] for item in case.other_dimension.split(","))
+    expected = f"--buckets of {case.kernel} name {list(_target(case.kernel).BUCKETED)}"
+    assert f"{expected}, got {names}" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("kernel", [case.kernel for case in DRY_RUNS])
+def test_standard_buckets_are_powers_of_two_of_the_target_dimensions(kernel):
+    target = _target(kernel)
+    buckets = target.default_buckets(dry_run=False)
+    assert buckets
+    for bucket in buckets:
+        assert sorted(bucket) == sorted(target.BUCKETED)
+        assert all(value >= 1 and value & (value - 1) == 0 for value in bucket.values())
+
+
+def test_merge_states_standard_buckets_are_the_split_decode_cases():
+    """The decode grid splits B=1 at 4096 (32 items) and 32768 (33: the 64 bucket) tokens, and
+    B=4 into 8 items; every other case runs unsplit and merges nothing."""
+    target = _target("merge_states")
+    assert target.default_buckets(dry_run=False) == [
+        {"batch": 1, "splits": 32},
+        {"batch": 1, "splits": 64},
+        {"batch": 4, "splits": 8},
+    ]
+
+
+def test_merge_states_timed_call_merges_its_own_set():
+    """Set 1 of the pool merges items 4..7 (not set 0's): the rotating merge_indptr points the
+    kernel at the set's own range of the pool."""
+    target = _target("merge_states")
+    with target.bucket_session({"batch": 1, "splits": 4}, RunOptions(dry_run=True)) as session:
+        loop = session.loop_for(session.default)
+        o, lse = loop.output(1)
+        partial_o, partial_lse, _ = (np.asarray(array, np.float64) for array in loop.operands)
+    items = slice(4, 8)
+    weights = np.exp(partial_lse[items] - partial_lse[items].max(axis=0))  # [S, KVH, P]
+    expected_o = (weights[..., None] * partial_o[items]).sum(0) / weights.sum(0)[..., None]
+    expected_lse = partial_lse[items].max(axis=0) + np.log(weights.sum(0))
+    # [B, H, D]: head h is KV head h // G, row h % G of its partials (G = 2 = P here).
+    np.testing.assert_allclose(
+        np.asarray(o, np.float64).reshape(expected_o.shape), expected_o, rtol=1e-2, atol=1e-2
+    )
+    np.testing.assert_allclose(np.asarray(lse).reshape(expected_lse.shape), expected_lse, rtol=1e-5)
+
+
+def test_gumbel_candidates_include_the_default_and_cover_the_row():
+    target = _target("gumbel")
+    from kernels_pallas.gumbel import default_launch
+
+    for batch in (1, 32, 256):
+        launches = target.sweep(batch, 128256)
+        assert default_launch(batch, 128256) in launches
+        assert len({target.launch_name(launch) for launch in launches}) == len(launches)
+        for launch in launches:
+            # Every chunk holds at least one step: no program reads only padding.
+            steps_per_row = -(-128256 // (4 * launch["quads"]))
+            assert launch["steps"] <= steps_per_row
