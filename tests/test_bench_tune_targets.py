@@ -57,6 +57,14 @@ DRY_RUNS = [
         {"block": 512, "num_warps": 2, "num_stages": 1},
         "batch=1,vocab=1000",
     ),
+    DryRun(
+        "paged_prefill",
+        "chunk=10,context=50",
+        "head_dim=32,group_rows=4,page_size=16,chunk=16,context=64",
+        "q4_p1_w4_s1",
+        {"block_q": 4, "pages_per_step": 1, "num_warps": 4, "num_stages": 1},
+        "batch=1,context=64",
+    ),
 ]
 
 

@@ -52,6 +52,7 @@ TARGETS = {
     "merge_states": "bench.tuning.merge_states_target",
     "gumbel": "bench.tuning.gumbel_target",
     "dual_pivot": "bench.tuning.dual_pivot_target",
+    "paged_prefill": "bench.tuning.paged_prefill_target",
 }
 NO_GPU_MESSAGE = (
     "tuning needs a GPU; this machine has none (use --dry-run to exercise the code paths)"
