@@ -65,6 +65,30 @@ DRY_RUNS = [
         {"block_q": 4, "pages_per_step": 1, "num_warps": 4, "num_stages": 1},
         "batch=1,context=64",
     ),
+    DryRun(
+        "spec_accept",
+        "batch=1,drafts=1",
+        "vocab=1000,batch=1,drafts=1",
+        "b256_w2_s1",
+        {"block": 256, "num_warps": 2, "num_stages": 1},
+        "batch=1",
+    ),
+    DryRun(
+        "norm",
+        "hidden=100,tokens=3",
+        "hidden=128,tokens=4",
+        "w2",
+        {"num_warps": 2},
+        "tokens=4",
+    ),
+    DryRun(
+        "rope_append",
+        "tokens=3",
+        "num_q_heads=4,num_kv_heads=2,head_dim=16,tokens=4",
+        "w2",
+        {"num_warps": 2},
+        "batch=4",
+    ),
 ]
 
 

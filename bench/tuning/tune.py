@@ -53,6 +53,9 @@ TARGETS = {
     "gumbel": "bench.tuning.gumbel_target",
     "dual_pivot": "bench.tuning.dual_pivot_target",
     "paged_prefill": "bench.tuning.paged_prefill_target",
+    "spec_accept": "bench.tuning.spec_accept_target",
+    "norm": "bench.tuning.norm_target",
+    "rope_append": "bench.tuning.rope_append_target",
 }
 NO_GPU_MESSAGE = (
     "tuning needs a GPU; this machine has none (use --dry-run to exercise the code paths)"
