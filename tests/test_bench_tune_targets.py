@@ -189,3 +189,17 @@ def test_gumbel_candidates_include_the_default_and_cover_the_row():
             # Every chunk holds at least one step: no program reads only padding.
             steps_per_row = -(-128256 // (4 * launch["quads"]))
             assert launch["steps"] <= steps_per_row
+
+
+@pytest.mark.parametrize(
+    ("kernel", "bucket", "message"),
+    [
+        ("norm", {"hidden": 32768, "tokens": 1}, "hidden must be <= 16384, got 32768"),
+        ("paged_prefill", {"chunk": 64, "context": 32}, r"chunk \(64\) exceeds its context \(32\)"),
+        ("merge_states", {"batch": 1}, r"names \['batch', 'splits'\], got \['batch'\]"),
+    ],
+)
+def test_bucket_sessions_refuse_shapes_the_kernel_cannot_run(kernel, bucket, message):
+    with pytest.raises(ValueError, match=message):
+        with _target(kernel).bucket_session(bucket, RunOptions(dry_run=True)):
+            pass

@@ -81,9 +81,7 @@ def bucket_session(bucket: dict[str, int], options: RunOptions) -> Iterator[Buck
     try:
         default_parameters = default_launch()
         warps = (default_parameters["num_warps"] // 2,) if options.dry_run else WARPS
-        launches = sorted(
-            [default_parameters, *({"num_warps": w} for w in warps)], key=simplicity
-        )
+        launches = sorted([default_parameters, *({"num_warps": w} for w in warps)], key=simplicity)
         launches = [p for i, p in enumerate(launches) if p not in launches[:i]]
         ranked = [Candidate(launch_name(p), dict(p), rank) for rank, p in enumerate(launches)]
         default = next(c for c in ranked if c.parameters == default_parameters)
@@ -113,7 +111,9 @@ def bucket_session(bucket: dict[str, int], options: RunOptions) -> Iterator[Buck
                 )
                 return k_pages, v_pages, q_rotated
 
-            return fused_ops.ChainedCallsLoop(call, inputs.sets, (inputs.k, inputs.v), inputs.state())
+            return fused_ops.ChainedCallsLoop(
+                call, inputs.sets, (inputs.k, inputs.v), inputs.state()
+            )
 
         yield BucketSession(
             dims={
