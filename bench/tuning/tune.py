@@ -17,7 +17,9 @@ decision record.
   or a temporary directory, never to ``kernels_pallas/tuned``.
 - Without a GPU and without ``--dry-run``: says so, writes nothing, exits 0.
 
-Kernels covered: ``paged_decode`` (``bench/tuning/paged_decode_target.py``). A target module
+Kernels covered (``TARGETS``): ``paged_decode``, ``merge_states``, ``gumbel``, ``dual_pivot``,
+``paged_prefill``, ``spec_accept``, ``norm``, ``rope_append``, each in
+``bench/tuning/<kernel>_target.py`` (``docs/tuning.md`` has their keys). A target module
 provides ``KERNEL``, ``KERNEL_VERSION``, ``DIMENSIONS``, ``BUCKETED``, ``PARAMETERS``,
 ``default_buckets(dry_run)`` and ``bucket_session(bucket, options)`` (a context manager
 yielding a ``BucketSession``).
