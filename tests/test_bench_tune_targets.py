@@ -203,3 +203,44 @@ def test_bucket_sessions_refuse_shapes_the_kernel_cannot_run(kernel, bucket, mes
     with pytest.raises(ValueError, match=message):
         with _target(kernel).bucket_session(bucket, RunOptions(dry_run=True)):
             pass
+
+
+def _one_round(loop):
+    """The carried state after one round of a ``ChainedCallsLoop`` (every set called once)."""
+    return jax.jit(lambda operands: loop.run_rounds(operands, 1))(loop.operands)
+
+
+def test_rope_append_timed_call_is_the_suites_call():
+    """The tuned call passes the kernel what ``paged.rope_append_kv`` passes it: one round
+    leaves the same pool and q as the suite's loop on the reference backend."""
+    from bench.suites import fused_ops
+
+    options = RunOptions(dry_run=True)
+    target = _target("rope_append")
+    with target.bucket_session({"tokens": 4}, options) as session:
+        ours = _one_round(session.loop_for(session.default))
+    inputs = fused_ops.make_rope_inputs(fused_ops.DRY_RUN_ROPE_SHAPE, options)
+    expected = _one_round(fused_ops.rope_loop(inputs, "reference"))
+    for got, want in zip(ours, expected, strict=True):
+        np.testing.assert_allclose(
+            np.asarray(got, np.float32),
+            np.asarray(want, np.float32),
+            atol=fused_ops.DISAGREEMENT_TOLERANCE,
+        )
+
+
+def test_norm_timed_call_is_the_suites_call():
+    from bench.suites import fused_ops
+
+    options = RunOptions(dry_run=True)
+    target = _target("norm")
+    with target.bucket_session({"hidden": 128, "tokens": 4}, options) as session:
+        ours = _one_round(session.loop_for(session.candidates[0]))
+    inputs = fused_ops.make_norm_inputs(4, 128, options)
+    expected = _one_round(fused_ops.norm_loop(inputs, "xla_fused", interpret=True))
+    for got, want in zip(jax.tree.leaves(ours), jax.tree.leaves(expected), strict=True):
+        np.testing.assert_allclose(
+            np.asarray(got, np.float32),
+            np.asarray(want, np.float32),
+            atol=fused_ops.DISAGREEMENT_TOLERANCE,
+        )
