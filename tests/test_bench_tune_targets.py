@@ -10,6 +10,7 @@ import dataclasses
 import importlib
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -244,3 +245,123 @@ def test_norm_timed_call_is_the_suites_call():
             np.asarray(want, np.float32),
             atol=fused_ops.DISAGREEMENT_TOLERANCE,
         )
+
+
+def _shaped(shape, dtype=jnp.float32):
+    return jax.ShapeDtypeStruct(shape, dtype)
+
+
+def _traced_sweeps():
+    """``(kernel, launch, trace)`` for every launch a GPU run tries: ``trace()`` traces the
+    kernel with it at a standard shape (``jax.eval_shape``: the kernel's own checks and its
+    body's tracing run, nothing is compiled or computed)."""
+    from bench.suites import peers
+    from bench.suites import prefill as prefill_suite
+    from kernels_pallas.dual_pivot import dual_pivot_sample
+    from kernels_pallas.gumbel import gumbel_sample
+    from kernels_pallas.merge_states import merge_partial_states
+    from kernels_pallas.paged_prefill import paged_prefill
+    from kernels_pallas.spec_accept import chain_speculative_sample
+
+    vocab, u32, i32 = peers.VOCAB, jnp.uint32, jnp.int32
+    for batch in peers.SAMPLING_BATCHES:
+        for launch in _target("gumbel").sweep(batch, vocab):
+            yield (
+                "gumbel",
+                launch,
+                lambda launch=launch, batch=batch: jax.eval_shape(
+                    lambda x, w, t: gumbel_sample(
+                        x, w, t, from_logits=True, stream=0, fast_math=False, **launch
+                    ),
+                    _shaped((batch, vocab)),
+                    _shaped((batch, 2), u32),
+                    _shaped((batch,)),
+                ),
+            )
+    for launch in _target("dual_pivot").SWEEP:
+        yield (
+            "dual_pivot",
+            launch,
+            lambda launch=launch: jax.eval_shape(
+                lambda p, w, k, tp, mp: dual_pivot_sample(
+                    p, w, k, tp, mp, order="joint", max_rounds=8, stream=0, **launch
+                ),
+                _shaped((4, vocab)),
+                _shaped((4, 2), u32),
+                _shaped((4,), i32),
+                _shaped((4,)),
+                _shaped((4,)),
+            ),
+        )
+    for launch in _target("spec_accept").SWEEP:
+        yield (
+            "spec_accept",
+            launch,
+            lambda launch=launch: jax.eval_shape(
+                lambda d, ids, t, w: chain_speculative_sample(
+                    d, ids, t, w, chunk_size=8192, stream=0, **launch
+                ),
+                _shaped((4, 4, vocab)),
+                _shaped((4, 4), i32),
+                _shaped((4, 5, vocab)),
+                _shaped((4, 2), u32),
+            ),
+        )
+    shape = prefill_suite.STANDARD_SHAPE
+    heads, kv_heads, head_dim = shape["num_q_heads"], shape["num_kv_heads"], shape["head_dim"]
+    pool = _shaped((1025, kv_heads, shape["page_size"], head_dim), jnp.bfloat16)
+    for launch in prefill_suite.SWEEP:
+        yield (
+            "paged_prefill",
+            launch,
+            lambda launch=launch: jax.eval_shape(
+                lambda q, k, v, indices, indptr, last: paged_prefill(
+                    q,
+                    k,
+                    v,
+                    indices,
+                    indptr,
+                    last,
+                    layout="HND",
+                    sm_scale=0.1,
+                    logits_soft_cap=None,
+                    **launch,
+                ),
+                _shaped((1, 512, heads, head_dim), jnp.bfloat16),
+                pool,
+                pool,
+                _shaped((1024,), i32),
+                _shaped((2,), i32),
+                _shaped((1,), i32),
+            ),
+        )
+    for launch in _target("merge_states").SWEEP:
+        yield (
+            "merge_states",
+            launch,
+            lambda launch=launch: jax.eval_shape(
+                lambda o, lse, indptr: merge_partial_states(
+                    o, lse, indptr, num_q_heads=heads, out_dtype=jnp.bfloat16, **launch
+                ),
+                _shaped((64, kv_heads, 4, head_dim)),
+                _shaped((64, kv_heads, 4)),
+                _shaped((2,), i32),
+            ),
+        )
+
+
+def test_every_gpu_launch_passes_its_kernels_checks():
+    """A launch the kernel refuses (a block that is not a power of two, ...) would only show as
+    an error in a GPU run's decision; here it fails on the CPU first."""
+    traced = {}
+    for kernel, launch, trace in _traced_sweeps():
+        assert sorted(launch) == sorted(_target(kernel).PARAMETERS), (kernel, launch)
+        trace()
+        traced[kernel] = traced.get(kernel, 0) + 1
+    assert traced == {
+        "gumbel": sum(len(_target("gumbel").sweep(b, 128256)) for b in (1, 32, 256)),
+        "dual_pivot": 10,
+        "spec_accept": 11,
+        "paged_prefill": 54,
+        "merge_states": 18,
+    }
