@@ -51,8 +51,9 @@ QUADS = (128, 256, 512)
 CHUNK_FACTORS = (0.5, 1.0, 2.0)
 WARPS = (4, 8)
 BUCKETS = tuple({"batch": batch} for batch in peers.SAMPLING_BATCHES)
-DRY_RUN_BUCKETS = ({"batch": 4},)
-# A dry run's one other launch: 256-column steps, so vocab 1000 takes 4 steps in one chunk.
+DRY_RUN_BUCKETS = ({"batch": 1},)
+# A dry run's one other launch: the default's tile with more warps (interpreted, warps change
+# nothing; a launch of several steps a program costs an interpreted compile of 10 s).
 DRY_RUN_OTHER = {"quads": 256, "steps": 1, "num_warps": 8, "num_stages": 1}
 EXPECTED_TBPS = 2.0  # a prior for sizing the first timed program
 
