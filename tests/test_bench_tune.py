@@ -118,7 +118,7 @@ def test_command_line_refusals(tmp_path, capsys):
     assert bench_main(["tune", "paged_decode", "--dry-run", "--min-gain", "1.5", *out]) == 2
     assert "min_gain must be in [0, 1), got 1.5" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        bench_main(["tune", "merge_states"])
+        bench_main(["tune", "no_such_kernel"])
     assert not list(tmp_path.iterdir())
     with pytest.raises(SystemExit, match="never writes to"):
         tune._table_directory(TUNED_DIRECTORY, dry_run=True)

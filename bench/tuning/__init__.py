@@ -11,8 +11,8 @@ kernel's defaults cite the run. Committed speed figures come from the suites
 
 The autotuner that will replace these sweeps and the hand-kept tables (``docs/tuning.md``):
 ``python -m bench tune <kernel>`` (``tune.py``; the selection rule with its noise guard in
-``autotune.py``; what it tunes of a kernel in ``<kernel>_target.py``, so far
-``paged_decode_target.py``).
+``autotune.py``; what it tunes of a kernel in ``<kernel>_target.py``, one for each kernel
+with launch parameters, listed in ``tune.TARGETS``).
 
 The decode kernel's sweep is part of its suite: ``python -m bench decode --tune``; the prefill
 kernel's: ``python -m bench prefill --tune``.

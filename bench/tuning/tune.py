@@ -17,7 +17,9 @@ decision record.
   or a temporary directory, never to ``kernels_pallas/tuned``.
 - Without a GPU and without ``--dry-run``: says so, writes nothing, exits 0.
 
-Kernels covered: ``paged_decode`` (``bench/tuning/paged_decode_target.py``). A target module
+Kernels covered (``TARGETS``): ``paged_decode``, ``merge_states``, ``gumbel``, ``dual_pivot``,
+``paged_prefill``, ``spec_accept``, ``norm``, ``rope_append``, each in
+``bench/tuning/<kernel>_target.py`` (``docs/tuning.md`` has their keys). A target module
 provides ``KERNEL``, ``KERNEL_VERSION``, ``DIMENSIONS``, ``BUCKETED``, ``PARAMETERS``,
 ``default_buckets(dry_run)`` and ``bucket_session(bucket, options)`` (a context manager
 yielding a ``BucketSession``).
@@ -47,7 +49,16 @@ from bench.tuning.autotune import (
     Candidate,
 )
 
-TARGETS = {"paged_decode": "bench.tuning.paged_decode_target"}
+TARGETS = {
+    "paged_decode": "bench.tuning.paged_decode_target",
+    "merge_states": "bench.tuning.merge_states_target",
+    "gumbel": "bench.tuning.gumbel_target",
+    "dual_pivot": "bench.tuning.dual_pivot_target",
+    "paged_prefill": "bench.tuning.paged_prefill_target",
+    "spec_accept": "bench.tuning.spec_accept_target",
+    "norm": "bench.tuning.norm_target",
+    "rope_append": "bench.tuning.rope_append_target",
+}
 NO_GPU_MESSAGE = (
     "tuning needs a GPU; this machine has none (use --dry-run to exercise the code paths)"
 )
