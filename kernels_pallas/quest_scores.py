@@ -82,7 +82,12 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kernels_pallas.paged_decode import unsigned_min
-from kernels_pallas.x64 import runs_in_32_bits
+
+# x64 mode (kernels_pallas/x64.py), with an interpreted call traced with x64 off: the
+# interpreter's host callbacks cannot be exported.
+from kernels_pallas.paged_decode_mgpu import (
+    _runs_in_32_bits_also_interpreted as runs_in_32_bits_also_interpreted,
+)
 from paged.page_table import PageTable
 from paged.sparse_quest import (
     GRANULARITIES,
@@ -137,8 +142,9 @@ def quest_scores_kernel(
         plgpu.barrier_wait(setup_barrier)
 
         def gather_step(step, slot):
-            # One 1 x D copy a page row; all 2 x 64 arrive on the slot's barrier.
-            for row in range(TILE_PAGES):
+            # One 1 x D copy a page row; all 2 x 64 arrive on the slot's barrier. A loop, not
+            # 128 unrolled copies: the issuing thread's work is the same, the code 1/64th.
+            def copy_row(row, carry):
                 page = unsigned_min(page_numbers[step * TILE_PAGES + row], num_pages - 1)
                 for bounds_ref, tiles in ((kmin_ref, kmin_tiles), (kmax_ref, kmax_tiles)):
                     plgpu.copy_gmem_to_smem(
@@ -146,6 +152,9 @@ def quest_scores_kernel(
                         tiles.at[slot, pl.ds(row, 1)],
                         tile_barriers.at[slot],
                     )
+                return carry
+
+            lax.fori_loop(0, TILE_PAGES, copy_row, 0)
 
         for step in range(num_stages):
 
@@ -339,7 +348,7 @@ def _interpret_params(interpret):
     return plgpu.InterpretGPUParams() if interpret else None
 
 
-@runs_in_32_bits  # x64 mode: kernels_pallas/x64.py
+@runs_in_32_bits_also_interpreted
 @functools.partial(jax.jit, static_argnames=("per", "pages_per_item", "num_stages", "interpret"))
 def _quest_page_scores(
     q,
