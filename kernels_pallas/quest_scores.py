@@ -101,6 +101,7 @@ TILE_PAGES = 64  # rows of one step's register tile (the WGMMA register layout h
 MAX_PAGES_PER_ITEM = 256  # one TMA box of page numbers: at most 256 elements a dimension
 MAX_GROUP = 256  # the group's query rows are one TMA box too
 SUPPORTED_HEAD_DIMS = (64, 128, 256)  # D float32 per row: a multiple of 8 columns, <= 256
+MAX_SHARED_MEMORY_BYTES = 227 * 1024  # a Hopper block's dynamic shared memory
 
 
 def quest_scores_kernel(
@@ -340,6 +341,25 @@ def validate_quest_scores_arguments(q, bounds, pages_per_item, num_stages) -> No
         )
     if not isinstance(num_stages, int) or num_stages < 1:
         raise ValueError(f"num_stages must be an int >= 1, got {num_stages!r}")
+    shared = shared_memory_bytes(head_dim, group_size, pages_per_item, num_stages)
+    if shared > MAX_SHARED_MEMORY_BYTES:
+        raise ValueError(
+            f"num_stages={num_stages} at head_dim={head_dim} (group {group_size}) needs "
+            f"{shared} bytes of shared memory, more than a block's {MAX_SHARED_MEMORY_BYTES}; "
+            "use fewer stages"
+        )
+
+
+def shared_memory_bytes(head_dim, group_size, pages_per_item, num_stages) -> int:
+    """A program's shared memory: the kmin and kmax tiles of every stage, the group's query
+    rows, the page numbers, and the barriers (8 bytes each).
+
+    Example:
+      >>> shared_memory_bytes(128, 4, 256, 2)  # 2 x 2 x 64 x 128 x 4 + 4 x 128 x 4 + 1024 + 24
+      134168
+    """
+    tiles = 2 * num_stages * TILE_PAGES * head_dim * 4
+    return tiles + group_size * head_dim * 4 + pages_per_item * 4 + 8 * (1 + num_stages)
 
 
 def _interpret_params(interpret):

@@ -168,6 +168,7 @@ def small_case():
         (dict(pages_per_item=100), "pages_per_item must be a multiple of 64 up to 256, got 100"),
         (dict(pages_per_item=512), "got 512"),
         (dict(num_stages=0), "num_stages must be an int >= 1, got 0"),
+        (dict(num_stages=8), "num_stages=8 at head_dim=64 \\(group 2\\) needs 263752 bytes"),
     ],
 )
 def test_bad_input_names_argument_and_value(change, message):
