@@ -60,15 +60,20 @@ summation, applied to both), so the tests compare with ``atol = 2 D u sum_i |t_i
 (``t_i`` the chosen product), computed from the inputs; a real indexing error moves a score by
 a whole term, far more.
 
-Selection by kernel (not built): the top ``m`` of a request's ``n`` scores for each head is a
-per-row top-k over ragged rows; a radix select on the float bits (one pass of histograms over
-a row per 8 bits, as ``kernels_pallas/dual_pivot.py`` selects a threshold for top-p) would find
-the ``m``-th score without sorting, then one pass keeps the pages above it, ties to the earlier
-page, first and last forced. At 2048 pages a request that is a few kilobytes a row, small next
-to the scoring's reads.
+Selection by kernel (not built): keeping the top ``m`` of a request's ``n`` scores for each
+head is a top-k over ragged rows of at most a few thousand floats (8 KiB at 2048 pages), small
+next to the scoring's reads. A radix select on the scores' order-preserving integer keys (a
+histogram pass per 8 bits, the row held in shared memory) finds the ``m``-th largest without
+sorting; one more pass keeps the pages above it, the earliest of the pages equal to it up to
+``m`` (the reference's tie rule), with the first and last page forced. It could run in the
+scoring program's epilogue if one program owned a whole request and head, which the work split
+above gives up for balance; a second small kernel over ``[B, R, n]`` is the simpler path.
 
 Mosaic GPU's interpreter (``interpret=True``, ``plgpu.InterpretGPUParams()``) runs the whole
-kernel on a CPU: TMA, barriers, the register-layout loads, broadcasts and reductions.
+kernel on a CPU: TMA, barriers, the register-layout loads, broadcasts and reductions. The
+compiled path's Mosaic GPU lowering (layout inference, TMA descriptors) also runs on a CPU
+(``jax.jit(...).trace(...).lower(lowering_platforms=("cuda",))``, a test); only ptxas and the
+run itself need the GPU (``bench/probes/quest_scores.py`` checks and times it there).
 """
 
 from __future__ import annotations

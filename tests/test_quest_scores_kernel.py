@@ -41,7 +41,8 @@ def score_tolerance(q, bounds, page_table, per) -> np.ndarray:
     batch, num_q_heads, head_dim = q64.shape
     num_kv_heads = bounds.kmin.shape[1]
     group = num_q_heads // num_kv_heads
-    pages = np.asarray(page_table.page_indices)
+    # Cut to the pool as the kernel and the reference's gather do (a table unchecked under jit).
+    pages = np.minimum(np.asarray(page_table.page_indices), bounds.kmin.shape[0] - 1)
     magnitude = np.zeros((batch, num_kv_heads, group, pages.shape[0]))
     for kv_head in range(num_kv_heads):  # one head at a time: [G, nnz, D] stays small
         kmin = np.asarray(bounds.kmin[:, kv_head], np.float64)[pages]  # [nnz, D]
@@ -227,3 +228,30 @@ def test_lowers_for_cuda_on_any_machine(per):
         .lower(lowering_platforms=("cuda",))
     )
     assert "mosaic_gpu" in lowered.as_text()
+
+
+def test_page_numbers_past_the_pool_read_its_last_page_under_jit():
+    """Under jit nothing checks the table: a page number past the pool is cut to the pool's last
+    page (one unsigned minimum in the kernel), which is what the reference's clamped gather
+    reads too, so the scores still agree and nothing outside the bounds is read."""
+    rng = np.random.default_rng(3)
+    table = scattered_table(rng, [9, 30], num_pages=12, page_size=4)
+    indices = np.asarray(table.page_indices).copy()
+    indices[[1, 5]] = [12, 10_000]
+    table = PageTable(table.page_indptr, jnp.asarray(indices), table.last_page_len, 4)
+    bounds = random_bounds(rng, 12, 2, 64)
+    q = jnp.asarray(rng.standard_normal((2, 2, 64)), jnp.float32)
+    scores = jax.jit(
+        lambda q, table: quest_page_scores_pallas(
+            q, bounds, table, pages_per_item=64, interpret=not ON_GPU
+        )
+    )(q, table)
+    reference = jax.jit(lambda q, table: quest_page_scores(q, bounds, table))(q, table)
+    last_page = quest_page_scores(
+        q, bounds, PageTable.from_page_lists([[11], [11]], seq_lens=[4, 4], page_size=4)
+    )
+    np.testing.assert_array_equal(reference[0, :, 1], last_page[0, :, 0])  # the clamp assumed
+    finite = np.isfinite(np.asarray(reference))
+    np.testing.assert_array_equal(np.isneginf(scores), np.isneginf(reference))
+    error = np.abs(np.asarray(scores)[finite] - np.asarray(reference)[finite])
+    assert np.all(error <= score_tolerance(q, bounds, table, "kv_head")[finite])
