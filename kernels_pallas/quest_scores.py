@@ -13,13 +13,26 @@ pages and for a page with empty bounds. Not yet wired into ``paged.sparse_decode
 selection (the top pages) stays in the reference (``quest_selected_pages``).
 
 What it costs. Scoring is memory bound: each page row of ``kmin`` and ``kmax`` (``D`` float32,
-512 bytes at ``D = 128``) serves only the ``G`` query heads of its KV head, ``4 G`` flops a
-byte's worth of work, far below the H200's float32 rate. So the floor is the bytes read,
+512 bytes at ``D = 128``) serves only the ``G`` query heads of its KV head, two products, a
+maximum and an add per element and head: ``G / 2`` float32 operations a byte, against the
+H200's ~14 (67 TFLOP/s over 4.8 TB/s). So the floor is the bytes read,
 ``2 x num_listed_pages x KVH x D x 4`` (plus ``q``, the page numbers and the scores, each
 under a few percent of that at decode shapes): at B = 8 requests of 32K tokens, page size 16,
 8 KV heads, ``D = 128``, that is ``2 x 16384 x 8 x 128 x 4 = 128 MiB``, about 28 us at the
-H200's 4.8 TB/s. Not measured yet (``tests/test_quest_scores_kernel.py``'s ``gpu`` test checks
-the compiled kernel; ``bench`` has no suite for it yet).
+H200's 4.8 TB/s (B = 1: 16 MiB, 3.5 us). Not measured yet: ``bench/probes/quest_scores.py``
+checks and times it beside the reference on the GPU.
+
+Latency hiding. A program's shared memory is ``num_stages`` x 64 KiB of tiles at ``D = 128``
+(``shared_memory_bytes``): one block an SM at two stages (131 KiB). What keeps HBM busy is
+therefore the gathers in flight inside a program, not other blocks: while one 64 KiB step is
+computed the next is in flight, about twice the ~36 KiB an SM must have outstanding to stream
+4.8 TB/s at a microsecond of latency over 132 SMs. ``num_stages=3`` (195 KiB) is the launch to
+try if the probe shows the copies exposed. The risk to measure first: a step is 128 TMA copies
+of 512 bytes, issued one after another by one thread. If their issue rate is the limit, the
+alternative is page-major: a program for all KV heads of its pages, one ``[KVH, D]`` box (4 KiB)
+a page and bound, 1/KVH of the copies, at the price of a query tile whose rows follow the
+heads (``G`` tiles of ``[64, D]`` in shared memory, which do not fit beside two stages at
+``G = 4``; hence not the first version).
 
 Work split. One program per (work item, KV head); a work item is up to ``pages_per_item``
 consecutive entries of one request's page list (built in the wrapper from ``page_indptr``, a
