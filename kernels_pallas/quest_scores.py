@@ -62,6 +62,16 @@ One program, one warpgroup:
   output's size; the reference's own output format is ``B`` times larger than the
   ``[R, nnz_padded]`` a consumer needs, since each entry belongs to at most one request).
 
+Shared-memory banks. A tile row is ``D`` float32 (512 bytes at ``D = 128``), so with unpadded
+rows the 8 rows a warp reads at once in the register layout start on the same bank: an 8-way
+conflict, about 4x the 2 shared-memory cycles a warp's 256-byte load needs. By arithmetic,
+loading a step's 64 KiB then takes about 2000 cycles an SM (~1.1 us), a ceiling near 7 TB/s
+over 132 SMs, above the HBM's 4.8 but not by much once the compute is added.
+``row_padding=8`` pads each row by 32 bytes, which spreads the 8 rows over all banks (2 cycles,
+the minimum); the price is that a row's TMA destination is then 16-byte aligned, not 128-byte
+aligned, and whether the hardware's tensor copies accept that is for the GPU to show (the
+probe runs it last). The default is the unpadded, conventionally aligned layout.
+
 Rows of a step past the item's end gather whatever page numbers lie there (another request's,
 or page 0): wasted bytes, at most 63 rows an item, never stored.
 
@@ -120,6 +130,7 @@ MAX_PAGES_PER_ITEM = 256  # one TMA box of page numbers: at most 256 elements a 
 MAX_GROUP = 256  # the group's query rows are one TMA box too
 SUPPORTED_HEAD_DIMS = (64, 128, 256)  # D float32 per row: a multiple of 8 columns, <= 256
 MAX_SHARED_MEMORY_BYTES = 227 * 1024  # a Hopper block's dynamic shared memory
+ROW_PADDINGS = (0, 8)  # float32 columns after each tile row (module docstring)
 
 
 def quest_scores_kernel(
@@ -136,6 +147,7 @@ def quest_scores_kernel(
     per_query_head: bool,
     pages_per_item: int,
     num_stages: int,
+    row_padding: int,
 ):
     work = lax.axis_index("work")
     kv_head = lax.axis_index("kv_head")
@@ -168,7 +180,7 @@ def quest_scores_kernel(
                 for bounds_ref, tiles in ((kmin_ref, kmin_tiles), (kmax_ref, kmax_tiles)):
                     plgpu.copy_gmem_to_smem(
                         bounds_ref.at[pl.ds(page, 1), kv_head],
-                        tiles.at[slot, pl.ds(row, 1)],
+                        tiles.at[slot, pl.ds(row, 1), pl.ds(0, head_dim)],
                         tile_barriers.at[slot],
                     )
                 return carry
@@ -184,8 +196,9 @@ def quest_scores_kernel(
         def step_body(step, carry):
             slot = lax.rem(step, num_stages)
             plgpu.barrier_wait(tile_barriers.at[slot])
-            kmin = plgpu.load(kmin_tiles.at[slot], layout=tile_layout, optimized=False)
-            kmax = plgpu.load(kmax_tiles.at[slot], layout=tile_layout, optimized=False)
+            tile = (slot, slice(None), pl.ds(0, head_dim))  # the padding columns left out
+            kmin = plgpu.load(kmin_tiles.at[tile], layout=tile_layout, optimized=False)
+            kmax = plgpu.load(kmax_tiles.at[tile], layout=tile_layout, optimized=False)
             # A page no key was written to has kmin = +inf > kmax = -inf: its largest logit is
             # the maximum over no keys, -inf (the sum below would give +inf or NaN).
             empty = jnp.where(kmin > kmax, 1.0, 0.0).max(axis=1) > 0.0
@@ -215,8 +228,8 @@ def quest_scores_kernel(
         scoped,
         plgpu.SMEM((pages_per_item,), jnp.int32),
         plgpu.SMEM((group_size, head_dim), jnp.float32),
-        plgpu.SMEM((num_stages, TILE_PAGES, head_dim), jnp.float32),
-        plgpu.SMEM((num_stages, TILE_PAGES, head_dim), jnp.float32),
+        plgpu.SMEM((num_stages, TILE_PAGES, head_dim + row_padding), jnp.float32),
+        plgpu.SMEM((num_stages, TILE_PAGES, head_dim + row_padding), jnp.float32),
         plgpu.Barrier(num_arrivals=2),
         plgpu.Barrier(num_arrivals=2 * TILE_PAGES, num_barriers=num_stages),
     )
@@ -268,6 +281,7 @@ def quest_page_scores_pallas(
     per: str = "kv_head",
     pages_per_item: int = MAX_PAGES_PER_ITEM,
     num_stages: int = 2,
+    row_padding: int = 0,
     interpret: bool | plgpu.InterpretGPUParams = False,
 ) -> jax.Array:
     """``paged.sparse_quest.quest_page_scores`` computed by the Mosaic GPU kernel.
@@ -282,6 +296,8 @@ def quest_page_scores_pallas(
       pages_per_item: entries of one request's page list a program scores (a multiple of 64,
         at most 256; static).
       num_stages: 64-page steps of bound rows in flight a program (static, >= 1).
+      row_padding: float32 columns of padding after each row of the shared-memory tiles: 0 or
+        8 (static; module docstring, "Shared-memory banks").
       interpret: run in Mosaic GPU's interpret mode (CPU); a ``plgpu.InterpretGPUParams`` sets
         the interpreter's options.
 
@@ -310,7 +326,7 @@ def quest_page_scores_pallas(
     num_pages, num_kv_heads, head_dim = bounds.kmin.shape
     _check_query(q, num_kv_heads, head_dim)
     _check_table_fits(page_table, num_pages, page_table.page_size, batch_size=q.shape[0])
-    validate_quest_scores_arguments(q, bounds, pages_per_item, num_stages)
+    validate_quest_scores_arguments(q, bounds, pages_per_item, num_stages, row_padding)
     return _quest_page_scores(
         q,
         bounds.kmin,
@@ -321,11 +337,12 @@ def quest_page_scores_pallas(
         per=per,
         pages_per_item=pages_per_item,
         num_stages=num_stages,
+        row_padding=row_padding,
         interpret=interpret,
     )
 
 
-def validate_quest_scores_arguments(q, bounds, pages_per_item, num_stages) -> None:
+def validate_quest_scores_arguments(q, bounds, pages_per_item, num_stages, row_padding=0) -> None:
     """Raises ValueError for what the kernel cannot run (beyond the reference's checks)."""
     for name, dtype in (("q", q.dtype), ("bounds.kmin", bounds.kmin.dtype)):
         if not jnp.issubdtype(dtype, jnp.floating) or jnp.dtype(dtype).itemsize > 4:
@@ -359,7 +376,9 @@ def validate_quest_scores_arguments(q, bounds, pages_per_item, num_stages) -> No
         )
     if not isinstance(num_stages, int) or num_stages < 1:
         raise ValueError(f"num_stages must be an int >= 1, got {num_stages!r}")
-    shared = shared_memory_bytes(head_dim, group_size, pages_per_item, num_stages)
+    if row_padding not in ROW_PADDINGS:
+        raise ValueError(f"row_padding must be one of {ROW_PADDINGS}, got {row_padding!r}")
+    shared = shared_memory_bytes(head_dim, group_size, pages_per_item, num_stages, row_padding)
     if shared > MAX_SHARED_MEMORY_BYTES:
         raise ValueError(
             f"num_stages={num_stages} at head_dim={head_dim} (group {group_size}) needs "
@@ -368,7 +387,7 @@ def validate_quest_scores_arguments(q, bounds, pages_per_item, num_stages) -> No
         )
 
 
-def shared_memory_bytes(head_dim, group_size, pages_per_item, num_stages) -> int:
+def shared_memory_bytes(head_dim, group_size, pages_per_item, num_stages, row_padding=0) -> int:
     """A program's shared memory: the kmin and kmax tiles of every stage, the group's query
     rows, the page numbers, and the barriers (8 bytes each).
 
@@ -376,7 +395,7 @@ def shared_memory_bytes(head_dim, group_size, pages_per_item, num_stages) -> int
       >>> shared_memory_bytes(128, 4, 256, 2)  # 2 x 2 x 64 x 128 x 4 + 4 x 128 x 4 + 1024 + 24
       134168
     """
-    tiles = 2 * num_stages * TILE_PAGES * head_dim * 4
+    tiles = 2 * num_stages * TILE_PAGES * (head_dim + row_padding) * 4
     return tiles + group_size * head_dim * 4 + pages_per_item * 4 + 8 * (1 + num_stages)
 
 
@@ -387,7 +406,9 @@ def _interpret_params(interpret):
 
 
 @runs_in_32_bits_also_interpreted
-@functools.partial(jax.jit, static_argnames=("per", "pages_per_item", "num_stages", "interpret"))
+@functools.partial(
+    jax.jit, static_argnames=("per", "pages_per_item", "num_stages", "row_padding", "interpret")
+)
 def _quest_page_scores(
     q,
     kmin,
@@ -399,6 +420,7 @@ def _quest_page_scores(
     per,
     pages_per_item,
     num_stages,
+    row_padding,
     interpret,
 ):
     batch, num_q_heads, head_dim = q.shape
@@ -421,6 +443,7 @@ def _quest_page_scores(
         per_query_head=per_query_head,
         pages_per_item=pages_per_item,
         num_stages=num_stages,
+        row_padding=row_padding,
     )
     item_scores = plgpu.kernel(
         kernel,
@@ -429,7 +452,7 @@ def _quest_page_scores(
         grid=(num_kv_heads, num_items),
         grid_names=("kv_head", "work"),
         interpret=_interpret_params(interpret),
-        kernel_name=f"quest_scores_{per}_i{pages_per_item}_s{num_stages}",
+        kernel_name=f"quest_scores_{per}_i{pages_per_item}_s{num_stages}_r{row_padding}",
     )(
         work_request,
         work_start,

@@ -81,19 +81,19 @@ def scattered_table(rng, lengths, num_pages, page_size):
     return PageTable.from_page_lists(page_lists, seq_lens=lengths, page_size=page_size)
 
 
-# (group, head_dim, per, pages_per_item, num_stages): groups 1 and 4, head_dim 64 and 128, both
-# granularities; items of one and of several 64-page steps, steps prefetched all at once
-# (stages >= steps) and refilled inside the loop (stages < steps).
+# (group, head_dim, per, pages_per_item, num_stages, row_padding): groups 1 and 4, head_dim 64
+# and 128, both granularities; items of one and of several 64-page steps, steps prefetched all
+# at once (stages >= steps) and refilled inside the loop (stages < steps); padded tile rows.
 CONFIGS = [
-    (1, 64, "kv_head", 64, 1),
-    (1, 128, "query_head", 128, 2),
-    (4, 64, "query_head", 192, 2),
-    (4, 128, "kv_head", 128, 1),
+    (1, 64, "kv_head", 64, 1, 0),
+    (1, 128, "query_head", 128, 2, 8),
+    (4, 64, "query_head", 192, 2, 0),
+    (4, 128, "kv_head", 128, 1, 8),
 ]
 
 
-@pytest.mark.parametrize("group, head_dim, per, pages_per_item, num_stages", CONFIGS)
-def test_scores_match_the_reference(group, head_dim, per, pages_per_item, num_stages):
+@pytest.mark.parametrize("group, head_dim, per, pages_per_item, num_stages, row_padding", CONFIGS)
+def test_scores_match_the_reference(group, head_dim, per, pages_per_item, num_stages, row_padding):
     rng = np.random.default_rng(group * 1000 + head_dim)
     page_size, num_kv_heads, num_pages = 4, 2, 200
     # Ragged: one token, empty, a page plus one, a request of 133 pages (items of several steps
@@ -113,6 +113,7 @@ def test_scores_match_the_reference(group, head_dim, per, pages_per_item, num_st
         per=per,
         pages_per_item=pages_per_item,
         num_stages=num_stages,
+        row_padding=row_padding,
         interpret=not ON_GPU,
     )
     check_matches_reference(scores, q, bounds, table, per)
@@ -169,6 +170,7 @@ def small_case():
         (dict(pages_per_item=100), "pages_per_item must be a multiple of 64 up to 256, got 100"),
         (dict(pages_per_item=512), "got 512"),
         (dict(num_stages=0), "num_stages must be an int >= 1, got 0"),
+        (dict(row_padding=4), "row_padding must be one of \\(0, 8\\), got 4"),
         (dict(num_stages=8), "num_stages=8 at head_dim=64 \\(group 2\\) needs 263752 bytes"),
     ],
 )
@@ -192,7 +194,13 @@ def test_bad_input_names_argument_and_value(change, message):
         indices = np.asarray(table.page_indices).copy()
         indices[1] = 99
         table = PageTable(table.page_indptr, jnp.asarray(indices), table.last_page_len, 4)
-    kwargs.update({k: v for k, v in change.items() if k in ("per", "pages_per_item", "num_stages")})
+    kwargs.update(
+        {
+            k: v
+            for k, v in change.items()
+            if k in ("per", "pages_per_item", "num_stages", "row_padding")
+        }
+    )
     with pytest.raises(ValueError, match=message):
         quest_page_scores_pallas(q, bounds, table, **kwargs)
 
@@ -213,15 +221,15 @@ def test_decode_shape_compiled(per):
     check_matches_reference(scores, q, bounds, table, per)
 
 
-@pytest.mark.parametrize("per", ["kv_head", "query_head"])
-def test_lowers_for_cuda_on_any_machine(per):
+@pytest.mark.parametrize("per, row_padding", [("kv_head", 0), ("query_head", 8)])
+def test_lowers_for_cuda_on_any_machine(per, row_padding):
     """The compiled path's Mosaic GPU lowering (register layouts, TMA descriptors, layout
     inference) runs without a GPU: a layout the compiler cannot build fails here, on a CPU."""
     q, bounds, table = small_case()
     lowered = (
         jax.jit(
             lambda q, bounds, table: quest_page_scores_pallas(
-                q, bounds, table, per=per, pages_per_item=128, num_stages=2
+                q, bounds, table, per=per, pages_per_item=128, num_stages=2, row_padding=row_padding
             )
         )
         .trace(q, bounds, table)
