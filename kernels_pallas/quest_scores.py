@@ -49,7 +49,9 @@ One program, one warpgroup:
   layout, whose row reductions are cheap warp shuffles): the page rows ``kmin[page, k, :]`` and
   ``kmax[page, k, :]`` of 64 pages are gathered, one 1 x ``D`` TMA copy each, into a
   ``[64, D]`` shared-memory tile; ``num_stages`` steps are in flight (double buffering by
-  default). Page numbers are cut to the pool (one unsigned minimum), so a bad table reads a
+  default). A slot is refilled right after its step is computed, behind a ``commit_smem`` (a
+  warpgroup barrier and an async-proxy fence: the warps' reads of the slot come before the
+  copies that overwrite it; the interpreter's race detector finds the race without it). Page numbers are cut to the pool (one unsigned minimum), so a bad table reads a
   wrong page, never outside ``kmin``/``kmax``.
 - Compute of a step, for each query head ``g`` of the group: the query row broadcast down the
   tile, ``max(q * kmin, q * kmax)`` element-wise, summed along ``D``: 64 scores. A row whose
@@ -218,6 +220,10 @@ def quest_scores_kernel(
 
             @pl.when(step + num_stages < num_steps)
             def _():
+                # The refill overwrites the slot every warp just read. Nothing above syncs the
+                # warps (each reduces its own rows), and one thread issues the copies, so wait
+                # for all of them and order their reads before the TMA writes.
+                plgpu.commit_smem()
                 gather_step(step + num_stages, slot)
 
             return carry

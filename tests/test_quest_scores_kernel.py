@@ -263,3 +263,29 @@ def test_page_numbers_past_the_pool_read_its_last_page_under_jit():
     np.testing.assert_array_equal(np.isneginf(scores), np.isneginf(reference))
     error = np.abs(np.asarray(scores)[finite] - np.asarray(reference)[finite])
     assert np.all(error <= score_tolerance(q, bounds, table, "kv_head")[finite])
+
+
+@pytest.mark.skipif(ON_GPU, reason="the interpreter's race detector runs on the CPU")
+def test_interpreter_race_detector_finds_no_race():
+    """Mosaic GPU's interpreter with its happens-before race detector, on an item of three
+    64-page steps through one stage, so every refill overwrites the slot just read. (It does
+    find one without the ``commit_smem`` before a refill: the refill's copies race the reads of
+    the step before.)"""
+    # Private JAX module: if a JAX version moves it, the test skips rather than fails.
+    gpu_callbacks = pytest.importorskip("jax._src.pallas.mosaic_gpu.interpret.gpu_callbacks")
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    rng = np.random.default_rng(0)
+    table = scattered_table(rng, [4 * 130], num_pages=140, page_size=4)
+    bounds = random_bounds(rng, 140, 1, 64)
+    q = jnp.asarray(rng.standard_normal((1, 1, 64)), jnp.float32)
+    scores = quest_page_scores_pallas(
+        q,
+        bounds,
+        table,
+        pages_per_item=192,
+        num_stages=1,
+        interpret=plgpu.InterpretGPUParams(detect_races=True),
+    )
+    check_matches_reference(scores, q, bounds, table, "kv_head")
+    assert not gpu_callbacks.get_races().races_found
