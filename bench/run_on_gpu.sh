@@ -12,7 +12,7 @@
 # (merge a suite's parts into one report with python -m bench.harness.merge_reports)
 # Issue 18 (the engine's step, version 2): serving-batch, serving-single, serving-load-a and -b,
 # engine-overlap, engine-dispatch (where a step's host time goes); one device command each.
-# Issues 19 and 21: sparse-tests, tune-decode, check-decode.
+# Issues 19 and 21: sparse-tests, quest-scores, tune-decode, check-decode.
 # The stage names are unchanged since bench/ was split into harness/, suites/, tuning/, probes/
 # and memcheck/; only the modules they run moved (prefill is now `python -m bench prefill`).
 # Each stage has its own timeout, but a chain of stages can outlast one device command (600 s):
@@ -139,6 +139,11 @@ for stage in "$@"; do
     sparse-tests)  # issue 19: the decode kernel on head-split and one-token-page tables (GPU tests)
       timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_sparse_decode.py -k pallas -rs \
         2>&1 | tee "$out/gpu_sparse_tests.log" | tail -n 4 ;;
+    quest-scores)  # issue 19: the Quest scoring kernel compiled (tests), then checked and timed
+      timeout 250 python3 -m pytest -q -p no:cacheprovider tests/test_quest_scores_kernel.py 2>&1 \
+        | tee "$out/gpu_quest_tests.log" | tail -n 3
+      timeout 250 python3 -m bench.probes.quest_scores --batches 1,8 --context 32768 2>&1 \
+        | tee "$out/quest_scores_probe.log" | tail -n 12 ;;
     tune-decode)  # issue 21: python -m bench tune paged_decode, four buckets (about 4 min)
       timeout 560 python3 -m bench tune paged_decode --out "$out/tuned" 2>&1 \
         | tee "$out/tune_decode.log" | tail -n 20 ;;
