@@ -523,7 +523,13 @@ def test_sampling_dry_run_times_every_decodelab_arm_beside_the_peers(tmp_path):
             row = rows[(f"gumbel B={batch}", arm)]
             assert row["attribution"].endswith(":interpret")
             assert row["same_tokens_as_reference"] == 1.0
-        for method in sampling_suite.FILTERED_METHODS:
+        dry_run_methods = [
+            method
+            for method in sampling_suite.FILTERED_METHODS
+            if method.name in sampling_suite.DRY_RUN_KINDS
+        ]
+        assert {case.split()[0] for case, _ in rows} == set(sampling_suite.DRY_RUN_KINDS)
+        for method in dry_run_methods:
             case = f"{method.name} B={batch}"
             assert (case, "decodelab (repeat)") in rows
             for arm in ("decodelab_reference", "decodelab", "decodelab_kernel"):
