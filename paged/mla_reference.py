@@ -36,7 +36,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels_pallas.platform import is_concrete
 from paged.attention_reference import (
     _compute_dtype,
     attention_over_visible_keys,
@@ -46,7 +45,7 @@ from paged.attention_reference import (
 )
 from paged.kv_cache import KVCache
 from paged.mla_cache import LatentCache, validate_latent_cache
-from paged.page_table import PageTable, validate_page_table
+from paged.page_table import PageTable, check_holds_new_tokens, validate_page_table
 from paged.prefill import new_token_positions
 
 
@@ -96,15 +95,10 @@ def _check_cache_and_table(cache: LatentCache, page_table: PageTable, batch: int
             f"page_size={cache.page_size}"
         )
     validate_page_table(page_table, cache.num_pages, batch_size=batch)
-    if q_len > 1 and is_concrete(page_table.page_indptr, page_table.last_page_len):
-        seq_lens = np.asarray(page_table.seq_lens())
-        short = (seq_lens > 0) & (seq_lens < q_len)
-        if np.any(short):
-            b = int(np.argmax(short))
-            raise ValueError(
-                f"request {b} has seq_len {seq_lens[b]} in page_table, fewer than the q_len="
-                f"{q_len} new tokens (whose latents must already be in the cache)"
-            )
+    # Idle (empty) rows may stand beside requests; the latents of the new tokens must be cached.
+    check_holds_new_tokens(
+        page_table, q_len, f"q_len={q_len} new tokens (their latents)", allow_empty=True
+    )
 
 
 def _check_projections(w_uk: jax.Array, w_uv: jax.Array, kv_lora_rank: int) -> None:

@@ -502,7 +502,7 @@ BAD_MLA_INPUTS = [
             q_nope=jnp.zeros((2, 4, NUM_HEADS, QK_NOPE_HEAD_DIM)),
             q_rope=jnp.zeros((2, 4, NUM_HEADS, QK_ROPE_HEAD_DIM)),
         ),
-        "request 1 has seq_len 3 in page_table, fewer than the q_len=4 new tokens",
+        "request 1 has 3 tokens, fewer than the q_len=4 new tokens",
     ),
     (
         "q_five_axes",
