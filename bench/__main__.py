@@ -31,8 +31,8 @@ import os
 import pathlib
 import shlex
 import sys
-import tempfile
 
+from bench.harness.destinations import output_directory
 from bench.suites import SUITES
 
 NO_GPU_MESSAGE = (
@@ -150,16 +150,6 @@ def _prepare_jax_platform(dry_run: bool) -> None:
         os.environ["JAX_PLATFORMS"] = "cpu"
 
 
-def _report_directory(out: pathlib.Path | None, dry_run: bool) -> pathlib.Path:
-    if not dry_run:
-        return out or REPORTS_DIRECTORY
-    if out is None:
-        return pathlib.Path(tempfile.mkdtemp(prefix="bench-dry-run-"))
-    if out.resolve() == REPORTS_DIRECTORY.resolve():
-        raise SystemExit(f"a dry run never writes to {REPORTS_DIRECTORY}; pick another --out")
-    return out
-
-
 def main(argv: list[str] | None = None) -> int:
     """Runs ``python -m bench`` with ``argv`` (default ``sys.argv[1:]``); returns the exit
     status."""
@@ -183,7 +173,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     else:
         device = jax.devices()[0]
-    out_dir = _report_directory(arguments.out, arguments.dry_run)
+    out_dir = output_directory(
+        arguments.out, arguments.dry_run, REPORTS_DIRECTORY, "bench-dry-run-"
+    )
     repeats = DRY_RUN_REPEATS if arguments.dry_run else harness.DEFAULT_REPEATS
     options = harness.RunOptions(
         quick=arguments.quick,

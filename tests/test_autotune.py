@@ -20,6 +20,7 @@ import statistics
 
 import pytest
 
+from bench.tuning import autotune
 from bench.tuning.autotune import Candidate, Decision, required_wins, select
 
 NOISE = 0.03
@@ -195,3 +196,25 @@ def test_bad_arguments_are_rejected():
         select(CANDIDATES, DEFAULT, lambda candidate: -1.0)
     with pytest.raises(ValueError, match="default launch default failed"):
         select(CANDIDATES, DEFAULT, lambda c: 1 / 0 if c.name == "default" else 1.0)
+
+
+def test_ranked_candidates_put_the_simplest_first_and_name_the_default_once():
+    """The default is a candidate once even when the sweep repeats it, ranks follow
+    ``simplicity`` (the tie-breaker within noise), and the default keeps its own rank."""
+    default = {"warps": 4}
+    sweep = [{"warps": 8}, {"warps": 4}, {"warps": 2}, {"warps": 8}]
+    ranked, chosen = autotune.ranked_candidates(
+        default, sweep, lambda p: f"w{p['warps']}", lambda p: p["warps"]
+    )
+    assert [(c.name, c.simplicity) for c in ranked] == [("w2", 0), ("w4", 1), ("w8", 2)]
+    assert chosen == ranked[1] and chosen.parameters == default
+
+
+def test_keyword_defaults_read_the_signature():
+    def kernel(x, *, block=512, num_warps=4, other=None):
+        return x
+
+    assert autotune.keyword_defaults(kernel, ("block", "num_warps")) == {
+        "block": 512,
+        "num_warps": 4,
+    }

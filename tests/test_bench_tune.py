@@ -121,4 +121,4 @@ def test_command_line_refusals(tmp_path, capsys):
         bench_main(["tune", "no_such_kernel"])
     assert not list(tmp_path.iterdir())
     with pytest.raises(SystemExit, match="never writes to"):
-        tune._table_directory(TUNED_DIRECTORY, dry_run=True)
+        bench_main(["tune", "paged_decode", "--dry-run", "--out", str(TUNED_DIRECTORY)])

@@ -46,9 +46,10 @@ leaves the default (the simplest choice: no table entry changes behaviour).
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 DEFAULT_STAGE1_SAMPLES = 5
@@ -71,6 +72,32 @@ class Candidate:
     name: str
     parameters: dict[str, int]
     simplicity: int = 0
+
+
+def ranked_candidates(
+    default_parameters: dict[str, int],
+    others: Iterable[dict[str, int]],
+    name: Callable[[dict[str, int]], str],
+    simplicity: Callable[[dict[str, int]], Any],
+) -> tuple[list[Candidate], Candidate]:
+    """Every distinct launch among ``default_parameters`` and ``others`` as a ``Candidate``,
+    simplest first (sorted by ``simplicity``, whose order is the candidates' ``simplicity`` rank,
+    the tie-breaker within noise), and the default's own ``Candidate``. Every target builds its
+    candidates this way, so their ranks mean the same thing."""
+    launches: list[dict[str, int]] = []
+    for parameters in sorted([default_parameters, *others], key=simplicity):
+        if parameters not in launches:
+            launches.append(parameters)
+    ranked = [Candidate(name(p), dict(p), rank) for rank, p in enumerate(launches)]
+    default = next(c for c in ranked if c.parameters == default_parameters)
+    return ranked, default
+
+
+def keyword_defaults(function: Callable[..., Any], names: Iterable[str]) -> dict[str, int]:
+    """The defaults of ``function``'s keyword arguments ``names``: the launch a kernel whose
+    launch parameters are keyword arguments uses when none is given."""
+    signature = inspect.signature(function)
+    return {name: signature.parameters[name].default for name in names}
 
 
 @dataclasses.dataclass(frozen=True)

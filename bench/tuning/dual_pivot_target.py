@@ -30,13 +30,12 @@ own; bump it with any change to the kernel that moves its speed.
 from __future__ import annotations
 
 import contextlib
-import inspect
 from collections.abc import Iterator
 
 from bench.harness import RunOptions, SetsInTurnLoop, expected_us
 from bench.suites import peers
 from bench.suites import sampling as sampling_suite
-from bench.tuning.autotune import Candidate
+from bench.tuning.autotune import Candidate, keyword_defaults, ranked_candidates
 from bench.tuning.paged_decode_target import BucketSession
 from kernels_pallas.dual_pivot import dual_pivot_sample
 from sampling import api
@@ -66,8 +65,7 @@ EXPECTED_TBPS = 1.0  # a prior for sizing the first timed program: several passe
 
 def default_launch() -> dict[str, int]:
     """The launch ``dual_pivot_sample`` uses when none is given (its keyword defaults)."""
-    signature = inspect.signature(dual_pivot_sample)
-    return {name: signature.parameters[name].default for name in PARAMETERS}
+    return keyword_defaults(dual_pivot_sample, PARAMETERS)
 
 
 def launch_name(parameters: dict[str, int]) -> str:
@@ -102,12 +100,7 @@ def bucket_session(bucket: dict[str, int], options: RunOptions) -> Iterator[Buck
     try:
         default_parameters = default_launch()
         launches = [DRY_RUN_OTHER] if options.dry_run else SWEEP
-        launches = sorted(
-            [default_parameters, *(p for p in launches if p != default_parameters)],
-            key=simplicity,
-        )
-        ranked = [Candidate(launch_name(p), dict(p), rank) for rank, p in enumerate(launches)]
-        default = next(c for c in ranked if c.parameters == default_parameters)
+        ranked, default = ranked_candidates(default_parameters, launches, launch_name, simplicity)
         top_k, top_p, min_p, order = METHOD.kernel_parameters(batch, vocab)
 
         def loop_for(candidate: Candidate) -> SetsInTurnLoop:

@@ -37,7 +37,7 @@ from jax.experimental import pallas as pl
 from bench.harness import RunOptions, SetsInTurnLoop, expected_us
 from bench.suites import peers
 from bench.suites import sampling as sampling_suite
-from bench.tuning.autotune import Candidate
+from bench.tuning.autotune import Candidate, ranked_candidates
 from bench.tuning.paged_decode_target import BucketSession
 from kernels_pallas.gumbel import default_launch, gumbel_sample
 from sampling import api
@@ -118,12 +118,7 @@ def bucket_session(bucket: dict[str, int], options: RunOptions) -> Iterator[Buck
     try:
         default_parameters = default_launch(batch, vocab)
         launches = [DRY_RUN_OTHER] if options.dry_run else sweep(batch, vocab)
-        launches = sorted(
-            [default_parameters, *(p for p in launches if p != default_parameters)],
-            key=simplicity,
-        )
-        ranked = [Candidate(launch_name(p), dict(p), rank) for rank, p in enumerate(launches)]
-        default = next(c for c in ranked if c.parameters == default_parameters)
+        ranked, default = ranked_candidates(default_parameters, launches, launch_name, simplicity)
         temperature = jnp.full((batch,), sampling_suite.TEMPERATURE, jnp.float32)
 
         def loop_for(candidate: Candidate) -> SetsInTurnLoop:

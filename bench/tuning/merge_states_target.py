@@ -27,7 +27,6 @@ own; bump it with any change to the kernel that moves its speed.
 from __future__ import annotations
 
 import contextlib
-import inspect
 from collections.abc import Iterator
 
 import jax
@@ -37,7 +36,7 @@ import numpy as np
 import paged
 from bench.harness import RunOptions, TimedLoop, expected_us
 from bench.harness.attention_inputs import ATTENTION_GRID, DRY_RUN_SHAPE, STANDARD_SHAPE
-from bench.tuning.autotune import Candidate
+from bench.tuning.autotune import Candidate, keyword_defaults, ranked_candidates
 from bench.tuning.paged_decode_target import BucketSession
 from kernels_pallas.merge_states import merge_partial_states
 from kernels_pallas.tuning_tables import next_power_of_two
@@ -57,8 +56,7 @@ EXPECTED_TBPS = 0.5
 
 def default_launch() -> dict[str, int]:
     """The launch ``merge_partial_states`` uses when none is given (its keyword defaults)."""
-    signature = inspect.signature(merge_partial_states)
-    return {name: signature.parameters[name].default for name in PARAMETERS}
+    return keyword_defaults(merge_partial_states, PARAMETERS)
 
 
 def launch_name(parameters: dict[str, int]) -> str:
@@ -139,11 +137,7 @@ def bucket_session(bucket: dict[str, int], options: RunOptions) -> Iterator[Buck
     try:
         default_parameters = default_launch()
         sweep = DRY_RUN_SWEEP if options.dry_run else SWEEP
-        launches = sorted(
-            [default_parameters, *(p for p in sweep if p != default_parameters)], key=simplicity
-        )
-        ranked = [Candidate(launch_name(p), dict(p), rank) for rank, p in enumerate(launches)]
-        default = next(c for c in ranked if c.parameters == default_parameters)
+        ranked, default = ranked_candidates(default_parameters, sweep, launch_name, simplicity)
         dims = {
             "head_dim": head_dim,
             "partial_rows": partial_rows,

@@ -29,7 +29,7 @@ from collections.abc import Iterator
 
 from bench.harness import RunOptions, expected_us
 from bench.suites import fused_ops
-from bench.tuning.autotune import Candidate
+from bench.tuning.autotune import Candidate, ranked_candidates
 from bench.tuning.paged_decode_target import BucketSession
 from kernels_pallas import norm
 
@@ -86,10 +86,9 @@ def bucket_session(bucket: dict[str, int], options: RunOptions) -> Iterator[Buck
     try:
         default_parameters = default_launch(tokens, hidden)
         warps = (default_parameters["num_warps"] * 2,) if options.dry_run else WARPS
-        launches = sorted([default_parameters, *({"num_warps": w} for w in warps)], key=simplicity)
-        launches = [p for i, p in enumerate(launches) if p not in launches[:i]]
-        ranked = [Candidate(launch_name(p), dict(p), rank) for rank, p in enumerate(launches)]
-        default = next(c for c in ranked if c.parameters == default_parameters)
+        ranked, default = ranked_candidates(
+            default_parameters, [{"num_warps": w} for w in warps], launch_name, simplicity
+        )
 
         def loop_for(candidate: Candidate) -> fused_ops.ChainedCallsLoop:
             def call(set_index, set_operands, weight, state):

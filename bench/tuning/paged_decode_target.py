@@ -34,7 +34,7 @@ from bench.harness.attention_inputs import (
     make_attention_setup,
 )
 from bench.suites import decode as decode_suite
-from bench.tuning.autotune import Candidate
+from bench.tuning.autotune import Candidate, ranked_candidates
 from kernels_pallas import paged_decode_tuning
 from paged.decode import decode_launch_parameters
 
@@ -108,11 +108,7 @@ def bucket_session(bucket: dict[str, int], options: RunOptions) -> Iterator[Buck
             if options.dry_run
             else decode_suite.TUNE_KERNEL_CANDIDATES
         )
-        launches = sorted(
-            [default_parameters, *(p for p in sweep if p != default_parameters)], key=simplicity
-        )
-        ranked = [Candidate(launch_name(p), dict(p), rank) for rank, p in enumerate(launches)]
-        default = next(c for c in ranked if c.parameters == default_parameters)
+        ranked, default = ranked_candidates(default_parameters, sweep, launch_name, simplicity)
         group_size = setup.num_q_heads // setup.num_kv_heads
         dims = {
             "head_dim": setup.head_dim,

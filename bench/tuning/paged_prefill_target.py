@@ -36,7 +36,7 @@ import jax.numpy as jnp
 
 from bench.harness import RunOptions, TimedLoop
 from bench.suites import prefill as prefill_suite
-from bench.tuning.autotune import Candidate
+from bench.tuning.autotune import Candidate, ranked_candidates
 from bench.tuning.paged_decode_target import BucketSession
 from kernels_pallas.paged_prefill import launch_parameters, prefill_flops
 from kernels_pallas.tuning_tables import next_power_of_two
@@ -96,11 +96,7 @@ def bucket_session(bucket: dict[str, int], options: RunOptions) -> Iterator[Buck
     try:
         default_parameters = launch_parameters(shape["head_dim"], group_size, shape["page_size"])
         sweep = [DRY_RUN_OTHER] if options.dry_run else prefill_suite.SWEEP
-        launches = sorted(
-            [default_parameters, *(p for p in sweep if p != default_parameters)], key=simplicity
-        )
-        ranked = [Candidate(launch_name(p), dict(p), rank) for rank, p in enumerate(launches)]
-        default = next(c for c in ranked if c.parameters == default_parameters)
+        ranked, default = ranked_candidates(default_parameters, sweep, launch_name, simplicity)
         flops = prefill_flops([context], chunk, shape["num_q_heads"], shape["head_dim"])
 
         def loop_for(candidate: Candidate) -> TimedLoop:

@@ -24,12 +24,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import inspect
 from collections.abc import Iterator
 
 from bench.harness import RunOptions, expected_us
 from bench.suites import fused_ops
-from bench.tuning.autotune import Candidate
+from bench.tuning.autotune import Candidate, keyword_defaults, ranked_candidates
 from bench.tuning.paged_decode_target import BucketSession
 from kernels_pallas.rope_append import rope_append
 from paged.rope import inverse_frequencies
@@ -46,8 +45,7 @@ DRY_RUN_BUCKETS = ({"tokens": fused_ops.DRY_RUN_ROPE_SHAPE.batch},)
 
 def default_launch() -> dict[str, int]:
     """The launch ``rope_append`` uses when none is given (its keyword default)."""
-    signature = inspect.signature(rope_append)
-    return {name: signature.parameters[name].default for name in PARAMETERS}
+    return keyword_defaults(rope_append, PARAMETERS)
 
 
 def launch_name(parameters: dict[str, int]) -> str:
@@ -81,10 +79,9 @@ def bucket_session(bucket: dict[str, int], options: RunOptions) -> Iterator[Buck
     try:
         default_parameters = default_launch()
         warps = (default_parameters["num_warps"] // 2,) if options.dry_run else WARPS
-        launches = sorted([default_parameters, *({"num_warps": w} for w in warps)], key=simplicity)
-        launches = [p for i, p in enumerate(launches) if p not in launches[:i]]
-        ranked = [Candidate(launch_name(p), dict(p), rank) for rank, p in enumerate(launches)]
-        default = next(c for c in ranked if c.parameters == default_parameters)
+        ranked, default = ranked_candidates(
+            default_parameters, [{"num_warps": w} for w in warps], launch_name, simplicity
+        )
 
         def loop_for(candidate: Candidate) -> fused_ops.ChainedCallsLoop:
             def call(set_index, set_operands, shared, state):

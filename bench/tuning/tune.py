@@ -37,10 +37,10 @@ import os
 import pathlib
 import shlex
 import sys
-import tempfile
 from collections.abc import Callable
 from typing import Any
 
+from bench.harness.destinations import output_directory
 from bench.tuning.autotune import (
     DEFAULT_ALPHA,
     DEFAULT_ROUNDS,
@@ -242,18 +242,6 @@ def write_table(table: dict[str, Any], directory: pathlib.Path) -> pathlib.Path:
     return path
 
 
-def _table_directory(out: pathlib.Path | None, dry_run: bool) -> pathlib.Path:
-    from kernels_pallas.tuning_tables import TUNED_DIRECTORY
-
-    if not dry_run:
-        return out or TUNED_DIRECTORY
-    if out is None:
-        return pathlib.Path(tempfile.mkdtemp(prefix="bench-tune-dry-run-"))
-    if out.resolve() == TUNED_DIRECTORY.resolve():
-        raise SystemExit(f"a dry run never writes to {TUNED_DIRECTORY}; pick another --out")
-    return out
-
-
 def _check_selection(selection: dict[str, Any]) -> None:
     """Raises ``ValueError`` for selection arguments ``select`` would refuse, before any bucket
     is set up and compiled."""
@@ -295,7 +283,11 @@ def main(argv: list[str] | None = None, measure_for=None) -> int:
             file=sys.stderr,
         )
         return 2
-    directory = _table_directory(arguments.out, arguments.dry_run)
+    from kernels_pallas.tuning_tables import TUNED_DIRECTORY
+
+    directory = output_directory(
+        arguments.out, arguments.dry_run, TUNED_DIRECTORY, "bench-tune-dry-run-"
+    )
     options = RunOptions(dry_run=arguments.dry_run)
     command = shlex.join(["python", "-m", "bench", "tune", *argv])
     print(f"tune {arguments.kernel} on {device.device_kind}: {command}", flush=True)
