@@ -96,7 +96,6 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from kernels_pallas.merge_states import merge_partial_states
 from kernels_pallas.online_softmax import LN_2, LOG2_E, MASKED_LOGIT
 from kernels_pallas.paged_decode import unsigned_min
-from kernels_pallas.x64 import runs_in_32_bits
 
 TILE_ROWS = 64  # a WGMMA tile's rows: one warpgroup
 BLOCK_TOKENS = 64  # cached tokens a step: p @ latent contracts over them (128-byte swizzle)
@@ -722,8 +721,8 @@ def plan_mla_decode(page_table, num_heads: int, q_len: int = 1, *, fixed_split_p
     (``ceil(q_len x H / 64)`` programs a work item, one program an SM: its ~219 KiB of shared
     memory) and chunks of at least 256 tokens (4 steps), so a split pays its merge only where
     the batch leaves SMs idle."""
-    from paged.plan import plan_decode  # the wrapper's one upward import (see mla_decode_mgpu)
     from kernels_pallas.paged_decode_tuning import num_sms
+    from paged.plan import plan_decode  # the wrapper's one upward import (see mla_decode_mgpu)
 
     row_blocks = -(-(q_len * num_heads) // TILE_ROWS)
     return plan_decode(

@@ -67,7 +67,7 @@ def random_inputs(rng, batch, q_len, num_heads, rank, rope, num_pages=NUM_PAGES,
 
 def reference64(q_latent, q_rope, cache, table):
     with enable_x64():
-        as64 = lambda x: jnp.asarray(np.asarray(x, np.float64))  # noqa: E731
+        as64 = lambda x: jnp.asarray(np.asarray(x, np.float64))
         o, lse = mla_latent_attention_state(
             as64(q_latent),
             as64(q_rope),
@@ -175,7 +175,7 @@ def test_poisoned_unused_slots_and_bad_page_numbers(ragged_case):
     for pages, n in zip(table.page_lists(), RAGGED_LENS, strict=True):
         for t in range(n):
             owned[pages[t // PAGE_SIZE], t % PAGE_SIZE] = True
-    poison = lambda x: jnp.where(jnp.asarray(owned)[:, :, None], x, jnp.nan)  # noqa: E731
+    poison = lambda x: jnp.where(jnp.asarray(owned)[:, :, None], x, jnp.nan)
     poisoned = paged.LatentCache(poison(cache.latent_pages), poison(cache.rope_key_pages))
     o, lse = run(q_latent, q_rope, poisoned, table)
     assert_matches(o, lse, *reference64(q_latent, q_rope, cache, table))
