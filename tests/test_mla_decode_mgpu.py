@@ -382,3 +382,13 @@ def test_compiled_kernel_at_deepseek_sizes(q_len, num_heads, fixed_split_pages):
         q_latent, q_rope = q_latent[keep], q_rope[keep]
     o, lse = run(q_latent, q_rope, cache, table, fixed_split_pages=fixed_split_pages)
     assert_matches(o, lse, *reference64(q_latent, q_rope, cache, table))
+
+
+@pytest.mark.skipif(ON_GPU, reason="on a GPU the probe runs compiled (bench/run_on_gpu.sh)")
+def test_probe_runs_a_smoke_case(capsys):
+    """``bench/probes/mla_decode.py --smoke``: its checks and code paths, interpreted."""
+    from bench.probes import mla_decode
+
+    assert mla_decode.main(["--smoke"]) == 0
+    printed = capsys.readouterr().out
+    assert "kernel ok" in printed and "xla ok" in printed
