@@ -228,6 +228,9 @@ def mla_decode_mgpu_kernel(
 
                 @pl.when(window + 1 < num_windows)
                 def _():
+                    # The other buffer's entries were read by this warpgroup (generic proxy)
+                    # before the copy (async proxy) overwrites them: order the two.
+                    plgpu.commit_smem()
                     copy_index_window(window + 1)
 
             slot = lax.rem(step, num_stages)
@@ -367,7 +370,11 @@ def mla_decode_mgpu_kernel(
             plgpu.barrier_wait(output_sync.at[0])
             my_o = o_smem.at[warpgroup]
             my_o[...] = out
-            lse_smem[...] = lse  # both warpgroups hold the same values; one stores them
+
+            @pl.when(warpgroup == 0)
+            def _():
+                lse_smem[...] = lse  # both warpgroups hold the same values; one stores them
+
             plgpu.commit_smem()
             first_out = work * padded_rows + row_block * rows_per_block
             plgpu.copy_smem_to_gmem(
