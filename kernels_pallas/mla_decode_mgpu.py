@@ -263,16 +263,21 @@ def mla_decode_mgpu_kernel(
         """A compute warpgroup: the online softmax over every step, its column half of o."""
         _, q_ready, _, slot_ready, slot_free, tail_sync = buffers
         plgpu.barrier_wait(q_ready.at[0])
-        row = plgpu.broadcasted_iota(
-            jnp.int32, (TILE_ROWS, BLOCK_TOKENS), 0, layout=plgpu.Layout.WGMMA
-        )
-        column = plgpu.broadcasted_iota(
-            jnp.int32, (TILE_ROWS, BLOCK_TOKENS), 1, layout=plgpu.Layout.WGMMA
-        )
-        visible_keys = num_tokens
-        if causal_base is not None:
-            token = lax.div(row + row_block * TILE_ROWS, jnp.int32(num_heads))
-            visible_keys = jnp.minimum(causal_base + token, num_tokens)
+        def visible_in_step(step):
+            """bool ``[64, 64]``: which of the step's keys each row sees. Built in the step (a
+            few integer operations a thread), not held across the loop: the accumulator's 128
+            registers a thread leave little room for two more ``[64, 64]`` arrays."""
+            column = plgpu.broadcasted_iota(
+                jnp.int32, (TILE_ROWS, BLOCK_TOKENS), 1, layout=plgpu.Layout.WGMMA
+            )
+            visible_keys = num_tokens
+            if causal_base is not None:
+                row = plgpu.broadcasted_iota(
+                    jnp.int32, (TILE_ROWS, BLOCK_TOKENS), 0, layout=plgpu.Layout.WGMMA
+                )
+                token = lax.div(row + row_block * TILE_ROWS, jnp.int32(num_heads))
+                visible_keys = jnp.minimum(causal_base + token, num_tokens)
+            return column + step * BLOCK_TOKENS < visible_keys
 
         def step_body(step, state):
             acc, running_max, running_sum = state
@@ -286,7 +291,7 @@ def mla_decode_mgpu_kernel(
                 return accumulator[...]
 
             logits = pl.run_scoped(qk, plgpu.ACC((TILE_ROWS, BLOCK_TOKENS), jnp.float32))
-            visible = column + step * BLOCK_TOKENS < visible_keys
+            visible = visible_in_step(step)
             logits = jnp.where(visible, logits * logit_scale_log2, MASKED_LOGIT)
             new_max = jnp.maximum(running_max, logits.max(axis=1))
             correction = jnp.exp2(running_max - new_max)
