@@ -225,12 +225,15 @@ def test_no_work_and_empty_batch():
 
 
 @pytest.mark.parametrize(
-    ("q_len", "num_heads", "page_size"), [(1, 16, 16), (2, 128, 64), (4, 128, 32), (9, 16, 16)]
+    ("q_len", "num_heads", "page_size", "probs_in_smem"),
+    [(1, 16, 16, False), (2, 128, 64, False), (4, 128, 32, False), (9, 16, 16, False)]
+    + [(4, 16, 16, True)],
 )
-def test_register_path_lowers_for_an_h200(q_len, num_heads, page_size):
-    """The compiled path (p from registers) at DeepSeek's sizes, R = 512, P = 64, lowers through
-    Mosaic GPU to its dialect for CUDA (the PTX stage and the shared-memory check run on a
-    GPU). The interpreter cannot run it."""
+def test_compiled_paths_lower_for_an_h200(q_len, num_heads, page_size, probs_in_smem):
+    """The compiled paths at DeepSeek's sizes, R = 512, P = 64, lower through Mosaic GPU to its
+    dialect for CUDA (the PTX stage runs on a GPU): p from registers (the default, which the
+    interpreter cannot run) and p through shared memory with one ring slot (the probe's
+    fallback)."""
     batch, num_work = 4, 8
     shape = jax.ShapeDtypeStruct
     traced = mla_decode_mgpu_states.trace(
@@ -243,6 +246,8 @@ def test_register_path_lowers_for_an_h200(q_len, num_heads, page_size):
         page_indptr=shape((batch + 1,), jnp.int32),
         last_page_len=shape((batch,), jnp.int32),
         softmax_scale=1 / 192**0.5,
+        probs_in_smem=probs_in_smem,
+        num_stages=1 if probs_in_smem else 2,
     )
     text = traced.lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
