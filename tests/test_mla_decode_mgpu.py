@@ -226,8 +226,13 @@ def test_no_work_and_empty_batch():
 
 @pytest.mark.parametrize(
     ("q_len", "num_heads", "page_size", "probs_in_smem"),
-    [(1, 16, 16, False), (2, 128, 64, False), (4, 128, 32, False), (9, 16, 16, False)]
-    + [(4, 16, 16, True)],
+    [
+        (1, 16, 16, False),
+        (2, 128, 64, False),
+        (4, 128, 32, False),
+        (9, 16, 16, False),
+        (4, 16, 16, True),
+    ],
 )
 def test_compiled_paths_lower_for_an_h200(q_len, num_heads, page_size, probs_in_smem):
     """The compiled paths at DeepSeek's sizes, R = 512, P = 64, lower through Mosaic GPU to its
