@@ -20,20 +20,28 @@ tokens (``64 / page_size`` pages):
 Why 64 tokens a step: the ``p @ latent`` WGMMA's contraction runs over the step's tokens, and
 the latent tile, whose rows are 1 KiB, takes the 128-byte swizzle (it is also the transposed
 operand of ``q @ latent^T``, contracting over R); Mosaic GPU gives both operands of one WGMMA
-one swizzle, so the contraction must be a multiple of 64 elements. FlashMLA's block is 64 too.
+one swizzle, so the contraction must be a multiple of 64 elements.
 
 Why two compute warpgroups. The float32 accumulator ``[64, 512]`` is 128 KiB, 256 registers a
 thread for one warpgroup of 128 threads: more than a thread may hold (255), before the logits
 and the softmax. So the R output columns are split over two warpgroups: warpgroup ``w``
 accumulates ``o[:, w R/2 : (w + 1) R/2]`` (128 registers a thread at R = 512; a WGMMA's N is
 at most 256, which this also respects). Each warpgroup computes the whole ``[64, 64]`` logits
-and softmax itself (the same numbers in both): the ``q @ latent^T`` WGMMA is done twice, which
-costs tensor-core time only (the memory-bound regime has it to spare: 16 heads at one token
-need ~13% of the tensor peak at full bandwidth, x4 for the padded rows, x~1.5 for the
-duplicate), and saves a shared-memory exchange of the logits and a barrier between the two
-warpgroups every step. In the compute-bound regime (128 heads x 2-4 tokens) the duplicate is
-~50% more tensor work; sharing one logits tile (FlashMLA's way: one warpgroup's softmax, ``p``
-through shared memory to both) is the next step there.
+and softmax itself (the same numbers in both): the ``q @ latent^T`` WGMMA is done twice, and in
+exchange no logits cross shared memory (there is no room: the loop's buffers take 219 of the
+227 KiB, below) and the two warpgroups meet at no barrier in a step but the last.
+
+What that costs, per cached token of a request: the useful work is ``H x q_len x 2 x (2R +
+P)`` FLOP (``docs/mla.md``); the kernel executes ``64 x 2 x (2 (R + P) + R)`` FLOP a row block
+(64 rows, the logits twice). At 128 heads x 2-4 tokens (full tiles) that is 1.53x the useful
+work, so at most 65% of the tensor peak can be useful FLOP/s. At 16 heads x 1 token (16 real
+rows of 64) it is 6.1x: streaming the cache at 4.3 TB/s would need 80% of the tensor peak,
+so this regime is likely bound by the tensor cores short of the copy ceiling. Two ways out,
+to be chosen on the measurement (``bench/probes/mla_decode.py``): one warpgroup's softmax
+shared through shared memory (FlashMLA's way; it needs the smem a third stage would), and, for
+``H x q_len <= 64``, the transposed products (keys as the 64 rows M, the query rows as N:
+``S^T = latent @ q^T``, ``o^T = latent^T @ p^T``), which execute only the useful work and hold
+an ``[R, rows]`` accumulator, at the price of softmax reductions across the tile's rows.
 
 The pipeline (warp specialization, as in JAX's FlashAttention-3 example): a third warpgroup,
 the producer, issues every copy; the two compute warpgroups only wait and compute.
@@ -47,8 +55,7 @@ the producer, issues every copy; the two compute warpgroups only wait and comput
   half of the latent``, release the slot. ``num_stages`` slots of ``64 x (R + P)`` tokens (72
   KiB at R = 512, P = 64, bfloat16) plus the query tile (72 KiB) fill the H200's 227 KiB at
   two stages (``smem_bytes_per_program``): one program an SM, with one step in flight while
-  the other is computed. (FlashMLA has the same two stages; more in flight would need fewer
-  query rows or a split of the tile across programs.)
+  the other is computed (more in flight would need a smaller query tile).
 
 Unused key slots. The final step of a work item may hold the tail of its last page and pages
 past its end (slots of clamped page numbers). Their logits are masked, so their weights are
@@ -263,6 +270,7 @@ def mla_decode_mgpu_kernel(
         """A compute warpgroup: the online softmax over every step, its column half of o."""
         _, q_ready, _, slot_ready, slot_free, tail_sync = buffers
         plgpu.barrier_wait(q_ready.at[0])
+
         def visible_in_step(step):
             """bool ``[64, 64]``: which of the step's keys each row sees. Built in the step (a
             few integer operations a thread), not held across the loop: the accumulator's 128
