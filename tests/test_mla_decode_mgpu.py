@@ -108,7 +108,8 @@ def ragged_case():
 def test_kernel_matches_the_float64_reference(ragged_case, q_len, fixed_split_pages):
     """Ragged batch, scattered pages, one or four new tokens (causal among themselves), the
     whole request a work item or cut every 2 pages (states merged by merge_states.py). Four
-    tokens x 16 heads are exactly one 64-row tile; one token leaves 48 padding rows."""
+    tokens x 16 heads are exactly one 64-row tile; one token (passed as ``[B, H, R]``) leaves
+    48 padding rows."""
     (q_latent, q_rope, cache), table = ragged_case
     q_latent, q_rope = q_latent[:, :q_len], q_rope[:, :q_len]
     if q_len > 1:  # a request must hold its new tokens: drop the ones shorter than 4
@@ -121,9 +122,12 @@ def test_kernel_matches_the_float64_reference(ragged_case, q_len, fixed_split_pa
         q_latent, q_rope = q_latent[np.array(keep)], q_rope[np.array(keep)]
     plan = plan_mla_decode(table, 16, q_len, fixed_split_pages=fixed_split_pages)
     assert plan.write_final == (fixed_split_pages is None)
+    ref_o, ref_lse = reference64(q_latent, q_rope, cache, table)
+    if q_len == 1:  # the one-token form [B, H, R] (the 4-D one is the other tests')
+        q_latent, q_rope, ref_o, ref_lse = q_latent[:, 0], q_rope[:, 0], ref_o[:, 0], ref_lse[:, 0]
     o, lse = run(q_latent, q_rope, cache, table, plan=plan)
     assert o.shape == q_latent.shape and o.dtype == jnp.float32
-    assert_matches(o, lse, *reference64(q_latent, q_rope, cache, table))
+    assert_matches(o, lse, ref_o, ref_lse)
 
 
 def test_nine_tokens_span_two_row_blocks():
