@@ -154,9 +154,9 @@ for stage in "$@"; do
         | tee -a "$out/check_decode.log" | tail -n 15 ;;
     mla-decode)  # issue 20: the MLA kernel's tests compiled (all, gpu-marked included), then the
       # probe: checked against the reference, timed beside XLA (about 6 min in all, at most 560 s)
-      timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_mla_decode_mgpu.py 2>&1 \
+      timeout 220 python3 -m pytest -q -p no:cacheprovider tests/test_mla_decode_mgpu.py 2>&1 \
         | tee "$out/gpu_mla_tests.log" | tail -n 4
-      timeout 350 python3 -m bench.probes.mla_decode ${MLA_PROBE_ARGS:-} 2>&1 \
+      timeout 330 python3 -m bench.probes.mla_decode ${MLA_PROBE_ARGS:-} 2>&1 \
         | tee "$out/mla_decode_probe.log" | grep -E '^H=|^copy|FAILED|MISMATCH' ;;
     *) echo "unknown stage $stage" ;;
   esac
