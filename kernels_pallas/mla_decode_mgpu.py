@@ -186,7 +186,9 @@ def mla_decode_mgpu_kernel(
     )
     num_tokens = jnp.clip(num_tokens, 0, num_item_pages * page_size)
     num_steps = pl.cdiv(num_tokens, BLOCK_TOKENS)
-    num_windows = pl.cdiv(num_item_pages, index_window)
+    # The windows the steps read (not the item's pages: a bad last_page_len may leave pages no
+    # step reads), so every window copied is waited for before the program ends.
+    num_windows = pl.cdiv(num_steps, steps_per_window)
     first_row = request * rows + row_block * TILE_ROWS  # a multiple of 8: rows is
     causal_base = None
     if q_len > 1:
@@ -528,7 +530,9 @@ def _check_dtype_and_shapes(q_latent, q_rope, latent_pages, rope_key_pages) -> N
         )
 
 
-def _check_launch(num_stages, index_window, probs_in_smem, interpret, smem_bytes) -> None:
+def _check_launch(
+    num_stages, index_window, probs_in_smem, interpret, smem_bytes, page_size
+) -> None:
     if isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages < 1:
         raise ValueError(f"num_stages must be an int >= 1, got {num_stages!r}")
     if (
@@ -538,6 +542,12 @@ def _check_launch(num_stages, index_window, probs_in_smem, interpret, smem_bytes
         raise ValueError(
             f"index_window must be a multiple of 4 from 4 to {MAX_INDEX_WINDOW}, got "
             f"{index_window!r}"
+        )
+    pages_per_step = BLOCK_TOKENS // page_size
+    if index_window % pages_per_step:
+        raise ValueError(
+            f"index_window must be a multiple of the {pages_per_step} pages of a step (page_size "
+            f"{page_size}), got {index_window}"
         )
     if interpret and not probs_in_smem:
         raise ValueError(
@@ -612,7 +622,8 @@ def mla_decode_mgpu_states(
         request ends, for the causal rule among ``L > 1`` new tokens (ignored for ``L = 1``).
       softmax_scale: the model's logit scale (``1 / sqrt(qk_nope + qk_rope)``, not of R + P).
       num_stages: ring slots of 64 tokens (2 fit the H200 at R = 512).
-      index_window: page numbers copied to shared memory at once (multiple of 4, <= 256).
+      index_window: page numbers copied to shared memory at once (a multiple of 4 and of the
+        ``64 / page_size`` pages of a step, at most 256).
       probs_in_smem: ``p`` through shared memory (the interpreter's path) instead of
         registers.
       interpret: Mosaic GPU's interpreter (needs ``probs_in_smem=True``).
@@ -643,6 +654,7 @@ def mla_decode_mgpu_states(
             probs_in_smem=probs_in_smem,
             index_window=index_window,
         ),
+        latent_pages.shape[1],
     )
     if q_len > 1:
         if page_indptr is None or last_page_len is None:

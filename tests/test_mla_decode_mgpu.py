@@ -220,6 +220,32 @@ def test_poisoned_unused_slots_and_bad_page_numbers(ragged_case):
     assert_matches(o_bad[real], lse_bad[real], ref_o[:, 0], ref_lse[:, 0])
 
 
+def test_a_bad_last_page_len_reads_fewer_tokens_and_ends():
+    """A work item whose last_page_len is negative (a broken plan under jit) has fewer tokens
+    than pages: the kernel attends over those tokens and ends. (Its second 4-entry index window
+    is not copied, since no step reads it; the interpreter does not flag a copy left in flight,
+    so that part is the kernel's comment, not this test's.)"""
+    rng = np.random.default_rng(11)
+    table = scattered_table(rng, (80,))
+    q_latent, q_rope, cache = random_inputs(rng, 1, 1, 16, 128, 64)
+    o, lse = mla_decode_mgpu_states(
+        q_latent,
+        q_rope,
+        cache.latent_pages,
+        cache.rope_key_pages,
+        jnp.asarray(table.page_indices),
+        *(jnp.asarray([v], jnp.int32) for v in (0, 0, 5, -20)),  # 4 x 16 - 20 = 44 tokens
+        softmax_scale=SCALE,
+        index_window=4,
+        probs_in_smem=PROBS_IN_SMEM,
+        interpret=not ON_GPU,
+    )
+    pages = table.page_lists()[0][:3]
+    short = paged.PageTable.from_page_lists([pages], seq_lens=[44], page_size=PAGE_SIZE)
+    ref_o, ref_lse = reference64(q_latent, q_rope, cache, short)
+    assert_matches(o, lse, ref_o[:, 0], ref_lse[:, 0])
+
+
 def test_no_work_and_empty_batch():
     rng = np.random.default_rng(1)
     q_latent, q_rope, cache = random_inputs(rng, 0, 1, 16, 128, 64, num_pages=2)
@@ -350,6 +376,14 @@ def _bad_call(**overrides):
         ({"num_stages": 0}, "num_stages must be an int >= 1, got 0"),
         ({"index_window": 6}, "index_window must be a multiple of 4"),
         ({"index_window": 512}, "index_window"),
+        (
+            {
+                "latent_pages": jnp.zeros((2, 8, 128), jnp.bfloat16),
+                "rope_key_pages": jnp.zeros((2, 8, 64), jnp.bfloat16),
+                "index_window": 4,
+            },
+            "index_window must be a multiple of the 8 pages of a step (page_size 8), got 4",
+        ),
         ({"interpret": True, "probs_in_smem": False}, "needs probs_in_smem=True"),
         ({"interpret": False, "num_stages": 3}, "num_stages=3 needs"),
         (
