@@ -114,6 +114,10 @@ SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16)
 SUPPORTED_KV_LORA_RANKS = (128, 256, 512)  # halves of at most 256 columns: a WGMMA's N
 SUPPORTED_ROPE_DIMS = (64, 128)
 SUPPORTED_PAGE_SIZES = (8, 16, 32, 64)  # whole 8-row tiles, a power of two dividing 64
+# The transposed path: its accumulator [R/2, rows] float32 is at most 128 registers a thread
+# (rows <= 64); chosen by default where the 64-row tile would be half padding or more.
+TRANSPOSED_MAX_ROWS = 64
+TRANSPOSED_MAX_AUTO_ROWS = 32
 H200_SMEM_PER_PROGRAM_BYTES = 227 * 1024
 # Registers a thread after setmaxnreg: 2 x 232 + 40 = 504 <= 512 (65536 a SM / 128 threads).
 COMPUTE_REGISTERS = 232
@@ -125,11 +129,6 @@ def _operand_transforms(dtype) -> tuple:
     8-row tiles 128 bytes wide, the 128-byte swizzle."""
     columns = SWIZZLE_BYTES // jnp.dtype(dtype).itemsize
     return plgpu.TilingTransform((8, columns)), plgpu.SwizzleTransform(SWIZZLE_BYTES)
-
-
-def _row_broadcast(row_values, shape):
-    """``[rows]`` (WGMMA row layout) -> ``[rows, n]``: each row's value along its row."""
-    return lax.broadcast_in_dim(row_values, shape, [0])
 
 
 def mla_decode_mgpu_kernel(
@@ -146,8 +145,8 @@ def mla_decode_mgpu_kernel(
     #   q_rope_ref,  # [B * rows, P], GMEM
     #   latent_ref,  # [num_pages, page_size, R], GMEM
     #   rope_key_ref,  # [num_pages, page_size, P], GMEM
-    #   o_ref,  # [W * padded_rows, R] float32, GMEM: partial states
-    #   lse_ref,  # [W * padded_rows] float32, GMEM
+    #   o_ref,  # [W * padded_rows, R] float32, GMEM: partial states; transposed: [W * R, rows]
+    #   lse_ref,  # [W * padded_rows] float32, GMEM; transposed: [W * rows]
     *refs,
     q_len: int,
     num_heads: int,
@@ -155,6 +154,7 @@ def mla_decode_mgpu_kernel(
     index_window: int,
     logit_scale_log2: float,
     probs_in_smem: bool,
+    transposed: bool,
 ):
     if q_len > 1:
         page_indptr_ref, request_last_page_len_ref, *refs = refs
@@ -171,6 +171,8 @@ def mla_decode_mgpu_kernel(
     rows = q_len * num_heads  # a request's query rows
     rows_per_block = min(rows, TILE_ROWS)
     padded_rows = pl.cdiv(rows, TILE_ROWS) * rows_per_block
+    # Query rows a program loads: a 64-row tile, or (transposed) the request's rows, the N side.
+    q_tile_rows = rows if transposed else TILE_ROWS
     batch = q_latent_ref.shape[0] // rows
     pages_per_step = BLOCK_TOKENS // page_size
     steps_per_window = index_window // pages_per_step
@@ -209,9 +211,11 @@ def mla_decode_mgpu_kernel(
         index_buffers, q_ready, index_ready, slot_ready, slot_free = buffers
         start = pl.multiple_of(first_row, 8)
         plgpu.copy_gmem_to_smem(
-            q_latent_ref.at[pl.ds(start, TILE_ROWS)], q_latent_smem, q_ready.at[0]
+            q_latent_ref.at[pl.ds(start, q_tile_rows)], q_latent_smem, q_ready.at[0]
         )
-        plgpu.copy_gmem_to_smem(q_rope_ref.at[pl.ds(start, TILE_ROWS)], q_rope_smem, q_ready.at[0])
+        plgpu.copy_gmem_to_smem(
+            q_rope_ref.at[pl.ds(start, q_tile_rows)], q_rope_smem, q_ready.at[0]
+        )
 
         def copy_index_window(window):
             plgpu.copy_gmem_to_smem(
@@ -272,22 +276,34 @@ def mla_decode_mgpu_kernel(
         """A compute warpgroup: the online softmax over every step, its column half of o."""
         _, q_ready, _, slot_ready, slot_free, tail_sync = buffers
         plgpu.barrier_wait(q_ready.at[0])
+        # The logits tile is [query rows, keys] (64 x 64), or transposed [keys, query rows]
+        # (64 x rows); the accumulator [64, R/2], or transposed [R/2, rows]. The softmax's
+        # statistics run along the query-row axis, its reductions along the key axis.
+        key_axis = 0 if transposed else 1
+        row_axis = 1 - key_axis
+        logits_shape = (BLOCK_TOKENS, rows) if transposed else (TILE_ROWS, BLOCK_TOKENS)
+        acc_shape = (half, rows) if transposed else (TILE_ROWS, half)
+
+        def per_row(values, shape):
+            """``[rows]`` statistics -> ``shape``: each query row's value along its keys (or
+            its output columns)."""
+            return lax.broadcast_in_dim(values, shape, [row_axis])
 
         def visible_in_step(step):
-            """bool ``[64, 64]``: which of the step's keys each row sees. Built in the step (a
-            few integer operations a thread), not held across the loop: the accumulator's 128
-            registers a thread leave little room for two more ``[64, 64]`` arrays."""
-            column = plgpu.broadcasted_iota(
-                jnp.int32, (TILE_ROWS, BLOCK_TOKENS), 1, layout=plgpu.Layout.WGMMA
+            """bool, the logits' shape: which of the step's keys each row sees. Built in the
+            step (a few integer operations a thread), not held across the loop: the
+            accumulator's 128 registers a thread leave little room for more arrays."""
+            key = plgpu.broadcasted_iota(
+                jnp.int32, logits_shape, key_axis, layout=plgpu.Layout.WGMMA
             )
             visible_keys = num_tokens
             if causal_base is not None:
                 row = plgpu.broadcasted_iota(
-                    jnp.int32, (TILE_ROWS, BLOCK_TOKENS), 0, layout=plgpu.Layout.WGMMA
+                    jnp.int32, logits_shape, row_axis, layout=plgpu.Layout.WGMMA
                 )
                 token = lax.div(row + row_block * TILE_ROWS, jnp.int32(num_heads))
                 visible_keys = jnp.minimum(causal_base + token, num_tokens)
-            return column + step * BLOCK_TOKENS < visible_keys
+            return key + step * BLOCK_TOKENS < visible_keys
 
         def step_body(step, state):
             acc, running_max, running_sum = state
@@ -296,21 +312,25 @@ def mla_decode_mgpu_kernel(
             plgpu.barrier_wait(slot_ready.at[slot])
 
             def qk(accumulator):
-                plgpu.wgmma(accumulator, q_latent_smem, latent.T)
-                plgpu.wgmma(accumulator, q_rope_smem, rope_ring.at[slot].T)
+                if transposed:  # S^T = latent @ q^T: the keys are the 64 rows M
+                    plgpu.wgmma(accumulator, latent, q_latent_smem.T)
+                    plgpu.wgmma(accumulator, rope_ring.at[slot], q_rope_smem.T)
+                else:
+                    plgpu.wgmma(accumulator, q_latent_smem, latent.T)
+                    plgpu.wgmma(accumulator, q_rope_smem, rope_ring.at[slot].T)
                 return accumulator[...]
 
-            logits = pl.run_scoped(qk, plgpu.ACC((TILE_ROWS, BLOCK_TOKENS), jnp.float32))
+            logits = pl.run_scoped(qk, plgpu.ACC(logits_shape, jnp.float32))
             visible = visible_in_step(step)
             logits = jnp.where(visible, logits * logit_scale_log2, MASKED_LOGIT)
-            new_max = jnp.maximum(running_max, logits.max(axis=1))
+            new_max = jnp.maximum(running_max, logits.max(axis=key_axis))
             correction = jnp.exp2(running_max - new_max)
-            probs = jnp.exp2(logits - _row_broadcast(new_max, logits.shape))
+            probs = jnp.exp2(logits - per_row(new_max, logits_shape))
             if causal_base is not None:
                 # A row that sees no key yet has only MASKED_LOGIT, its max too: exp2 gives 1.
                 probs = jnp.where(visible, probs, 0.0)
-            running_sum = running_sum * correction + probs.sum(axis=1)
-            acc = acc * _row_broadcast(correction, acc.shape)
+            running_sum = running_sum * correction + probs.sum(axis=key_axis)
+            acc = acc * per_row(correction, acc_shape)
             valid_rows = num_tokens - step * BLOCK_TOKENS
 
             @pl.when(valid_rows < BLOCK_TOKENS)
@@ -326,7 +346,26 @@ def mla_decode_mgpu_kernel(
                 mine[...] = jnp.where(key < valid_rows, values, jnp.zeros_like(values))
                 plgpu.commit_smem()
 
-            if probs_in_smem:
+            if transposed:
+                # o^T [R/2, rows] += latent[:, half]^T @ p^T: both operands in shared memory,
+                # p stored transposed ([rows, 64], keys minor: the latent's 128-byte swizzle).
+                my_probs = probs_smem.at[warpgroup]
+                my_probs.T[...] = probs.astype(dtype)
+                plgpu.commit_smem()
+
+                def pv_transposed(accumulator):
+                    plgpu.wgmma(accumulator, latent.at[:, columns].T, my_probs.T)
+
+                if probs_in_smem:  # the interpreter's way to accumulate (no pl.run_state)
+
+                    def fresh(accumulator):
+                        pv_transposed(accumulator)
+                        return accumulator[...]
+
+                    acc = acc + pl.run_scoped(fresh, plgpu.ACC(acc_shape, jnp.float32))
+                else:
+                    acc = pl.run_state(pv_transposed)(plgpu.ACC.init(acc))
+            elif probs_in_smem:
                 my_probs = probs_smem.at[warpgroup]
                 my_probs[...] = probs.astype(dtype)
                 plgpu.commit_smem()
@@ -346,14 +385,19 @@ def mla_decode_mgpu_kernel(
             plgpu.barrier_arrive(slot_free.at[slot])  # this warpgroup is done with the slot
             return acc, new_max, running_sum
 
+        stats_layout = plgpu.Layout.WGMMA.reduce(key_axis)
+        num_stats = logits_shape[row_axis]
         state = (
-            plgpu.layout_cast(jnp.zeros((TILE_ROWS, half), jnp.float32), plgpu.Layout.WGMMA),
-            plgpu.layout_cast(
-                jnp.full((TILE_ROWS,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1)
-            ),
-            plgpu.layout_cast(jnp.zeros((TILE_ROWS,), jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
+            plgpu.layout_cast(jnp.zeros(acc_shape, jnp.float32), plgpu.Layout.WGMMA),
+            plgpu.layout_cast(jnp.full((num_stats,), -jnp.inf, jnp.float32), stats_layout),
+            plgpu.layout_cast(jnp.zeros((num_stats,), jnp.float32), stats_layout),
         )
-        return lax.fori_loop(0, num_steps, step_body, state)
+        acc, running_max, running_sum = lax.fori_loop(0, num_steps, step_body, state)
+        # finish: a row that saw no key gets o = 0 and lse = -inf (online_softmax.finish).
+        nonempty = running_sum > 0
+        out = acc / per_row(jnp.where(nonempty, running_sum, 1.0), acc_shape)
+        lse = jnp.where(nonempty, (running_max + jnp.log2(running_sum)) * LN_2, -jnp.inf)
+        return out, lse
 
     def scoped(loop_and_output, index_buffers, q_ready, index_ready, slot_ready, slot_free, syncs):
         (q_latent_smem, q_rope_smem, latent_ring, rope_ring, probs_smem), (o_smem, lse_smem) = (
@@ -370,15 +414,11 @@ def mla_decode_mgpu_kernel(
         @pl.when(warpgroup < PRODUCER)
         def _():
             plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
-            acc, running_max, running_sum = compute(
+            out, lse = compute(
                 *loop_buffers,
                 probs_smem,
                 (index_buffers, q_ready, index_ready, slot_ready, slot_free, tail_sync),
             )
-            # finish: a row that saw no key gets o = 0 and lse = -inf (online_softmax.finish).
-            nonempty = running_sum > 0
-            out = acc / _row_broadcast(jnp.where(nonempty, running_sum, 1.0), acc.shape)
-            lse = jnp.where(nonempty, (running_max + jnp.log2(running_sum)) * LN_2, -jnp.inf)
             # The output buffers alias the loop's: wait until both compute warpgroups are done
             # reading it (the producer's copies were all waited for by both).
             plgpu.barrier_arrive(output_sync.at[0])
@@ -391,37 +431,49 @@ def mla_decode_mgpu_kernel(
                 lse_smem[...] = lse  # both warpgroups hold the same values; one stores them
 
             plgpu.commit_smem()
-            first_out = work * padded_rows + row_block * rows_per_block
-            plgpu.copy_smem_to_gmem(
-                my_o.at[pl.ds(0, rows_per_block)],
-                o_ref.at[pl.ds(first_out, rows_per_block), columns],
-            )
+            if transposed:  # o^T's rows are R's columns: the wrapper transposes [W, R, rows]
+                first_column = pl.multiple_of(work * kv_lora_rank + warpgroup * half, half)
+                plgpu.copy_smem_to_gmem(my_o, o_ref.at[pl.ds(first_column, half)])
+                first_out, stored_rows = work * rows, rows
+            else:
+                first_out = work * padded_rows + row_block * rows_per_block
+                stored_rows = rows_per_block
+                plgpu.copy_smem_to_gmem(
+                    my_o.at[pl.ds(0, rows_per_block)],
+                    o_ref.at[pl.ds(first_out, rows_per_block), columns],
+                )
 
             @pl.when(warpgroup == 0)
             def _():
                 plgpu.copy_smem_to_gmem(
-                    lse_smem.at[pl.ds(0, rows_per_block)],
-                    lse_ref.at[pl.ds(first_out, rows_per_block)],
+                    lse_smem.at[pl.ds(0, stored_rows)], lse_ref.at[pl.ds(first_out, stored_rows)]
                 )
 
             plgpu.wait_smem_to_gmem(0)
 
+    if transposed:  # p of each compute warpgroup, [rows, 64] (stored transposed)
+        probs_buffer = plgpu.SMEM(
+            (NUM_COMPUTE_WARPGROUPS, rows, BLOCK_TOKENS), dtype, transforms=transforms
+        )
+    elif probs_in_smem:
+        probs_buffer = plgpu.SMEM(
+            (NUM_COMPUTE_WARPGROUPS, TILE_ROWS, BLOCK_TOKENS), dtype, transforms=transforms
+        )
+    else:
+        probs_buffer = None
     loop_buffers = (
-        plgpu.SMEM((TILE_ROWS, kv_lora_rank), dtype, transforms=transforms),
-        plgpu.SMEM((TILE_ROWS, rope_dim), dtype, transforms=transforms),
+        plgpu.SMEM((q_tile_rows, kv_lora_rank), dtype, transforms=transforms),
+        plgpu.SMEM((q_tile_rows, rope_dim), dtype, transforms=transforms),
         plgpu.SMEM((num_stages, BLOCK_TOKENS, kv_lora_rank), dtype, transforms=transforms),
         plgpu.SMEM((num_stages, BLOCK_TOKENS, rope_dim), dtype, transforms=transforms),
-        (
-            plgpu.SMEM(
-                (NUM_COMPUTE_WARPGROUPS, TILE_ROWS, BLOCK_TOKENS), dtype, transforms=transforms
-            )
-            if probs_in_smem
-            else None
-        ),
+        probs_buffer,
     )
     output_buffers = (
-        plgpu.SMEM((NUM_COMPUTE_WARPGROUPS, TILE_ROWS, half), jnp.float32),
-        plgpu.SMEM((TILE_ROWS,), jnp.float32),
+        plgpu.SMEM(
+            (NUM_COMPUTE_WARPGROUPS, *((half, rows) if transposed else (TILE_ROWS, half))),
+            jnp.float32,
+        ),
+        plgpu.SMEM((rows if transposed else TILE_ROWS,), jnp.float32),
     )
     pl.run_scoped(
         scoped,
@@ -447,12 +499,15 @@ def smem_bytes_per_program(
     num_stages: int,
     probs_in_smem: bool = False,
     index_window: int = MAX_INDEX_WINDOW,
+    transposed_rows: int | None = None,
 ) -> int:
     """Shared memory one program allocates, in bytes: the larger of the loop's buffers (query
     tile, ``num_stages`` ring slots of 64 tokens' latents and RoPE keys, ``p`` of both compute
     warpgroups when it goes through shared memory) and the epilogue's (``o`` of 64 rows in
     float32, the LSE), which reuse the same memory, plus the index windows and the barriers.
     Buffers are counted rounded up to 1 KiB (the 128-byte swizzle's alignment).
+    ``transposed_rows``: the query rows of the transposed path (its query tile, ``p`` and
+    output hold that many rows, not 64), or None for the 64-row tile.
 
     Example:
       >>> import jax.numpy as jnp
@@ -464,16 +519,20 @@ def smem_bytes_per_program(
     def rounded(n: int) -> int:
         return -(-n // 1024) * 1024
 
+    query_rows = TILE_ROWS if transposed_rows is None else transposed_rows
+    has_probs = probs_in_smem or transposed_rows is not None
     loop = (
-        rounded(TILE_ROWS * (kv_lora_rank + rope_dim) * itemsize)
-        + num_stages * rounded(BLOCK_TOKENS * (kv_lora_rank + rope_dim) * itemsize)
+        rounded(query_rows * kv_lora_rank * itemsize)
+        + rounded(query_rows * rope_dim * itemsize)
+        + num_stages * rounded(BLOCK_TOKENS * kv_lora_rank * itemsize)
+        + num_stages * rounded(BLOCK_TOKENS * rope_dim * itemsize)
         + (
-            rounded(NUM_COMPUTE_WARPGROUPS * TILE_ROWS * BLOCK_TOKENS * itemsize)
-            if probs_in_smem
+            rounded(NUM_COMPUTE_WARPGROUPS * query_rows * BLOCK_TOKENS * itemsize)
+            if has_probs
             else 0
         )
     )
-    epilogue = rounded(TILE_ROWS * kv_lora_rank * 4) + rounded(TILE_ROWS * 4)
+    epilogue = rounded(query_rows * kv_lora_rank * 4) + rounded(query_rows * 4)
     barriers = rounded(8 * (1 + 2 + 2 * num_stages + 2))
     return max(loop, epilogue) + rounded(2 * index_window * 4) + barriers
 
@@ -584,6 +643,7 @@ def _interpret_params(interpret):
         "num_stages",
         "index_window",
         "probs_in_smem",
+        "transposed",
         "interpret",
     ),
 )
@@ -604,6 +664,7 @@ def mla_decode_mgpu_states(
     num_stages: int = 2,
     index_window: int = MAX_INDEX_WINDOW,
     probs_in_smem: bool = False,
+    transposed: bool | None = None,
     interpret: bool | plgpu.InterpretGPUParams = False,
 ) -> tuple[jax.Array, jax.Array]:
     """The kernel on raw arrays: one partial state a work item and query row.
@@ -625,7 +686,12 @@ def mla_decode_mgpu_states(
       index_window: page numbers copied to shared memory at once (a multiple of 4 and of the
         ``64 / page_size`` pages of a step, at most 256).
       probs_in_smem: ``p`` through shared memory (the interpreter's path) instead of
-        registers.
+        registers (the 64-row tile); with ``transposed``, ``p`` is always in shared memory and
+        this selects how the accumulator is updated (a fresh one added: the interpreter's way).
+      transposed: the keys as the tile's 64 rows and the query rows as N (``S^T = latent @
+        q^T``, ``o^T = latent^T @ p^T``), for ``L x H <= 64`` rows; default (None): when ``L x
+        H <= 32`` (``TRANSPOSED_MAX_AUTO_ROWS``), where the 64-row tile would be mostly
+        padding.
       interpret: Mosaic GPU's interpreter (needs ``probs_in_smem=True``).
 
     Returns:
@@ -641,6 +707,15 @@ def mla_decode_mgpu_states(
     softmax_scale = _check_softmax_scale(softmax_scale)
     batch, q_len, num_heads, kv_lora_rank = q_latent.shape
     rope_dim = rope_key_pages.shape[2]
+    rows = q_len * num_heads
+    if transposed is None:
+        transposed = rows <= TRANSPOSED_MAX_AUTO_ROWS
+    elif transposed not in (True, False) or (transposed and rows > TRANSPOSED_MAX_ROWS):
+        raise ValueError(
+            f"transposed must be None, False, or True for at most {TRANSPOSED_MAX_ROWS} query "
+            f"rows (its [R/2, rows] float32 accumulator), got {transposed!r} for q_len x "
+            f"num_heads = {rows}"
+        )
     _check_launch(
         num_stages,
         index_window,
@@ -653,6 +728,7 @@ def mla_decode_mgpu_states(
             num_stages=num_stages,
             probs_in_smem=probs_in_smem,
             index_window=index_window,
+            transposed_rows=rows if transposed else None,
         ),
         latent_pages.shape[1],
     )
@@ -674,9 +750,8 @@ def mla_decode_mgpu_states(
         )
     if page_indices.ndim != 1:
         raise ValueError(f"page_indices must be 1-D, got {page_indices.shape}")
-    rows = q_len * num_heads
-    num_row_blocks = pl.cdiv(rows, TILE_ROWS)
-    padded_rows = num_row_blocks * min(rows, TILE_ROWS)
+    num_row_blocks = 1 if transposed else pl.cdiv(rows, TILE_ROWS)
+    padded_rows = rows if transposed else num_row_blocks * min(rows, TILE_ROWS)
     num_work = work_request.shape[0]
     if num_work == 0 or batch == 0:  # no program to launch
         return (
@@ -695,12 +770,18 @@ def mla_decode_mgpu_states(
         index_window=index_window,
         logit_scale_log2=softmax_scale * LOG2_E,
         probs_in_smem=probs_in_smem,
+        transposed=transposed,
     )
     table = (page_indptr, last_page_len) if q_len > 1 else ()
     o, lse = plgpu.kernel(
         kernel,
         out_type=(
-            jax.ShapeDtypeStruct((num_work * padded_rows, kv_lora_rank), jnp.float32),
+            jax.ShapeDtypeStruct(
+                (num_work * kv_lora_rank, rows)
+                if transposed
+                else (num_work * padded_rows, kv_lora_rank),
+                jnp.float32,
+            ),
             jax.ShapeDtypeStruct((num_work * padded_rows,), jnp.float32),
         ),
         # Work items on the last axis (CUDA's x, up to 2^31 - 1 blocks): any plan fits.
@@ -710,6 +791,7 @@ def mla_decode_mgpu_states(
         thread_name="wg",
         interpret=_interpret_params(interpret),
         kernel_name=f"mla_decode_mgpu_s{num_stages}"
+        + ("_t" if transposed else "")
         + ("_psmem" if probs_in_smem else "_preg")
         + (f"_q{q_len}" if q_len > 1 else ""),
     )(
@@ -724,7 +806,10 @@ def mla_decode_mgpu_states(
         latent_pages,
         rope_key_pages,
     )
-    o = o.reshape(num_work, padded_rows, kv_lora_rank)[:, :rows]
+    if transposed:  # [W, R, rows] -> [W, rows, R]: a copy of W x rows x R floats
+        o = jnp.swapaxes(o.reshape(num_work, kv_lora_rank, rows), 1, 2)
+    else:
+        o = o.reshape(num_work, padded_rows, kv_lora_rank)[:, :rows]
     lse = lse.reshape(num_work, padded_rows)[:, :rows]
     return o, lse
 
@@ -779,6 +864,7 @@ def mla_decode_mgpu(
     fixed_split_pages: int | None = None,
     num_stages: int = 2,
     probs_in_smem: bool = False,
+    transposed: bool | None = None,
     interpret: bool | plgpu.InterpretGPUParams = False,
 ) -> tuple[jax.Array, jax.Array]:
     """MLA absorbed decode over the paged latent cache: the kernel, then the merge of split
@@ -798,7 +884,7 @@ def mla_decode_mgpu(
       plan: a ``paged.DecodePlan`` for this table (``plan_mla_decode``); default: planned
         here from the table's concrete lengths.
       fixed_split_pages: without a plan, cut every request into chunks of this many pages.
-      num_stages, probs_in_smem, interpret: as in ``mla_decode_mgpu_states``.
+      num_stages, probs_in_smem, transposed, interpret: as in ``mla_decode_mgpu_states``.
 
     Returns:
       ``(o_latent [B, (L,) H, R] float32, lse [B, (L,) H] float32)``, lse in natural log.
@@ -835,6 +921,7 @@ def mla_decode_mgpu(
         softmax_scale=softmax_scale,
         num_stages=num_stages,
         probs_in_smem=probs_in_smem,
+        transposed=transposed,
         interpret=interpret,
     )
     merge_indptr = jnp.asarray(plan.merge_indptr)

@@ -103,13 +103,18 @@ def ragged_case():
     return inputs, table
 
 
-# (One token split is test_split_states_are_the_reference_states_of_each_part's case.)
-@pytest.mark.parametrize(("q_len", "fixed_split_pages"), [(1, None), (4, None), (4, 2)])
-def test_kernel_matches_the_float64_reference(ragged_case, q_len, fixed_split_pages):
+# Both paths, each unsplit and split: one token x 16 heads takes the transposed path by
+# default (one token split is test_split_states_are_the_reference_states_of_each_part's case),
+# four tokens x 16 heads the 64-row tile.
+@pytest.mark.parametrize(
+    ("q_len", "fixed_split_pages", "transposed"),
+    [(1, None, None), (1, None, False), (4, None, None), (4, 2, True)],
+)
+def test_kernel_matches_the_float64_reference(ragged_case, q_len, fixed_split_pages, transposed):
     """Ragged batch, scattered pages, one or four new tokens (causal among themselves), the
     whole request a work item or cut every 2 pages (states merged by merge_states.py). Four
     tokens x 16 heads are exactly one 64-row tile; one token (passed as ``[B, H, R]``) leaves
-    48 padding rows."""
+    48 padding rows on the tile path, none on the transposed one (the 16 rows are its N)."""
     (q_latent, q_rope, cache), table = ragged_case
     q_latent, q_rope = q_latent[:, :q_len], q_rope[:, :q_len]
     if q_len > 1:  # a request must hold its new tokens: drop the ones shorter than 4
@@ -125,7 +130,7 @@ def test_kernel_matches_the_float64_reference(ragged_case, q_len, fixed_split_pa
     ref_o, ref_lse = reference64(q_latent, q_rope, cache, table)
     if q_len == 1:  # the one-token form [B, H, R] (the 4-D one is the other tests')
         q_latent, q_rope, ref_o, ref_lse = q_latent[:, 0], q_rope[:, 0], ref_o[:, 0], ref_lse[:, 0]
-    o, lse = run(q_latent, q_rope, cache, table, plan=plan)
+    o, lse = run(q_latent, q_rope, cache, table, plan=plan, transposed=transposed)
     assert o.shape == q_latent.shape and o.dtype == jnp.float32
     assert_matches(o, lse, ref_o, ref_lse)
 
@@ -268,20 +273,22 @@ def test_no_work_and_empty_batch():
 
 
 @pytest.mark.parametrize(
-    ("q_len", "num_heads", "page_size", "probs_in_smem"),
+    ("q_len", "num_heads", "page_size", "probs_in_smem", "transposed"),
     [
-        (1, 16, 16, False),
-        (2, 128, 64, False),
-        (4, 128, 32, False),
-        (9, 16, 16, False),
-        (4, 16, 16, True),
+        (1, 16, 16, False, None),  # transposed
+        (2, 16, 16, False, True),  # transposed, causal
+        (1, 16, 16, False, False),
+        (2, 128, 64, False, None),
+        (4, 128, 32, False, None),
+        (9, 16, 16, False, None),
+        (4, 16, 16, True, None),
     ],
 )
-def test_compiled_paths_lower_for_an_h200(q_len, num_heads, page_size, probs_in_smem):
+def test_compiled_paths_lower_for_an_h200(q_len, num_heads, page_size, probs_in_smem, transposed):
     """The compiled paths at DeepSeek's sizes, R = 512, P = 64, lower through Mosaic GPU to its
-    dialect for CUDA (the PTX stage runs on a GPU): p from registers (the default, which the
-    interpreter cannot run) and p through shared memory with one ring slot (the probe's
-    fallback)."""
+    dialect for CUDA (the PTX stage runs on a GPU): the transposed path with its in-place
+    accumulator, the 64-row tile with p from registers (which the interpreter cannot run), and
+    with p through shared memory and one ring slot (the probe's fallback)."""
     batch, num_work = 4, 8
     shape = jax.ShapeDtypeStruct
     traced = mla_decode_mgpu_states.trace(
@@ -296,6 +303,7 @@ def test_compiled_paths_lower_for_an_h200(q_len, num_heads, page_size, probs_in_
         softmax_scale=1 / 192**0.5,
         probs_in_smem=probs_in_smem,
         num_stages=1 if probs_in_smem else 2,
+        transposed=transposed,
     )
     text = traced.lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
@@ -385,6 +393,16 @@ def _bad_call(**overrides):
             "index_window must be a multiple of the 8 pages of a step (page_size 8), got 4",
         ),
         ({"interpret": True, "probs_in_smem": False}, "needs probs_in_smem=True"),
+        (
+            {
+                "q_latent": jnp.zeros((1, 5, 16, 128), jnp.bfloat16),
+                "q_rope": jnp.zeros((1, 5, 16, 64), jnp.bfloat16),
+                "transposed": True,
+                "page_indptr": jnp.array([0, 1], jnp.int32),
+                "last_page_len": jnp.ones((1,), jnp.int32),
+            },
+            "transposed must be None, False, or True for at most 64 query rows",
+        ),
         ({"interpret": False, "num_stages": 3}, "num_stages=3 needs"),
         (
             {
@@ -456,7 +474,8 @@ def test_probe_runs_a_smoke_case(capsys):
 
 
 @pytest.mark.skipif(ON_GPU, reason="the interpreter's race detector runs on the CPU")
-def test_interpreter_race_detector_finds_no_race():
+@pytest.mark.parametrize("transposed", [True, False])
+def test_interpreter_race_detector_finds_no_race(transposed):
     """Mosaic GPU's interpreter with its happens-before race detector: the producer's ring and
     index windows (9 pages in 4-entry windows: a buffer refilled), the tail rows each compute
     warpgroup zeroes in its half, p in shared memory, and the epilogue's buffers that alias the
@@ -482,6 +501,7 @@ def test_interpreter_race_detector_finds_no_race():
         softmax_scale=SCALE,
         index_window=4,
         probs_in_smem=True,
+        transposed=transposed,
         interpret=plgpu.InterpretGPUParams(detect_races=True),
     )[0].block_until_ready()
     assert not gpu_callbacks.get_races().races_found
