@@ -7,10 +7,11 @@ head of one new token) scores every cached token of its request with
 RoPE key) and the value, so each page is read from HBM once for both products.
 
 Why it is shaped this way. All ``H x q_len`` query rows of a request read the same latent
-stream, so they are the rows (M) of one tensor-core tile: 64 rows a program (16 heads at one
-token fill 16, the rest is padding computed and never stored; 128 heads x 2 tokens are 4
-programs, ``row_blocks``, that read the same pages, mostly from L2). Per step of 64 cached
-tokens (``64 / page_size`` pages):
+stream, so they share one tensor-core tile. On the 64-row tile path they are its rows (M),
+64 a program (16 heads at one token fill 16, the rest is padding computed and never stored;
+128 heads x 2 tokens are 4 programs, ``row_blocks``, that read the same pages, mostly from
+L2); the transposed path (below) makes them the tile's N instead. Per step of 64 cached
+tokens (``64 / page_size`` pages), on the tile path:
 
 - ``logits [64, 64] = q_latent [64, R] @ latent^T + q_rope [64, P] @ rope_key^T`` (two WGMMAs
   into one float32 accumulator), online softmax in float32 and base 2 (``softmax_scale x
@@ -32,16 +33,24 @@ exchange no logits cross shared memory (there is no room: the loop's buffers tak
 227 KiB, below) and the two warpgroups meet at no barrier in a step but the last.
 
 What that costs, per cached token of a request: the useful work is ``H x q_len x 2 x (2R +
-P)`` FLOP (``docs/mla.md``); the kernel executes ``64 x 2 x (2 (R + P) + R)`` FLOP a row block
+P)`` FLOP (``docs/mla.md``); this path executes ``64 x 2 x (2 (R + P) + R)`` FLOP a row block
 (64 rows, the logits twice). At 128 heads x 2-4 tokens (full tiles) that is 1.53x the useful
 work, so at most 65% of the tensor peak can be useful FLOP/s. At 16 heads x 1 token (16 real
-rows of 64) it is 6.1x: streaming the cache at 4.3 TB/s would need 80% of the tensor peak,
-so this regime is likely bound by the tensor cores short of the copy ceiling. Two ways out,
-to be chosen on the measurement (``bench/probes/mla_decode.py``): one warpgroup's softmax
-shared through shared memory (FlashMLA's way; it needs the smem a third stage would), and, for
-``H x q_len <= 64``, the transposed products (keys as the 64 rows M, the query rows as N:
-``S^T = latent @ q^T``, ``o^T = latent^T @ p^T``), which execute only the useful work and hold
-an ``[R, rows]`` accumulator, at the price of softmax reductions across the tile's rows.
+rows of 64) it would be 6.1x: streaming the cache at 4.3 TB/s would need 80% of the tensor
+peak. Hence the second path.
+
+The transposed path (``transposed``; the default for ``H x q_len <= 32`` rows, allowed up to
+64). The keys become the tile's 64 rows (M) and the query rows its N: ``S^T [64, rows] =
+latent [64, R] @ q_latent^T + rope_key @ q_rope^T``, the softmax's statistics along N (its
+reductions across the tile's rows), and ``o^T [R/2, rows] += latent[:, half]^T @ p^T`` in
+each compute warpgroup (the latent slot as a transposed left operand; ``p`` stored transposed,
+``[rows, 64]``, into shared memory, where the 128-byte swizzle of its 64 keys matches the
+latent's). Nothing is padded: at 16 rows it executes 1.53x the useful work (the logits
+twice), 20% of the tensor peak at 4.3 TB/s; the accumulator is ``R/2 x rows / 128`` = 32
+registers a thread at 16 rows; the query tile shrinks to ``rows x (R + P)`` (18 KiB at 16
+rows). Its output leaves the kernel as ``o^T`` (``[W, R, rows]``, transposed back by the
+wrapper, a copy of ``W x rows x R`` floats). Both of its WGMMAs read shared memory only, so
+the interpreter runs the same products the GPU does.
 
 The pipeline (warp specialization, as in JAX's FlashAttention-3 example): a third warpgroup,
 the producer, issues every copy; the two compute warpgroups only wait and compute.

@@ -438,12 +438,12 @@ def test_a_plan_for_another_table_is_refused():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("q_len", [1, 4])
-@pytest.mark.parametrize("num_heads", [16, 128])
+@pytest.mark.parametrize(("q_len", "num_heads"), [(1, 16), (2, 16), (4, 16), (1, 128), (4, 128)])
 @pytest.mark.parametrize("fixed_split_pages", [None, 5])
 def test_compiled_kernel_at_deepseek_sizes(q_len, num_heads, fixed_split_pages):
-    """Compiled (register path), R = 512, P = 64, bfloat16: a ragged batch with scattered
-    pages (up to 1000 tokens), one or four new tokens, unsplit and split every 5 pages."""
+    """Compiled, default paths (transposed at 16 and 32 rows, the 64-row tile with p from
+    registers at 64, 128 and 512), R = 512, P = 64, bfloat16: a ragged batch with scattered
+    pages (up to 1000 tokens), one to four new tokens, unsplit and split every 5 pages."""
     rng = np.random.default_rng(q_len * 1000 + num_heads)
     lens = (1, 16, 17, 0, 45, 64, 65, 1000)
     num_pages = 128
@@ -470,7 +470,7 @@ def test_probe_runs_a_smoke_case(capsys):
 
     assert mla_decode.main(["--smoke"]) == 0
     printed = capsys.readouterr().out
-    assert "kernel ok" in printed and "xla ok" in printed
+    assert "kernel ok" in printed and "kernel.tile ok" in printed and "xla ok" in printed
 
 
 @pytest.mark.skipif(ON_GPU, reason="the interpreter's race detector runs on the CPU")

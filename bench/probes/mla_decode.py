@@ -11,23 +11,28 @@ that the sets exceed the L2 four times, so every call reads from HBM):
 - compute bound: 128 heads, ``q_len`` 2 and 4, B = 64 at 4K. Figure: useful TFLOP/s
   (``2 x B x q_len x H x context x (2R + P)``: logits and output, no padding or duplicated
   work counted) against the bfloat16 dense peak, 989 (the issue asks at least 40%).
-- ``--crossover`` adds H x q_len = 16 x 4, 64 x 1, 128 x 1 at B = 64, 4K, both figures printed,
+- ``--crossover`` adds H x q_len = 16 x 2, 16 x 4, 64 x 1, 128 x 1 at B = 64, 4K, both
+  figures printed,
   to place the change of regime (expected near ``H x q_len`` = 120, ``docs/mla.md``).
 
-Arms: ``kernel`` (``mla_decode_mgpu``, the register path, with the split plan of
-``plan_mla_decode`` and the merge when it splits; the whole call is timed) and ``xla`` (the
+Arms: ``kernel`` (``mla_decode_mgpu`` with its default path: transposed for ``H x q_len <=
+32``, the 64-row tile with ``p`` from registers otherwise; the split plan of
+``plan_mla_decode`` and the merge when it splits; the whole call is timed), ``kernel.tile``
+(the 64-row tile path where the default is the transposed one) and ``xla`` (the
 absorbed formulation written for XLA in bfloat16 with float32 accumulation and softmax: the
 request's pages gathered, two einsums and a softmax; the jitted float32 reference
 ``mla_latent_attention_state``, a ``lax.map`` over requests, is far slower and not a fair
-peer). If the kernel arm fails, ``kernel.psmem.s1`` (p through shared memory, one ring slot)
-is tried in its place. Both are first checked: the kernel against the float32 reference on the case's first
-request (``||o - ref|| / ||ref||`` below 1e-2, LSE within 2e-2), the XLA arm against the
-kernel; an arm that fails to compile or disagrees is reported and not timed. Timing is the
+peer). If the kernel arm fails, ``kernel.psmem.s1`` (the tile path with ``p`` through shared
+memory and one ring slot) is tried in its place. Every arm is first checked: the kernel's
+against the float32 reference on the case's first request (``||o - ref|| / ||ref||`` below
+1e-2, LSE within 2e-2), the XLA arm against the kernel; an arm that fails to compile or
+disagrees is reported and not timed. Timing is the
 suite's (``bench.harness.timing.TimedLoop``).
 
 Usage (GPU): ``PYTHONPATH=. python3 -m bench.probes.mla_decode`` (``--cases mem,compute``,
-``--crossover``, ``--no-xla``). ``--smoke`` runs one tiny case in Mosaic GPU's interpret mode on
-a CPU (``p`` through shared memory): the checks and the code paths, no figures.
+``--crossover``, ``--no-xla``; ``MLA_PROBE_ARGS`` in ``bench/run_on_gpu.sh``). ``--smoke``
+runs one tiny case in Mosaic GPU's interpret mode on a CPU (``p`` through shared memory): the
+checks and the code paths, no figures.
 """
 
 from __future__ import annotations
@@ -42,7 +47,11 @@ import numpy as np
 
 from bench.harness.ceiling import measure_copy_ceiling
 from bench.harness.timing import COLD_L2_FACTOR, H200_L2_BYTES, TimedLoop, expected_us
-from kernels_pallas.mla_decode_mgpu import mla_decode_mgpu, plan_mla_decode
+from kernels_pallas.mla_decode_mgpu import (
+    TRANSPOSED_MAX_AUTO_ROWS,
+    mla_decode_mgpu,
+    plan_mla_decode,
+)
 from paged.mla_cache import LatentCache
 from paged.mla_reference import default_softmax_scale, mla_latent_attention_state
 from paged.page_table import PageTable
@@ -55,11 +64,14 @@ TOLERANCE = 1e-2
 # (num_heads, q_len, batch, context)
 MEMORY_CASES = tuple((16, 1, b, c) for c in (4096, 32768) for b in (1, 16, 64, 128))
 COMPUTE_CASES = ((128, 2, 64, 4096), (128, 4, 64, 4096))
-CROSSOVER_CASES = ((16, 4, 64, 4096), (64, 1, 64, 4096), (128, 1, 64, 4096))
-# Tried when the register path fails to compile or run: p through shared memory, whose extra
-# 16 KiB leave room for one ring slot only.
+CROSSOVER_CASES = tuple((h, q, 64, 4096) for h, q in ((16, 2), (16, 4), (64, 1), (128, 1)))
+# The 64-row tile path where the kernel's default is the transposed one (L x H <= 32).
+TILE_ARM = "kernel.tile"
+# Tried when the default arm fails to compile or run: the tile path with p through shared
+# memory, whose extra 16 KiB leave room for one ring slot only.
 FALLBACK_ARM = "kernel.psmem.s1"
-SMOKE_CASES = ((16, 4, 1, 70),)  # several tokens: the causal rule too
+# Two tokens x 16 heads: the causal rule, and both paths (transposed, the default, and tile).
+SMOKE_CASES = ((16, 2, 1, 70),)
 
 
 def make_case(num_heads, q_len, batch, context, *, max_sets=64, seed=0):
@@ -125,6 +137,7 @@ def decode_step(arm, plan, pages_per_request, interpret):
             plan=plan,
             num_stages=1 if fallback else 2,
             probs_in_smem=interpret or fallback,
+            transposed=False if arm in (TILE_ARM, FALLBACK_ARM) else None,
             interpret=interpret,
         )
 
@@ -165,7 +178,8 @@ def run_case(case, *, interpret, with_xla, ceiling_tbps):
     splits = int(plan.num_work_items) // max(batch, 1)
     kernel_output = None
     failures = 0
-    arms = ["kernel", "xla"] if with_xla else ["kernel"]
+    arms = ["kernel"] + ([TILE_ARM] if q_len * num_heads <= TRANSPOSED_MAX_AUTO_ROWS else [])
+    arms += ["xla"] if with_xla else []
     for arm in arms:
         loop = TimedLoop(decode_step(arm, plan, pages_per_request, interpret), num_sets, operands)
         label = f"{name} {arm:>15}"
