@@ -39,21 +39,23 @@ work, so at most 65% of the tensor peak can be useful FLOP/s. At 16 heads x 1 to
 rows of 64) it would be 6.1x: streaming the cache at 4.3 TB/s would need 80% of the tensor
 peak. Hence the second path.
 
-The transposed path (``transposed``; the default for ``H x q_len <= 32`` rows, allowed up to
-64). The keys become the tile's 64 rows (M) and the query rows its N: ``S^T [64, rows] =
+The transposed path (``transposed``; the default, and allowed, for ``H x q_len <= 32``
+rows). The keys become the tile's 64 rows (M) and the query rows its N: ``S^T [64, rows] =
 latent [64, R] @ q_latent^T + rope_key @ q_rope^T``, the softmax's statistics along N (its
-reductions across the tile's rows), and ``o^T [R/2, rows] += latent[:, half]^T @ p^T`` in
-each compute warpgroup (the latent slot as a transposed left operand; ``p`` stored transposed,
-``[rows, 64]``, into shared memory, where the 128-byte swizzle of its 64 keys matches the
-latent's). Nothing is padded: at 16 rows it executes 1.53x the useful work (the logits
-twice), 20% of the tensor peak at 4.3 TB/s; the accumulator is ``R/2 x rows / 128`` = 32
-registers a thread at 16 rows; the query tile shrinks to ``rows x (R + P)`` (18 KiB at 16
-rows). Its output leaves the kernel as ``o^T`` (``[W, R, rows]``, transposed back by the
-wrapper, a copy of ``W x rows x R`` floats). Both of its WGMMAs read shared memory only, so
-the interpreter runs the same products the GPU does.
+reductions across the tile's rows), and ``o^T [R, rows] += latent^T @ p^T`` (the latent slot
+as a transposed left operand, M = R; ``p`` stored transposed, ``[rows, 64]``, into shared
+memory, where the 128-byte swizzle of its 64 keys matches the latent's). One compute
+warpgroup does it all: its accumulator is ``R x rows / 128`` registers a thread (64 at 16
+rows, 128 at 32), and the reductions across the tile's rows go through the block's one
+shared-memory reduction scratch, which two warpgroups reducing at once would both write.
+Nothing is padded or done twice: at 16 rows it executes exactly the useful work, 13% of the
+tensor peak at 4.3 TB/s; the query tile shrinks to ``rows x (R + P)`` (18 KiB at 16 rows).
+Its output leaves the kernel as ``o^T`` (``[W, R, rows]``, transposed back by the wrapper, a
+copy of ``W x rows x R`` floats). Both of its WGMMAs read shared memory only, so the
+interpreter runs the same products the GPU does.
 
-The pipeline (warp specialization, as in JAX's FlashAttention-3 example): a third warpgroup,
-the producer, issues every copy; the two compute warpgroups only wait and compute.
+The pipeline (warp specialization, as in JAX's FlashAttention-3 example): one more warpgroup,
+the producer, issues every copy; the compute warpgroups only wait and compute.
 
 - Producer: TMA the query tile (``[64, R]`` and ``[64, P]``) and the work item's page numbers
   (windows of ``index_window`` entries into two alternating shared-memory buffers: window
@@ -116,17 +118,25 @@ from kernels_pallas.paged_decode import unsigned_min
 TILE_ROWS = 64  # a WGMMA tile's rows: one warpgroup
 BLOCK_TOKENS = 64  # cached tokens a step: p @ latent contracts over them (128-byte swizzle)
 SWIZZLE_BYTES = 128
-NUM_COMPUTE_WARPGROUPS = 2  # each holds half of the [64, R] float32 accumulator
-PRODUCER = NUM_COMPUTE_WARPGROUPS  # the warpgroup index that issues the copies
+
+
+def num_compute_warpgroups(transposed: bool) -> int:
+    """Compute warpgroups a program: two on the tile path (each holds half of the [64, R]
+    float32 accumulator), one on the transposed path (its [R, rows] accumulator fits, and only
+    one warpgroup may use the block's shared reduction scratch at a time: the softmax's
+    reductions across the tile's rows go through it)."""
+    return 1 if transposed else 2
+
+
 MAX_INDEX_WINDOW = 256  # a TMA box has at most 256 elements a dimension
 SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16)
 SUPPORTED_KV_LORA_RANKS = (128, 256, 512)  # halves of at most 256 columns: a WGMMA's N
 SUPPORTED_ROPE_DIMS = (64, 128)
 SUPPORTED_PAGE_SIZES = (8, 16, 32, 64)  # whole 8-row tiles, a power of two dividing 64
-# The transposed path: its accumulator [R/2, rows] float32 is at most 128 registers a thread
-# (rows <= 64); chosen by default where the 64-row tile would be half padding or more.
-TRANSPOSED_MAX_ROWS = 64
-TRANSPOSED_MAX_AUTO_ROWS = 32
+# The transposed path: its one compute warpgroup's accumulator [R, rows] float32 is at most
+# 128 registers a thread (rows <= 32 at R = 512); chosen wherever it is allowed, where the
+# 64-row tile would be half padding or more.
+TRANSPOSED_MAX_ROWS = 32
 H200_SMEM_PER_PROGRAM_BYTES = 227 * 1024
 # Registers a thread after setmaxnreg: 2 x 232 + 40 = 504 <= 512 (65536 a SM / 128 threads).
 COMPUTE_REGISTERS = 232
@@ -173,7 +183,9 @@ def mla_decode_mgpu_kernel(
     warpgroup = lax.axis_index("wg")
     num_pages, page_size, kv_lora_rank = latent_ref.shape
     rope_dim = rope_key_ref.shape[2]
-    half = kv_lora_rank // NUM_COMPUTE_WARPGROUPS
+    num_compute = num_compute_warpgroups(transposed)
+    producer = num_compute  # the warpgroup index that issues the copies
+    half = kv_lora_rank // num_compute  # the output columns of one compute warpgroup
     columns = pl.ds(pl.multiple_of(warpgroup * half, half), half)  # a compute warpgroup's half
     num_indices = page_indices_ref.shape[0]
     dtype = latent_ref.dtype
@@ -286,7 +298,7 @@ def mla_decode_mgpu_kernel(
         _, q_ready, _, slot_ready, slot_free, tail_sync = buffers
         plgpu.barrier_wait(q_ready.at[0])
         # The logits tile is [query rows, keys] (64 x 64), or transposed [keys, query rows]
-        # (64 x rows); the accumulator [64, R/2], or transposed [R/2, rows]. The softmax's
+        # (64 x rows); the accumulator [64, R/2], or transposed [R, rows]. The softmax's
         # statistics run along the query-row axis, its reductions along the key axis.
         key_axis = 0 if transposed else 1
         row_axis = 1 - key_axis
@@ -356,7 +368,7 @@ def mla_decode_mgpu_kernel(
                 plgpu.commit_smem()
 
             if transposed:
-                # o^T [R/2, rows] += latent[:, half]^T @ p^T: both operands in shared memory,
+                # o^T [R, rows] += latent^T @ p^T: both operands in shared memory,
                 # p stored transposed ([rows, 64], keys minor: the latent's 128-byte swizzle).
                 my_probs = probs_smem.at[warpgroup]
                 my_probs.T[...] = probs.astype(dtype)
@@ -415,12 +427,12 @@ def mla_decode_mgpu_kernel(
         tail_sync, output_sync = syncs
         loop_buffers = (q_latent_smem, q_rope_smem, latent_ring, rope_ring)
 
-        @pl.when(warpgroup == PRODUCER)
+        @pl.when(warpgroup == producer)
         def _():
             plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
             produce(*loop_buffers, (index_buffers, q_ready, index_ready, slot_ready, slot_free))
 
-        @pl.when(warpgroup < PRODUCER)
+        @pl.when(warpgroup < producer)
         def _():
             plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
             out, lse = compute(
@@ -461,12 +473,10 @@ def mla_decode_mgpu_kernel(
             plgpu.wait_smem_to_gmem(0)
 
     if transposed:  # p of each compute warpgroup, [rows, 64] (stored transposed)
-        probs_buffer = plgpu.SMEM(
-            (NUM_COMPUTE_WARPGROUPS, rows, BLOCK_TOKENS), dtype, transforms=transforms
-        )
+        probs_buffer = plgpu.SMEM((num_compute, rows, BLOCK_TOKENS), dtype, transforms=transforms)
     elif probs_in_smem:
         probs_buffer = plgpu.SMEM(
-            (NUM_COMPUTE_WARPGROUPS, TILE_ROWS, BLOCK_TOKENS), dtype, transforms=transforms
+            (num_compute, TILE_ROWS, BLOCK_TOKENS), dtype, transforms=transforms
         )
     else:
         probs_buffer = None
@@ -479,7 +489,7 @@ def mla_decode_mgpu_kernel(
     )
     output_buffers = (
         plgpu.SMEM(
-            (NUM_COMPUTE_WARPGROUPS, *((half, rows) if transposed else (TILE_ROWS, half))),
+            (num_compute, *((half, rows) if transposed else (TILE_ROWS, half))),
             jnp.float32,
         ),
         plgpu.SMEM((rows if transposed else TILE_ROWS,), jnp.float32),
@@ -491,10 +501,10 @@ def mla_decode_mgpu_kernel(
         plgpu.Barrier(num_arrivals=2, num_barriers=1),  # the two query copies
         plgpu.Barrier(num_barriers=2),
         plgpu.Barrier(num_arrivals=2 * pages_per_step, num_barriers=num_stages),
-        plgpu.Barrier(num_arrivals=NUM_COMPUTE_WARPGROUPS, num_barriers=num_stages),
+        plgpu.Barrier(num_arrivals=num_compute, num_barriers=num_stages),
         (
-            plgpu.Barrier(num_arrivals=NUM_COMPUTE_WARPGROUPS, num_barriers=1),
-            plgpu.Barrier(num_arrivals=NUM_COMPUTE_WARPGROUPS, num_barriers=1),
+            plgpu.Barrier(num_arrivals=num_compute, num_barriers=1),
+            plgpu.Barrier(num_arrivals=num_compute, num_barriers=1),
         ),
         collective_axes="wg",
     )
@@ -536,7 +546,12 @@ def smem_bytes_per_program(
         + num_stages * rounded(BLOCK_TOKENS * kv_lora_rank * itemsize)
         + num_stages * rounded(BLOCK_TOKENS * rope_dim * itemsize)
         + (
-            rounded(NUM_COMPUTE_WARPGROUPS * query_rows * BLOCK_TOKENS * itemsize)
+            rounded(
+                num_compute_warpgroups(transposed_rows is not None)
+                * query_rows
+                * BLOCK_TOKENS
+                * itemsize
+            )
             if has_probs
             else 0
         )
@@ -698,9 +713,8 @@ def mla_decode_mgpu_states(
         registers (the 64-row tile); with ``transposed``, ``p`` is always in shared memory and
         this selects how the accumulator is updated (a fresh one added: the interpreter's way).
       transposed: the keys as the tile's 64 rows and the query rows as N (``S^T = latent @
-        q^T``, ``o^T = latent^T @ p^T``), for ``L x H <= 64`` rows; default (None): when ``L x
-        H <= 32`` (``TRANSPOSED_MAX_AUTO_ROWS``), where the 64-row tile would be mostly
-        padding.
+        q^T``, ``o^T = latent^T @ p^T``), for ``L x H <= 32`` rows (``TRANSPOSED_MAX_ROWS``);
+        default (None): wherever allowed (the 64-row tile would be half padding or more).
       interpret: Mosaic GPU's interpreter (needs ``probs_in_smem=True``).
 
     Returns:
@@ -718,11 +732,11 @@ def mla_decode_mgpu_states(
     rope_dim = rope_key_pages.shape[2]
     rows = q_len * num_heads
     if transposed is None:
-        transposed = rows <= TRANSPOSED_MAX_AUTO_ROWS
+        transposed = rows <= TRANSPOSED_MAX_ROWS
     elif transposed not in (True, False) or (transposed and rows > TRANSPOSED_MAX_ROWS):
         raise ValueError(
             f"transposed must be None, False, or True for at most {TRANSPOSED_MAX_ROWS} query "
-            f"rows (its [R/2, rows] float32 accumulator), got {transposed!r} for q_len x "
+            f"rows (its [R, rows] float32 accumulator), got {transposed!r} for q_len x "
             f"num_heads = {rows}"
         )
     _check_launch(
@@ -796,7 +810,7 @@ def mla_decode_mgpu_states(
         # Work items on the last axis (CUDA's x, up to 2^31 - 1 blocks): any plan fits.
         grid=(num_row_blocks, num_work),
         grid_names=("row_block", "work"),
-        num_threads=NUM_COMPUTE_WARPGROUPS + 1,
+        num_threads=num_compute_warpgroups(transposed) + 1,
         thread_name="wg",
         interpret=_interpret_params(interpret),
         kernel_name=f"mla_decode_mgpu_s{num_stages}"

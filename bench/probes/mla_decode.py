@@ -31,8 +31,8 @@ suite's (``bench.harness.timing.TimedLoop``).
 
 Usage (GPU): ``PYTHONPATH=. python3 -m bench.probes.mla_decode`` (``--cases mem,compute``,
 ``--crossover``, ``--no-xla``; ``MLA_PROBE_ARGS`` in ``bench/run_on_gpu.sh``). ``--smoke``
-runs one tiny case in Mosaic GPU's interpret mode on a CPU (``p`` through shared memory): the
-checks and the code paths, no figures.
+runs one tiny case (a 128-wide latent) in Mosaic GPU's interpret mode on a CPU (``p``
+through shared memory): the checks and the code paths, no figures.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ import numpy as np
 from bench.harness.ceiling import measure_copy_ceiling
 from bench.harness.timing import COLD_L2_FACTOR, H200_L2_BYTES, TimedLoop, expected_us
 from kernels_pallas.mla_decode_mgpu import (
-    TRANSPOSED_MAX_AUTO_ROWS,
+    TRANSPOSED_MAX_ROWS,
     mla_decode_mgpu,
     plan_mla_decode,
 )
@@ -74,21 +74,21 @@ FALLBACK_ARM = "kernel.psmem.s1"
 SMOKE_CASES = ((16, 2, 1, 70),)
 
 
-def make_case(num_heads, q_len, batch, context, *, max_sets=64, seed=0):
+def make_case(num_heads, q_len, batch, context, *, max_sets=64, seed=0, kv_lora_rank=KV_LORA_RANK):
     """Operands ``(q_latent, q_rope, latent_pages, rope_key_pages, indices [num_sets, nnz],
     indptr, last_page_len)``, the number of sets, and the cache bytes a set reads."""
     pages_per_request = math.ceil(context / PAGE_SIZE)
     nnz = batch * pages_per_request
-    bytes_per_set = batch * context * (KV_LORA_RANK + ROPE_DIM) * 2
+    bytes_per_set = batch * context * (kv_lora_rank + ROPE_DIM) * 2
     num_sets = max(1, min(max_sets, math.ceil(COLD_L2_FACTOR * H200_L2_BYTES / bytes_per_set)))
     num_pages = num_sets * nnz
     key = jax.random.key(seed)
     keys = jax.random.split(key, 4)
-    latent = jax.random.normal(keys[0], (num_pages, PAGE_SIZE, KV_LORA_RANK), jnp.bfloat16)
+    latent = jax.random.normal(keys[0], (num_pages, PAGE_SIZE, kv_lora_rank), jnp.bfloat16)
     rope_key = jax.random.normal(keys[1], (num_pages, PAGE_SIZE, ROPE_DIM), jnp.bfloat16)
     # Query scale: logits spread over a few units, as a trained model's do.
-    q_latent = jax.random.normal(keys[2], (batch, q_len, num_heads, KV_LORA_RANK), jnp.float32)
-    q_latent = (q_latent * (2.0 / math.sqrt(KV_LORA_RANK) / SOFTMAX_SCALE)).astype(jnp.bfloat16)
+    q_latent = jax.random.normal(keys[2], (batch, q_len, num_heads, kv_lora_rank), jnp.float32)
+    q_latent = (q_latent * (2.0 / math.sqrt(kv_lora_rank) / SOFTMAX_SCALE)).astype(jnp.bfloat16)
     q_rope = jax.random.normal(keys[3], (batch, q_len, num_heads, ROPE_DIM), jnp.bfloat16)
     rng = np.random.default_rng(seed)
     indices = rng.permutation(num_pages).astype(np.int32).reshape(num_sets, nnz)
@@ -104,7 +104,7 @@ def xla_absorbed(q_latent, q_rope, cache, table, pages_per_request):
     the new tokens' causal rule, ``p @ c``. Returns ``(o [B, L, H, R] float32, lse [B, L, H])``."""
     batch, q_len = q_latent.shape[:2]
     pages = table.page_indices[: batch * pages_per_request].reshape(batch, pages_per_request)
-    latent = cache.latent_pages[pages].reshape(batch, -1, KV_LORA_RANK)  # [B, T, R]
+    latent = cache.latent_pages[pages].reshape(batch, -1, cache.kv_lora_rank)  # [B, T, R]
     rope_key = cache.rope_key_pages[pages].reshape(batch, -1, ROPE_DIM)
     logits = jnp.einsum("blhr,btr->blht", q_latent, latent, preferred_element_type=jnp.float32)
     logits += jnp.einsum("blhp,btp->blht", q_rope, rope_key, preferred_element_type=jnp.float32)
@@ -167,8 +167,15 @@ def check_against_reference(o, lse, operands):
 
 def run_case(case, *, interpret, with_xla, ceiling_tbps):
     num_heads, q_len, batch, context = case
+    # The smoke run's latent is 128 wide (the interpreter's time grows with it); the paths
+    # and checks are the same.
     operands, num_sets, bytes_per_set = make_case(
-        num_heads, q_len, batch, context, max_sets=1 if interpret else 64
+        num_heads,
+        q_len,
+        batch,
+        context,
+        max_sets=1 if interpret else 64,
+        kv_lora_rank=128 if interpret else KV_LORA_RANK,
     )
     pages_per_request = math.ceil(context / PAGE_SIZE)
     host_table = PageTable.from_seq_lens([context] * batch, page_size=PAGE_SIZE)
@@ -178,7 +185,7 @@ def run_case(case, *, interpret, with_xla, ceiling_tbps):
     splits = int(plan.num_work_items) // max(batch, 1)
     kernel_output = None
     failures = 0
-    arms = ["kernel"] + ([TILE_ARM] if q_len * num_heads <= TRANSPOSED_MAX_AUTO_ROWS else [])
+    arms = ["kernel"] + ([TILE_ARM] if q_len * num_heads <= TRANSPOSED_MAX_ROWS else [])
     arms += ["xla"] if with_xla else []
     for arm in arms:
         loop = TimedLoop(decode_step(arm, plan, pages_per_request, interpret), num_sets, operands)
