@@ -23,13 +23,13 @@ the latent tile, whose rows are 1 KiB, takes the 128-byte swizzle (it is also th
 operand of ``q @ latent^T``, contracting over R); Mosaic GPU gives both operands of one WGMMA
 one swizzle, so the contraction must be a multiple of 64 elements.
 
-Why two compute warpgroups. The float32 accumulator ``[64, 512]`` is 128 KiB, 256 registers a
+Why two compute warpgroups on the tile path. The float32 accumulator ``[64, 512]`` is 128 KiB, 256 registers a
 thread for one warpgroup of 128 threads: more than a thread may hold (255), before the logits
 and the softmax. So the R output columns are split over two warpgroups: warpgroup ``w``
 accumulates ``o[:, w R/2 : (w + 1) R/2]`` (128 registers a thread at R = 512; a WGMMA's N is
 at most 256, which this also respects). Each warpgroup computes the whole ``[64, 64]`` logits
 and softmax itself (the same numbers in both): the ``q @ latent^T`` WGMMA is done twice, and in
-exchange no logits cross shared memory (there is no room: the loop's buffers take 219 of the
+exchange no logits cross shared memory (there is no room: the loop's buffers take 221 of the
 227 KiB, below) and the two warpgroups meet at no barrier in a step but the last.
 
 What that costs, per cached token of a request: the useful work is ``H x q_len x 2 x (2R +
@@ -57,22 +57,24 @@ interpreter runs the same products the GPU does.
 The pipeline (warp specialization, as in JAX's FlashAttention-3 example): one more warpgroup,
 the producer, issues every copy; the compute warpgroups only wait and compute.
 
-- Producer: TMA the query tile (``[64, R]`` and ``[64, P]``) and the work item's page numbers
+- Producer: TMA the query tile (``[64, R]`` and ``[64, P]``, or the request's rows on the
+  transposed path) and the work item's page numbers
   (windows of ``index_window`` entries into two alternating shared-memory buffers: window
-  ``k + 1`` is copied when window ``k`` starts being used); then for each step, once both
+  ``k + 1`` is copied when window ``k`` starts being used); then for each step, once the
   compute warpgroups have released the step's ring slot (``num_stages`` steps earlier), TMA its
   pages' latents and RoPE keys into the slot, all arriving on the slot's barrier.
 - Compute warpgroup: per step, wait for the slot, compute the logits and softmax, ``p @ its
-  half of the latent``, release the slot. ``num_stages`` slots of ``64 x (R + P)`` tokens (72
-  KiB at R = 512, P = 64, bfloat16) plus the query tile (72 KiB) fill the H200's 227 KiB at
-  two stages (``smem_bytes_per_program``): one program an SM, with one step in flight while
-  the other is computed (more in flight would need a smaller query tile).
+  columns of the latent``, release the slot. ``num_stages`` slots of ``64 x (R + P)`` tokens
+  (72 KiB at R = 512, P = 64, bfloat16) plus the query tile (72 KiB on the tile path) fill the
+  H200's 227 KiB at two stages (``smem_bytes_per_program``): one program an SM, with one step
+  in flight while the other is computed. (The transposed path's 18 KiB query tile at 16 rows
+  leaves 169 KiB: still one program an SM, and still short of a third slot.)
 
 Unused key slots. The final step of a work item may hold the tail of its last page and pages
 past its end (slots of clamped page numbers). Their logits are masked, so their weights are
 exactly 0, but a zero weight times a NaN left in an unused slot is NaN: in that one step the
-two compute warpgroups meet at a barrier (both are done reading the slot's latent for the
-logits), then each zeroes the tail rows of its own column half before ``p @ latent``.
+compute warpgroups meet at a barrier (all are done reading the slot's latent for the
+logits), then each zeroes the tail rows of its own columns before ``p @ latent``.
 
 Several new tokens (``q_len > 1``): rows are token-major (row ``l x H + h``), and row ``r``'s
 token ``l`` sees the keys at positions up to ``seq_len - q_len + l`` of its request (the
@@ -80,11 +82,12 @@ decode kernels' rule; in a split item's numbering, keys below ``seq_len - q_len 
 item_first_position``). A row that sees no key of a step has its weights zeroed.
 
 Output: per work item, the partial state of every real row (``o`` float32 ``[W, R_pad, R]``,
-``lse`` float32 ``[W, R_pad]``, natural log; ``o = 0``, ``lse = -inf`` for a row that saw no
+or ``[W, R, rows]`` on the transposed path, ``lse`` float32 ``[W, R_pad]``, natural log; ``o = 0``, ``lse = -inf`` for a row that saw no
 key), in the order the existing merge (``kernels_pallas/merge_states.py``) reads with every
 query row as its own "KV head" of one query head: ``merge_partial_states(o[:, :rows, None],
-lse[:, :rows, None], merge_indptr, num_q_heads=rows)``. Each compute warpgroup stores its
-column half through shared memory (the loop's buffers, reused: ``plgpu.RefUnion``) by TMA.
+lse[:, :rows, None], merge_indptr, num_q_heads=rows)`` (``merge_row_states``; the wrapper
+returns ``o`` as ``[W, rows, R]``). Each compute warpgroup stores its columns through shared
+memory (the loop's buffers, reused: ``plgpu.RefUnion``) by TMA.
 
 Bounds: a work item's page range is cut to ``page_indices`` and each page number to the pool
 by one unsigned minimum (``kernels_pallas.paged_decode.unsigned_min``); copies past the end of
@@ -95,9 +98,10 @@ is empty). No table can make the kernel read or write outside its arrays.
 Mosaic GPU's interpreter (``interpret=True``) runs the warpgroups, TMA copies, barriers and
 WGMMA with both operands in shared memory; it cannot run a WGMMA whose left operand is in
 registers, nor ``pl.run_state`` accumulators, so ``probs_in_smem=True`` (each compute
-warpgroup stores its ``p`` to shared memory first) is the path the CPU tests run, and the
-default register path runs compiled only (``tests/test_mla_decode_mgpu.py``: lowering on the
-CPU, ``gpu``-marked tests on the H200).
+warpgroup stores its ``p`` to shared memory first, and a fresh accumulator is added each step)
+is the path the CPU tests run; the tile path's default, ``p`` from registers, runs compiled
+only, the transposed path's products are the same in both (``tests/test_mla_decode_mgpu.py``:
+lowering on the CPU, ``gpu``-marked tests on the H200).
 """
 
 from __future__ import annotations
@@ -523,7 +527,8 @@ def smem_bytes_per_program(
     """Shared memory one program allocates, in bytes: the larger of the loop's buffers (query
     tile, ``num_stages`` ring slots of 64 tokens' latents and RoPE keys, ``p`` of both compute
     warpgroups when it goes through shared memory) and the epilogue's (``o`` of 64 rows in
-    float32, the LSE), which reuse the same memory, plus the index windows and the barriers.
+    float32, the LSE), which reuse the same memory, plus the index windows, the barriers and
+    the reduction scratch.
     Buffers are counted rounded up to 1 KiB (the 128-byte swizzle's alignment).
     ``transposed_rows``: the query rows of the transposed path (its query tile, ``p`` and
     output hold that many rows, not 64), or None for the 64-row tile.
@@ -531,7 +536,7 @@ def smem_bytes_per_program(
     Example:
       >>> import jax.numpy as jnp
       >>> smem_bytes_per_program(512, 64, jnp.bfloat16, num_stages=2) // 1024
-      219
+      221
     """
     itemsize = jnp.dtype(dtype).itemsize
 
@@ -558,7 +563,10 @@ def smem_bytes_per_program(
     )
     epilogue = rounded(query_rows * kv_lora_rank * 4) + rounded(query_rows * 4)
     barriers = rounded(8 * (1 + 2 + 2 * num_stages + 2))
-    return max(loop, epilogue) + rounded(2 * index_window * 4) + barriers
+    # Pallas reserves a scratch for reductions whenever a kernel reduces (CompilerParams'
+    # reduction_scratch_bytes, 2 KiB by default).
+    reduction_scratch = 2048
+    return max(loop, epilogue) + rounded(2 * index_window * 4) + barriers + reduction_scratch
 
 
 def _check_dtype_and_shapes(q_latent, q_rope, latent_pages, rope_key_pages) -> None:
@@ -858,9 +866,10 @@ def merge_row_states(o, lse, merge_indptr, *, interpret=False):
 
 def plan_mla_decode(page_table, num_heads: int, q_len: int = 1, *, fixed_split_pages=None):
     """The split-KV plan for this kernel: ``paged.plan_decode`` with the kernel's program count
-    (``ceil(q_len x H / 64)`` programs a work item, one program an SM: its ~219 KiB of shared
-    memory) and chunks of at least 256 tokens (4 steps), so a split pays its merge only where
-    the batch leaves SMs idle."""
+    (``ceil(q_len x H / 64)`` programs a work item, one program an SM: 169 to 221 KiB of
+    shared memory each, ``smem_bytes_per_program``) and chunks of at least 256 tokens (4
+    steps), so a split pays its merge only where the batch leaves SMs idle. (``plan_decode``'s
+    ``head_dim`` only selects tuned defaults that the explicit grid and chunk replace.)"""
     from kernels_pallas.paged_decode_tuning import num_sms
     from paged.plan import plan_decode  # the wrapper's one upward import (see mla_decode_mgpu)
 
