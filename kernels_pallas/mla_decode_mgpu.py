@@ -190,7 +190,7 @@ def mla_decode_mgpu_kernel(
     num_compute = num_compute_warpgroups(transposed)
     producer = num_compute  # the warpgroup index that issues the copies
     half = kv_lora_rank // num_compute  # the output columns of one compute warpgroup
-    columns = pl.ds(pl.multiple_of(warpgroup * half, half), half)  # a compute warpgroup's half
+    columns = pl.ds(pl.multiple_of(warpgroup * half, half), half)  # a compute warpgroup's
     num_indices = page_indices_ref.shape[0]
     dtype = latent_ref.dtype
     rows = q_len * num_heads  # a request's query rows
@@ -275,7 +275,7 @@ def mla_decode_mgpu_kernel(
 
             @pl.when(step >= num_stages)
             def _():
-                plgpu.barrier_wait(slot_free.at[slot])  # both compute warpgroups are done
+                plgpu.barrier_wait(slot_free.at[slot])  # the compute warpgroups are done
 
             for page in range(pages_per_step):
                 # A bad index reads a wrong page, never past the pool (one unsigned minimum).
@@ -298,7 +298,7 @@ def mla_decode_mgpu_kernel(
         lax.fori_loop(jnp.maximum(num_steps - num_stages, 0), num_steps, drain, None)
 
     def compute(q_latent_smem, q_rope_smem, latent_ring, rope_ring, probs_smem, buffers):
-        """A compute warpgroup: the online softmax over every step, its column half of o."""
+        """A compute warpgroup: the online softmax over every step, its columns of o."""
         _, q_ready, _, slot_ready, slot_free, tail_sync = buffers
         plgpu.barrier_wait(q_ready.at[0])
         # The logits tile is [query rows, keys] (64 x 64), or transposed [keys, query rows]
@@ -361,14 +361,19 @@ def mla_decode_mgpu_kernel(
             @pl.when(valid_rows < BLOCK_TOKENS)
             def _():
                 # The item's last step: zero the latent rows past its end (NaN x 0 is NaN) in
-                # this warpgroup's half, once both have read the whole slot for the logits.
+                # this warpgroup's columns, once all have read the whole slot for the logits.
                 plgpu.barrier_arrive(tail_sync.at[0])
                 plgpu.barrier_wait(tail_sync.at[0])
-                mine = latent.at[:, columns]
-                layout = plgpu.Layout.SMEM_GMEM_COPY((BLOCK_TOKENS, half), dtype, SWIZZLE_BYTES)
-                values = plgpu.load(mine, layout=layout)
-                key = plgpu.broadcasted_iota(jnp.int32, (BLOCK_TOKENS, half), 0, layout=layout)
-                mine[...] = jnp.where(key < valid_rows, values, jnp.zeros_like(values))
+                # In chunks of at most 256 columns (64 registers a thread each): the whole
+                # [64, 512] of the transposed path's one warpgroup would be 128 more.
+                chunk = min(half, 256)
+                layout = plgpu.Layout.SMEM_GMEM_COPY((BLOCK_TOKENS, chunk), dtype, SWIZZLE_BYTES)
+                for c in range(half // chunk):
+                    first = pl.multiple_of(warpgroup * half + c * chunk, chunk)
+                    mine = latent.at[:, pl.ds(first, chunk)]
+                    values = plgpu.load(mine, layout=layout)
+                    key = plgpu.broadcasted_iota(jnp.int32, (BLOCK_TOKENS, chunk), 0, layout=layout)
+                    mine[...] = jnp.where(key < valid_rows, values, jnp.zeros_like(values))
                 plgpu.commit_smem()
 
             if transposed:
