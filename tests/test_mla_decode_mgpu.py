@@ -1,9 +1,10 @@
 """The Mosaic GPU MLA absorbed-decode kernel against ``mla_latent_attention_state`` in float64.
 
 On a CPU the kernel runs in Mosaic GPU's interpreter with ``p`` through shared memory
-(``probs_in_smem=True``, the only path the interpreter runs), on tiny shapes (R = 128, 16 heads
-padded to a 64-row tile); the default register path is lowered for CUDA here and runs compiled
-at DeepSeek's sizes in the ``gpu``-marked tests. Error measure: ``||out - ref|| / ||ref||``
+(``probs_in_smem=True``, the only way the interpreter runs), on tiny shapes (R = 128; 16 heads
+x 1 or 2 tokens on the transposed path, 16 heads x 4 and 8 x 9 on the 64-row tile); the tile
+path's register variant is lowered for CUDA here, and every path runs compiled at DeepSeek's
+sizes in the ``gpu``-marked tests (and compiled, at these shapes, in all the others on a GPU). Error measure: ``||out - ref|| / ||ref||``
 against the reference in float64 on the same bfloat16-rounded inputs, below 1e-2 (testing.md).
 """
 
