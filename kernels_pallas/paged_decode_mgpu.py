@@ -99,13 +99,24 @@ MAX_INDEX_WINDOW = 256  # a TMA box has at most 256 elements a dimension
 PAGE_SIZE = 16  # the WGMMA K dimension of p @ V is one page
 SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16)
 SUPPORTED_HEAD_DIMS = (64, 128)
+PIPELINES = ("emit", "ring")  # emit_pipeline (one WGMMA pair a page) or the hand-written ring
+RING_PAGES_PER_STEP = (1, 2, 4, 8, 16)  # the ring's step: one WGMMA of N = 16 to 256 keys
+H200_SMEM_PER_PROGRAM_BYTES = 227 * 1024  # the most one block may allocate (sm_90)
+H200_SMEM_PER_SM_BYTES = 228 * 1024
+
+
+def _swizzle_bytes(minor_elements: int, dtype) -> int:
+    """The widest shared-memory swizzle (32, 64 or 128 bytes) for a minor dimension of
+    ``minor_elements``: 128 for q and K (head_dim), and for ``p @ V`` the bytes of its K
+    dimension (the step's keys): 32 for one 16-token page, 64 for two, 128 from four up (both
+    operands of one WGMMA share the swizzle)."""
+    return min(128, minor_elements * jnp.dtype(dtype).itemsize)
 
 
 def _transforms(minor_elements: int, dtype) -> tuple:
     """Shared-memory tiling and swizzle for a WGMMA operand whose minor dimension has
-    ``minor_elements``: 8-row tiles as wide as the swizzle (128 bytes for q and K, whose minor
-    dimension is head_dim; 32 bytes for p and V of a 16-token page, the K of ``p @ V``)."""
-    swizzle = min(128, minor_elements * jnp.dtype(dtype).itemsize)
+    ``minor_elements``: 8-row tiles as wide as the swizzle (``_swizzle_bytes``)."""
+    swizzle = _swizzle_bytes(minor_elements, dtype)
     return (
         plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)),
         plgpu.SwizzleTransform(swizzle),
@@ -147,6 +158,7 @@ def paged_decode_mgpu_kernel(
     sm_scale: float,
     write_final: bool,
     probs_in_smem: bool,
+    pipeline: str,
 ):
     if q_len > 1:
         page_indptr_ref, request_last_page_len_ref, *refs = refs
@@ -191,8 +203,12 @@ def paged_decode_mgpu_kernel(
             group_size=group_size,
         )
 
+    ring = pipeline == "ring"
+    # Keys of one WGMMA pair: a page (emit_pipeline: one pair a page), or the step's pages side
+    # by side (the ring: one pair a step).
+    pair_tokens = pages_per_step * page_size if ring else page_size
     k_transforms = _transforms(head_dim, dtype)
-    v_transforms = _transforms(page_size, dtype)
+    v_transforms = _transforms(pair_tokens, dtype)
 
     def copy_index_window(window, buffers, barriers):
         slot = lax.rem(window, 2)
@@ -202,7 +218,74 @@ def paged_decode_mgpu_kernel(
             barriers.at[slot],
         )
 
-    def scoped(q_smem, probs_smem, index_buffers, q_barrier, index_barriers):
+    def stream_ring(state, q_smem, probs_smem, index_buffers, index_barriers, rings):
+        """The item's pages through the hand-written ring: ``num_stages`` slots, each the K (and
+        the V) of one step's ``pages_per_step`` pages side by side, ``[pair_tokens, D]``, one
+        barrier a slot (``2 x pages_per_step`` copies arrive on it). One loop over all the
+        item's steps: the index windows are fetched ahead inside it, so nothing drains
+        between windows."""
+        k_ring, v_ring, ready = rings
+        num_steps = pl.cdiv(num_item_pages, pages_per_step)
+
+        def issue(step):
+            # Step `step`'s page numbers: entries offset .. of window `window`, held in buffer
+            # window % 2. The first step of a window waits for that window's copy, then starts
+            # the next window's into the other buffer, whose entries were all issued by then
+            # (steps are issued in order).
+            window = lax.div(step, steps_per_window)
+            offset = (step - window * steps_per_window) * pages_per_step
+            buffer = lax.rem(window, 2)
+
+            @pl.when(offset == 0)
+            def _():
+                plgpu.barrier_wait(index_barriers.at[buffer])
+
+                @pl.when(window + 1 < num_windows)
+                def _():
+                    copy_index_window(window + 1, index_buffers, index_barriers)
+
+            slot = lax.rem(step, num_stages)
+            for page in range(pages_per_step):
+                # A bad index reads a wrong page, never past the pool (one unsigned minimum).
+                number = unsigned_min(index_buffers[buffer, offset + page], num_pages - 1)
+                rows = pl.ds(page * page_size, page_size)
+                for pages_ref, ring_ref in ((k_pages_ref, k_ring), (v_pages_ref, v_ring)):
+                    plgpu.copy_gmem_to_smem(
+                        pages_ref.at[number, kv_head], ring_ref.at[slot, rows], ready.at[slot]
+                    )
+
+        lax.fori_loop(0, jnp.minimum(num_steps, num_stages), lambda step, _: issue(step), None)
+
+        def step_body(step, state):
+            slot = lax.rem(step, num_stages)
+            plgpu.barrier_wait(ready.at[slot])
+            state = _attend_step(
+                state,
+                q_smem,
+                probs_smem,
+                [k_ring.at[slot]],
+                [v_ring.at[slot]],
+                first_key=step * pair_tokens,
+                num_tokens=num_tokens,
+                causal=causal,
+                logit_scale_log2=logit_scale_log2,
+                logits_soft_cap=logits_soft_cap,
+                sm_scale=sm_scale,
+                probs_in_smem=probs_in_smem,
+                dtype=dtype,
+            )
+
+            # The step's WGMMAs have finished reading the slot (their results are in
+            # registers): refill it with the step num_stages ahead.
+            @pl.when(step + num_stages < num_steps)
+            def _():
+                issue(step + num_stages)
+
+            return state
+
+        return lax.fori_loop(0, num_steps, step_body, state)
+
+    def scoped(q_smem, probs_smem, index_buffers, q_barrier, index_barriers, *rings):
         # The query tile: 64 rows from the 8-row tile boundary at or before this KV head's first
         # row (a tiled copy starts on a tile), so the head's R = q_len x G rows are rows
         # row_offset .. row_offset + R - 1; the others belong to other heads (or lie past q's
@@ -285,13 +368,23 @@ def paged_decode_mgpu_kernel(
             ),
             plgpu.layout_cast(jnp.zeros((TILE_ROWS,), jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
         )
+        if ring:
+            return stream_ring(state, q_smem, probs_smem, index_buffers, index_barriers, rings)
         return lax.fori_loop(0, num_windows, window_body, state)
 
+    pairs_per_step = 1 if ring else pages_per_step
     probs_scratch = (
-        plgpu.SMEM((pages_per_step, TILE_ROWS, page_size), dtype, transforms=v_transforms)
+        plgpu.SMEM((pairs_per_step, TILE_ROWS, pair_tokens), dtype, transforms=v_transforms)
         if probs_in_smem
         else None
     )
+    ring_scratch = ()
+    if ring:
+        ring_scratch = (
+            plgpu.SMEM((num_stages, pair_tokens, head_dim), dtype, transforms=k_transforms),
+            plgpu.SMEM((num_stages, pair_tokens, head_dim), dtype, transforms=v_transforms),
+            plgpu.Barrier(num_arrivals=2 * pages_per_step, num_barriers=num_stages),
+        )
     acc, running_max, running_sum = pl.run_scoped(
         scoped,
         plgpu.SMEM((TILE_ROWS, head_dim), dtype, transforms=k_transforms),
@@ -299,6 +392,7 @@ def paged_decode_mgpu_kernel(
         plgpu.SMEM((2, index_window), jnp.int32),
         plgpu.Barrier(num_barriers=1),
         plgpu.Barrier(num_barriers=2),
+        *ring_scratch,
     )
 
     # finish: the normalized output and the natural-log LSE; a row that saw no key gets o = 0
@@ -357,14 +451,17 @@ def _attend_step(
     probs_in_smem,
     dtype,
 ):
-    """One pipeline step: the online-softmax update over ``len(k_slots)`` pages in SMEM.
+    """One pipeline step: the online-softmax update over ``len(k_slots)`` key blocks in SMEM,
+    one ``q @ K^T`` and one ``p @ V`` WGMMA a block: each block a page (``emit_pipeline``, one
+    slot a page) or the step's pages side by side (the ring, one ``[pages_per_step x
+    page_size, D]`` slot a step, so one block and larger matmuls). One running max a step.
 
     ``causal`` (several new tokens) holds ``base``, ``row_offset`` and ``group_size``: tile row
     ``r`` is token ``(r - row_offset) // group_size`` and sees the item's keys below ``base``
     plus its token; None for one new token (every key of the item is visible)."""
     acc, running_max, running_sum = state
-    pages_per_step = len(k_slots)
-    page_size = k_slots[0].shape[0]
+    num_blocks = len(k_slots)
+    block_tokens = k_slots[0].shape[0]
     head_dim = acc.shape[1]
 
     def qk(*accumulators):
@@ -372,31 +469,33 @@ def _attend_step(
             plgpu.wgmma(accumulator, q_smem, k_slot.T)
         return [accumulator[...] for accumulator in accumulators]
 
-    logits = pl.run_scoped(qk, *[plgpu.ACC((TILE_ROWS, page_size), jnp.float32)] * pages_per_step)
-    column = plgpu.broadcasted_iota(jnp.int32, (TILE_ROWS, page_size), 1, layout=plgpu.Layout.WGMMA)
+    logits = pl.run_scoped(qk, *[plgpu.ACC((TILE_ROWS, block_tokens), jnp.float32)] * num_blocks)
+    column = plgpu.broadcasted_iota(
+        jnp.int32, (TILE_ROWS, block_tokens), 1, layout=plgpu.Layout.WGMMA
+    )
     visible_keys = num_tokens
     if causal is not None:
         row = plgpu.broadcasted_iota(
-            jnp.int32, (TILE_ROWS, page_size), 0, layout=plgpu.Layout.WGMMA
+            jnp.int32, (TILE_ROWS, block_tokens), 0, layout=plgpu.Layout.WGMMA
         )
         group = causal["group_size"]
         # (r - row_offset) // G with a non-negative numerator (truncating division = floor).
         token = lax.div(row + (8 * group - causal["row_offset"]), jnp.int32(group)) - 8
-        visible_keys = jnp.minimum(causal["base"] + token, num_tokens)  # [64, page_size]
+        visible_keys = jnp.minimum(causal["base"] + token, num_tokens)  # [64, block_tokens]
     masked_logits, visible = [], []
-    for page, page_logits in enumerate(logits):
+    for block, block_logits in enumerate(logits):
         if logits_soft_cap is None:
-            page_logits = page_logits * logit_scale_log2
+            block_logits = block_logits * logit_scale_log2
         else:
-            page_logits = (
-                logits_soft_cap * jnp.tanh(page_logits * (sm_scale / logits_soft_cap)) * LOG2_E
+            block_logits = (
+                logits_soft_cap * jnp.tanh(block_logits * (sm_scale / logits_soft_cap)) * LOG2_E
             )
-        key = column + (first_key + page * page_size)
+        key = column + (first_key + block * block_tokens)
         visible.append(key < visible_keys)
-        masked_logits.append(jnp.where(visible[-1], page_logits, MASKED_LOGIT))
+        masked_logits.append(jnp.where(visible[-1], block_logits, MASKED_LOGIT))
     new_max = running_max
-    for page_logits in masked_logits:
-        new_max = jnp.maximum(new_max, page_logits.max(axis=1))
+    for block_logits in masked_logits:
+        new_max = jnp.maximum(new_max, block_logits.max(axis=1))
     correction = jnp.exp2(running_max - new_max)
     probs = [jnp.exp2(x - _row_broadcast(new_max, x.shape)) for x in masked_logits]
     if causal is not None:
@@ -405,40 +504,42 @@ def _attend_step(
         # only ever follows a real one in the item (online_softmax.py's argument), so no select.
         probs = [jnp.where(v, p, 0.0) for v, p in zip(visible, probs, strict=True)]
     running_sum = running_sum * correction
-    for page_probs in probs:
-        running_sum = running_sum + page_probs.sum(axis=1)
+    for block_probs in probs:
+        running_sum = running_sum + block_probs.sum(axis=1)
 
     # A zero weight times a NaN in an unused slot is still NaN: zero the V rows of keys past the
     # item's end (the last page's tail, slots past the last page) before p @ V. Only the item's
     # last step has any.
-    for page, v_slot in enumerate(v_slots):
-        valid_rows = num_tokens - (first_key + page * page_size)
+    for block, v_slot in enumerate(v_slots):
+        valid_rows = num_tokens - (first_key + block * block_tokens)
 
-        @pl.when(valid_rows < page_size)
+        @pl.when(valid_rows < block_tokens)
         def _(v_slot=v_slot, valid_rows=valid_rows):
-            layout = plgpu.Layout.SMEM_GMEM_COPY((page_size, head_dim), dtype, 32)
+            layout = plgpu.Layout.SMEM_GMEM_COPY(
+                (block_tokens, head_dim), dtype, _swizzle_bytes(block_tokens, dtype)
+            )
             values = plgpu.load(v_slot, layout=layout)
-            row = plgpu.broadcasted_iota(jnp.int32, (page_size, head_dim), 0, layout=layout)
+            row = plgpu.broadcasted_iota(jnp.int32, (block_tokens, head_dim), 0, layout=layout)
             v_slot[...] = jnp.where(row < valid_rows, values, jnp.zeros_like(values))
             plgpu.commit_smem()
 
     acc = acc * _row_broadcast(correction, acc.shape)
     if probs_in_smem:
-        for page, page_probs in enumerate(probs):
-            probs_smem[page] = page_probs.astype(dtype)
+        for block, block_probs in enumerate(probs):
+            probs_smem[block] = block_probs.astype(dtype)
         plgpu.commit_smem()
 
         def pv(accumulator):
-            for page, v_slot in enumerate(v_slots):
-                plgpu.wgmma(accumulator, probs_smem.at[page], v_slot)
+            for block, v_slot in enumerate(v_slots):
+                plgpu.wgmma(accumulator, probs_smem.at[block], v_slot)
             return accumulator[...]
 
         acc = acc + pl.run_scoped(pv, plgpu.ACC((TILE_ROWS, head_dim), jnp.float32))
     else:
 
         def pv_from_registers(accumulator):
-            for page_probs, v_slot in zip(probs, v_slots, strict=True):
-                plgpu.wgmma(accumulator, page_probs.astype(dtype), v_slot)
+            for block_probs, v_slot in zip(probs, v_slots, strict=True):
+                plgpu.wgmma(accumulator, block_probs.astype(dtype), v_slot)
 
         acc = pl.run_state(pv_from_registers)(plgpu.ACC.init(acc))
     return acc, new_max, running_sum
@@ -473,6 +574,7 @@ def _runs_in_32_bits_also_interpreted(jitted):
         "num_stages",
         "index_window",
         "probs_in_smem",
+        "pipeline",
         "interpret",
     ),
 )
@@ -495,6 +597,7 @@ def paged_decode_mgpu(
     num_stages: int = 4,
     index_window: int = MAX_INDEX_WINDOW,
     probs_in_smem: bool = False,
+    pipeline: str = "emit",
     interpret: bool | plgpu.InterpretGPUParams = False,
 ):
     """Runs the Mosaic GPU decode kernel over a list of work items (HND layout).
@@ -520,12 +623,22 @@ def paged_decode_mgpu(
         G + g`` token ``l``, head ``g``, as the Triton kernel writes them for
         ``merge_partial_states(..., num_q_heads=L * H)`` (rows past ``L * G`` are padding and
         are left unwritten here).
-      pages_per_step: pages of K and of V a pipeline step copies and computes (static).
-      num_stages: pipeline steps in flight (``emit_pipeline``'s ``max_concurrent_steps``).
+      pages_per_step: pages of K and of V a pipeline step copies and computes (static); with
+        ``pipeline="ring"`` 1, 2, 4, 8 or 16 (one WGMMA over the step's keys: N of ``q @ K^T``
+        at most 256).
+      num_stages: pipeline steps in flight (``emit_pipeline``'s ``max_concurrent_steps``, or
+        the ring's slots). The K and V slots of ``num_stages x pages_per_step`` pages must fit
+        the H200's shared memory with the rest (``smem_bytes_per_program``).
       index_window: page numbers copied to shared memory at once (a multiple of 4 and of
         ``pages_per_step``, at most 256).
       probs_in_smem: store the softmax weights to shared memory before ``p @ V`` (runs in
         interpret mode); False feeds them from registers (compiled only).
+      pipeline: how pages reach shared memory. ``"emit"``: ``plgpu.emit_pipeline``, one slot
+        (and one ``q @ K^T``, ``p @ V`` WGMMA pair, and one softmax update) a page, restarted
+        every ``index_window`` pages. ``"ring"``: a hand-written ring of ``num_stages`` slots,
+        each holding a step's pages side by side (``[pages_per_step x page_size, D]``), so one
+        WGMMA pair over ``pages_per_step x 16`` keys and one softmax update a step, and one
+        loop over the item's steps that fetches the next index window ahead (no drain).
       interpret: run in Mosaic GPU's interpret mode (CPU); needs ``probs_in_smem=True``. A
         ``plgpu.InterpretGPUParams`` sets the interpreter's options (its race detector).
 
@@ -537,7 +650,16 @@ def paged_decode_mgpu(
         missing table for ``L > 1`` (naming the argument and its value).
     """
     validate_mgpu_decode_arguments(
-        q, k_pages, v_pages, pages_per_step, num_stages, index_window, probs_in_smem, interpret
+        q,
+        k_pages,
+        v_pages,
+        pages_per_step,
+        num_stages,
+        index_window,
+        probs_in_smem,
+        interpret,
+        pipeline=pipeline,
+        write_final=write_final,
     )
     q_len = 1 if q.ndim == 3 else q.shape[1]
     batch, num_q_heads, head_dim = q.shape[0], q.shape[-2], q.shape[-1]
@@ -586,6 +708,7 @@ def paged_decode_mgpu(
             sm_scale=sm_scale,
             write_final=write_final,
             probs_in_smem=probs_in_smem,
+            pipeline=pipeline,
         )
         # Rows grouped by (request, KV head), token-major inside: q's own order for one token,
         # a small copy of q otherwise (the Triton kernel's row order).
@@ -600,7 +723,7 @@ def paged_decode_mgpu(
             grid=(num_kv_heads, num_work),
             grid_names=("kv_head", "work"),
             interpret=_interpret_params(interpret),
-            kernel_name=f"paged_decode_mgpu_p{pages_per_step}_s{num_stages}"
+            kernel_name=f"paged_decode_mgpu_{pipeline}_p{pages_per_step}_s{num_stages}"
             + ("_psmem" if probs_in_smem else "_preg")
             + (f"_q{q_len}" if q_len > 1 else "")
             + ("_final" if write_final else "_partial"),
@@ -651,8 +774,70 @@ def max_query_len(group_size: int) -> int:
     return max(fits, default=0)
 
 
+def smem_bytes_per_program(
+    head_dim: int,
+    dtype,
+    *,
+    pages_per_step: int,
+    num_stages: int,
+    index_window: int = MAX_INDEX_WINDOW,
+    probs_in_smem: bool = False,
+    pipeline: str = "emit",
+    write_final: bool = False,
+    page_size: int = PAGE_SIZE,
+) -> int:
+    """Shared memory one program allocates, in bytes, at its peak (the main loop; the epilogue's
+    buffers replace the loop's). Each buffer is counted rounded up to 1 KiB, the alignment a
+    128-byte swizzle needs; barriers 8 bytes each, rounded up likewise.
+
+    The loop holds the query tile ``[64, D]``, the K and V slots of ``num_stages x
+    pages_per_step`` pages (both pipelines allocate the same), ``p`` when it goes through
+    shared memory, the two index windows, and the barriers. The epilogue holds ``o``'s 64 rows
+    (float32 for partial states) and 64 LSE values.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> smem_bytes_per_program(128, jnp.bfloat16, pages_per_step=4, num_stages=3) // 1024
+      115
+    """
+    itemsize = jnp.dtype(dtype).itemsize
+
+    def rounded(n: int) -> int:
+        return -(-n // 1024) * 1024
+
+    pair_tokens = pages_per_step * page_size if pipeline == "ring" else page_size
+    pairs_per_step = 1 if pipeline == "ring" else pages_per_step
+    kv_slot = rounded(pages_per_step * page_size * head_dim * itemsize)
+    loop = (
+        rounded(TILE_ROWS * head_dim * itemsize)
+        + 2 * num_stages * kv_slot
+        + (rounded(pairs_per_step * TILE_ROWS * pair_tokens * itemsize) if probs_in_smem else 0)
+        + rounded(2 * index_window * 4)
+        + rounded(8 * (3 + num_stages))
+    )
+    out_itemsize = itemsize if write_final else 4
+    epilogue = rounded(TILE_ROWS * head_dim * out_itemsize) + rounded(TILE_ROWS * 4)
+    return max(loop, epilogue)
+
+
+def programs_per_sm(smem_bytes: int) -> int:
+    """Programs of ``smem_bytes`` that fit one H200 SM's shared memory at once (its 228 KiB,
+    1 KiB of which CUDA reserves per block); registers may allow fewer."""
+    return H200_SMEM_PER_SM_BYTES // (smem_bytes + 1024)
+
+
 def validate_mgpu_decode_arguments(
-    q, k_pages, v_pages, pages_per_step, num_stages, index_window, probs_in_smem, interpret
+    q,
+    k_pages,
+    v_pages,
+    pages_per_step,
+    num_stages,
+    index_window,
+    probs_in_smem,
+    interpret,
+    *,
+    pipeline="emit",
+    write_final=False,
 ) -> None:
     """Raises ValueError for what ``paged_decode_mgpu`` cannot run, naming the value."""
     if q.ndim not in (3, 4):
@@ -703,6 +888,31 @@ def validate_mgpu_decode_arguments(
         raise ValueError(
             f"index_window must be a multiple of 4 and of pages_per_step={pages_per_step}, at "
             f"most {MAX_INDEX_WINDOW}, got {index_window}"
+        )
+    if pipeline not in PIPELINES:
+        raise ValueError(f"pipeline must be one of {PIPELINES}, got {pipeline!r}")
+    if pipeline == "ring" and pages_per_step not in RING_PAGES_PER_STEP:
+        raise ValueError(
+            f"pages_per_step must be one of {RING_PAGES_PER_STEP} with pipeline='ring' (one "
+            f"WGMMA over the step's keys: a power of two, at most 256 keys), got {pages_per_step}"
+        )
+    smem_bytes = smem_bytes_per_program(
+        head_dim,
+        q.dtype,
+        pages_per_step=pages_per_step,
+        num_stages=num_stages,
+        index_window=index_window,
+        probs_in_smem=probs_in_smem,
+        pipeline=pipeline,
+        write_final=write_final,
+        page_size=page_size,
+    )
+    if smem_bytes > H200_SMEM_PER_PROGRAM_BYTES:
+        raise ValueError(
+            f"num_stages={num_stages} with pages_per_step={pages_per_step} needs "
+            f"{smem_bytes / 1024:.0f} KiB of shared memory a program (head_dim={head_dim}), over "
+            f"the H200's {H200_SMEM_PER_PROGRAM_BYTES // 1024} KiB: lower num_stages or "
+            "pages_per_step"
         )
     if interpret and not probs_in_smem:
         raise ValueError(
