@@ -19,7 +19,12 @@ import pytest
 import paged
 from kernels_pallas.merge_states import merge_partial_states
 from kernels_pallas.paged_decode import paged_decode, partial_rows, token_major
-from kernels_pallas.paged_decode_mgpu import paged_decode_mgpu
+from kernels_pallas.paged_decode_mgpu import (
+    H200_SMEM_PER_PROGRAM_BYTES,
+    paged_decode_mgpu,
+    programs_per_sm,
+    smem_bytes_per_program,
+)
 from paged.attention_reference import decode_attention_reference
 from tests.conftest import ON_GPU
 from tests.test_paged_decode_kernel import make_inputs, reference64, relative_error
@@ -103,8 +108,11 @@ def check_against_reference(o, lse, q, cache, table, lens, soft_cap=None):
 
 
 def make_plan(table, num_q_heads, head_dim, split):
-    if split == "fixed2":  # partial states: 2-page chunks, merged
-        return paged.plan_decode(table, num_q_heads, NUM_KV_HEADS, head_dim, fixed_split_pages=2)
+    if split in ("fixed2", "fixed8"):  # partial states: 2- or 8-page chunks, merged
+        pages = int(split.removeprefix("fixed"))
+        return paged.plan_decode(
+            table, num_q_heads, NUM_KV_HEADS, head_dim, fixed_split_pages=pages
+        )
     if split == "planner":
         return paged.plan_decode(table, num_q_heads, NUM_KV_HEADS, head_dim)
     plan = paged.plan_decode(table, num_q_heads, NUM_KV_HEADS, head_dim, max_grid=1)
@@ -162,6 +170,45 @@ def test_kernel_matches_reference_and_triton(
         np.testing.assert_allclose(ours_lse, theirs_lse, atol=1e-4)
 
 
+# The ring (pipeline="ring") on RAGGED_LENS and a 300-token request (19 pages: more steps than
+# slots, so slots are refilled): (group, dtype, split, soft cap, pages_per_step, num_stages,
+# index_window). Partial outputs of 8-page chunks (four steps on two slots); one step a 4-entry
+# window with more slots than a window's steps (the next window is fetched while the ring
+# still holds the last one's pages); one page a step across five windows; eight pages a step
+# (one 128-key WGMMA; the 100-token request in one step, its tail and the slots past it masked).
+RING_LENS = (*RAGGED_LENS, 300)
+RING_CONFIGS = [
+    (1, jnp.bfloat16, "fixed8", None, 2, 2, 256),
+    (4, jnp.float16, "no_split", 5.0, 4, 3, 4),
+    (3, jnp.bfloat16, "no_split", None, 1, 3, 4),
+    (8, jnp.bfloat16, "planner", None, 8, 2, 256),
+]
+
+
+@pytest.mark.parametrize("probs_in_smem", PROBS_PATHS)
+@pytest.mark.parametrize(
+    "group,dtype,split,soft_cap,pages_per_step,num_stages,window", RING_CONFIGS
+)
+def test_ring_pipeline_matches_reference(
+    group, dtype, split, soft_cap, pages_per_step, num_stages, window, probs_in_smem
+):
+    q, cache, table = make_inputs(group, RING_LENS, "HND", group, 64, dtype, num_pool_pages=48)
+    plan = make_plan(table, q.shape[1], 64, split)
+    (o, lse), _ = run_mgpu(
+        q,
+        cache,
+        table,
+        plan,
+        soft_cap=soft_cap,
+        probs_in_smem=probs_in_smem,
+        pages_per_step=pages_per_step,
+        num_stages=num_stages,
+        index_window=window,
+        pipeline="ring",
+    )
+    check_against_reference(o, lse, q, cache, table, RING_LENS, soft_cap)
+
+
 @pytest.mark.parametrize("probs_in_smem", PROBS_PATHS)
 def test_unused_slots_holding_nan_never_reach_the_output(probs_in_smem):
     """Stale data in page tails and in unlisted pages (NaN here) is masked and its V rows are
@@ -180,6 +227,12 @@ def test_unused_slots_holding_nan_never_reach_the_output(probs_in_smem):
     poisoned = paged.KVCache(jnp.asarray(k, q.dtype), jnp.asarray(v, q.dtype), "HND")
     plan = paged.plan_decode(table, q.shape[1], NUM_KV_HEADS, 64, max_grid=1)
     (o, lse), _ = run_mgpu(q, poisoned, table, plan, probs_in_smem=probs_in_smem, pages_per_step=2)
+    check_against_reference(o, lse, q, cache, table, lens)
+    # The ring's step of four pages: the 17- and 40-token requests end inside their one step,
+    # the rest of its 64 rows of V stale or NaN.
+    (o, lse), _ = run_mgpu(
+        q, poisoned, table, plan, probs_in_smem=probs_in_smem, pages_per_step=4, pipeline="ring"
+    )
     check_against_reference(o, lse, q, cache, table, lens)
 
 
@@ -256,6 +309,15 @@ def test_padding_items_store_nothing():
         (dict(index_window=6, pages_per_step=4), "index_window must be a multiple of 4"),
         (dict(index_window=512), "at most 256, got 512"),
         (dict(probs_in_smem=False), "interpret=True needs probs_in_smem=True"),
+        (dict(pipeline="warp_specialized"), "pipeline must be one of \\('emit', 'ring'\\)"),
+        (
+            dict(pipeline="ring", pages_per_step=3, index_window=12),
+            "pages_per_step must be one of \\(1, 2, 4, 8, 16\\) with pipeline='ring'",
+        ),
+        (
+            dict(head_dim=128, pages_per_step=8, num_stages=4),
+            "num_stages=4 with pages_per_step=8 needs 291 KiB of shared memory",
+        ),
     ],
 )
 def test_bad_arguments_are_rejected_with_their_values(change, message):
@@ -267,7 +329,7 @@ def test_bad_arguments_are_rejected_with_their_values(change, message):
     work = jnp.zeros((4,), jnp.int32)
     launch = {
         k: change[k]
-        for k in ("pages_per_step", "num_stages", "index_window", "probs_in_smem")
+        for k in ("pages_per_step", "num_stages", "index_window", "probs_in_smem", "pipeline")
         if k in change
     }
     launch.setdefault("probs_in_smem", True)
@@ -297,17 +359,28 @@ def test_bad_arguments_are_rejected_with_their_values(change, message):
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_every_variant_lowers_for_an_h200(head_dim):
     """As far as a CPU can follow the GPU path: at the benchmark's head shape (32/8 heads,
-    bfloat16), both p paths, final and partial, pages_per_step 1 and 2, one and nine new tokens,
-    lower through Mosaic GPU's layout inference to its dialect for CUDA (the PTX stage and the
-    shared-memory limit are checked only when compiling on the GPU)."""
+    bfloat16), both p paths, final and partial, both pipelines, pages_per_step 1 to 16 (the
+    ring's WGMMAs over 32 to 256 keys, their 64- and 128-byte swizzles), one and nine new
+    tokens, lower through Mosaic GPU's layout inference to its dialect for CUDA (the PTX stage
+    and the hardware's shared-memory limit are checked only when compiling on the GPU)."""
 
     def int32(n):
         return jax.ShapeDtypeStruct((n,), jnp.int32)
 
     pool = jax.ShapeDtypeStruct((1024, 8, PAGE_SIZE, head_dim), jnp.bfloat16)
     table = dict(page_indptr=int32(5), last_page_len=int32(4))
+    # (pipeline, write_final, pages_per_step, num_stages, q_len)
+    variants = (
+        ("emit", True, 1, 4, 1),
+        ("emit", False, 2, 4, 1),
+        ("emit", False, 1, 4, 9),
+        ("ring", True, 4, 3, 1),
+        ("ring", False, 2, 4, 1),
+        ("ring", False, 8, 2, 9),
+        ("ring", True, 16, 1, 1),
+    )
     for probs_in_smem in (True, False):
-        for write_final, pages_per_step, q_len in ((True, 1, 1), (False, 2, 1), (False, 1, 9)):
+        for pipeline, write_final, pages_per_step, num_stages, q_len in variants:
             q_shape = (4, 32, head_dim) if q_len == 1 else (4, q_len, 32, head_dim)
             traced = paged_decode_mgpu.trace(
                 jax.ShapeDtypeStruct(q_shape, jnp.bfloat16),
@@ -320,11 +393,32 @@ def test_every_variant_lowers_for_an_h200(head_dim):
                 logits_soft_cap=30.0 if pages_per_step == 2 else None,
                 write_final=write_final,
                 pages_per_step=pages_per_step,
-                num_stages=4,
+                num_stages=num_stages,
                 probs_in_smem=probs_in_smem,
+                pipeline=pipeline,
             )
             text = traced.lower(lowering_platforms=("cuda",)).as_text()
-            assert "mosaic_gpu" in text, (probs_in_smem, write_final, q_len)
+            assert "mosaic_gpu" in text, (probs_in_smem, pipeline, write_final, q_len)
+
+
+def test_shared_memory_per_program_counts_every_buffer():
+    """The loop's buffers at head_dim 128, bfloat16, ring of 4 pages x 3 slots: q 16 KiB, K and
+    V slots 2 x 3 x 16 KiB, p through shared memory 8 KiB, two 256-entry index windows 2 KiB,
+    barriers 1 KiB; the H200 fits one such program an SM. The same slots under emit_pipeline
+    cost the same bytes (p: four 2 KiB pages). The epilogue's float32 rows replace the loop's
+    buffers when they are larger (a one-slot emit pipeline, head_dim 128, partial output)."""
+    ring = dict(pages_per_step=4, num_stages=3, probs_in_smem=True)
+    assert smem_bytes_per_program(128, jnp.bfloat16, pipeline="ring", **ring) == 123 * 1024
+    assert smem_bytes_per_program(128, jnp.bfloat16, pipeline="emit", **ring) == 123 * 1024
+    assert programs_per_sm(123 * 1024) == 1
+    two_slots = dict(ring, num_stages=2, probs_in_smem=False)  # 83 KiB: two programs an SM
+    assert programs_per_sm(smem_bytes_per_program(128, jnp.bfloat16, **two_slots)) == 2
+    small = smem_bytes_per_program(
+        64, jnp.bfloat16, pages_per_step=1, num_stages=1, index_window=4, write_final=False
+    )
+    assert small == 64 * 64 * 4 + 1024  # o's 64 float32 rows and the 64 LSE values
+    largest = smem_bytes_per_program(128, jnp.bfloat16, pages_per_step=8, num_stages=3)
+    assert largest <= H200_SMEM_PER_PROGRAM_BYTES
 
 
 def test_partial_rows_match_the_merge_layout():
@@ -337,23 +431,33 @@ def test_partial_rows_match_the_merge_layout():
     check_against_reference(o, lse, q, cache, table, lens)
 
 
-# (batch, context, probs_in_smem, pages_per_step, num_stages): every case on the register path
-# at the default pipeline, two with p in shared memory, two with two pages a step.
+# (batch, context, probs_in_smem, pages_per_step, num_stages, pipeline): every case on the
+# register path at the default pipeline, two with p in shared memory, two with two pages a
+# step; the ring at two, four and eight pages a step (32-, 64-, 128-key WGMMAs, their 64- and
+# 128-byte swizzles), both p paths.
 GPU_CASES = [
-    (1, 4096, False, 1, 4),
-    (1, 32768, False, 1, 4),
-    (32, 4096, False, 1, 4),
-    (256, 512, False, 1, 4),
-    (1, 4096, True, 1, 4),
-    (32, 4096, True, 2, 3),
-    (1, 32768, False, 2, 3),
-    (256, 512, False, 2, 4),
+    (1, 4096, False, 1, 4, "emit"),
+    (1, 32768, False, 1, 4, "emit"),
+    (32, 4096, False, 1, 4, "emit"),
+    (256, 512, False, 1, 4, "emit"),
+    (1, 4096, True, 1, 4, "emit"),
+    (32, 4096, True, 2, 3, "emit"),
+    (1, 32768, False, 2, 3, "emit"),
+    (256, 512, False, 2, 4, "emit"),
+    (32, 4096, False, 4, 3, "ring"),
+    (1, 32768, False, 8, 2, "ring"),
+    (256, 512, False, 2, 4, "ring"),
+    (1, 4096, True, 4, 4, "ring"),
 ]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("batch,context,probs_in_smem,pages_per_step,num_stages", GPU_CASES)
-def test_benchmark_shapes_on_gpu(batch, context, probs_in_smem, pages_per_step, num_stages):
+@pytest.mark.parametrize(
+    "batch,context,probs_in_smem,pages_per_step,num_stages,pipeline", GPU_CASES
+)
+def test_benchmark_shapes_on_gpu(
+    batch, context, probs_in_smem, pages_per_step, num_stages, pipeline
+):
     """Compiled, at the benchmark's shapes: 32 query heads, 8 KV heads, head_dim 128, bf16, the
     planner's split; against the reference in float32 and the Triton kernel."""
     assert ON_GPU
@@ -372,6 +476,7 @@ def test_benchmark_shapes_on_gpu(batch, context, probs_in_smem, pages_per_step, 
         probs_in_smem=probs_in_smem,
         pages_per_step=pages_per_step,
         num_stages=num_stages,
+        pipeline=pipeline,
     )
     ref_o, ref_lse = decode_attention_reference(
         q.astype(jnp.float32),
@@ -422,21 +527,26 @@ def run_mgpu_multi_token(q, cache, table, plan, *, soft_cap=None, probs_in_smem=
     return o.reshape(q.shape), lse.reshape(q.shape[:-1])
 
 
-# (q_len, group, split, pages_per_step): q_len 2, 5, 9 (and one as 4-D) with groups 1, 3, 4, 8;
-# one-page chunks put the causal cut in the chunk before the last too.
+# (q_len, group, split, pages_per_step, pipeline): q_len 2, 5, 9 (and one as 4-D) with groups
+# 1, 3, 4, 8; one-page chunks put the causal cut in the chunk before the last too. On the ring:
+# one-page items in a four-page step, and the causal cut inside a 32-key step.
 MULTI_TOKEN_CONFIGS = [
-    (1, 4, "fixed1", 1),
-    (2, 8, "no_split", 2),
-    (5, 4, "fixed1", 1),
-    (5, 3, "no_split", 1),
-    (9, 1, "fixed1", 2),
-    (16, 4, "no_split", 1),
+    (1, 4, "fixed1", 1, "emit"),
+    (2, 8, "no_split", 2, "emit"),
+    (5, 4, "fixed1", 1, "emit"),
+    (5, 3, "no_split", 1, "emit"),
+    (9, 1, "fixed1", 2, "emit"),
+    (16, 4, "no_split", 1, "emit"),
+    (5, 4, "fixed1", 4, "ring"),
+    (9, 2, "no_split", 2, "ring"),
 ]
 
 
 @pytest.mark.parametrize("probs_in_smem", PROBS_PATHS)
-@pytest.mark.parametrize("q_len,group,split,pages_per_step", MULTI_TOKEN_CONFIGS)
-def test_multi_token_matches_reference(q_len, group, split, pages_per_step, probs_in_smem):
+@pytest.mark.parametrize("q_len,group,split,pages_per_step,pipeline", MULTI_TOKEN_CONFIGS)
+def test_multi_token_matches_reference(
+    q_len, group, split, pages_per_step, pipeline, probs_in_smem
+):
     """Ragged lengths from exactly q_len up, an empty request; a query that sees no key gets
     exactly 0 and -inf."""
     lens = [q_len, 0, max(17, q_len), 33, 70]
@@ -451,7 +561,13 @@ def test_multi_token_matches_reference(q_len, group, split, pages_per_step, prob
         plan = paged.plan_decode(table, q.shape[2], NUM_KV_HEADS, 64, max_grid=1)
         assert plan.write_final
     o, lse = run_mgpu_multi_token(
-        q, cache, table, plan, probs_in_smem=probs_in_smem, pages_per_step=pages_per_step
+        q,
+        cache,
+        table,
+        plan,
+        probs_in_smem=probs_in_smem,
+        pages_per_step=pages_per_step,
+        pipeline=pipeline,
     )
     ref_o, ref_lse = reference64(q, cache, table)
     assert o.shape == q.shape and lse.shape == q.shape[:-1]
@@ -495,12 +611,17 @@ def test_x64_mode_gives_the_32_bit_result():
 
 
 @pytest.mark.skipif(ON_GPU, reason="the interpreter's race detector runs on the CPU")
-def test_interpreter_race_detector_finds_no_race():
+@pytest.mark.parametrize("pipeline", ["emit", "ring"])
+def test_interpreter_race_detector_finds_no_race(pipeline):
     """Mosaic GPU's interpreter with its happens-before race detector: the double-buffered
     index windows (items of 7 pages in 4-entry windows), the pipeline's slots, the V rows
     zeroed in place and p in shared memory are read and written in order. (It does find one:
     without the wait on an index window's barrier it reports the window's copy racing the
-    reads of its page numbers.)"""
+    reads of its page numbers; on the ring too, whose issue loop fetches the next window while
+    the ring still streams the current one's pages.) The ring's refill of a slot only after the
+    step that read it is checked by test_ring_pipeline_matches_reference's results instead: the
+    detector does not report a copy into a slot issued before the step reads it, the results
+    go wrong."""
     # Private JAX module: if a JAX version moves it, the test skips rather than fails.
     gpu_callbacks = pytest.importorskip("jax._src.pallas.mosaic_gpu.interpret.gpu_callbacks")
     from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -522,6 +643,7 @@ def test_interpreter_race_detector_finds_no_race():
         num_stages=3,
         index_window=4,
         probs_in_smem=True,
+        pipeline=pipeline,
         interpret=plgpu.InterpretGPUParams(detect_races=True),
     )[0].block_until_ready()
     assert not gpu_callbacks.get_races().races_found
