@@ -647,3 +647,61 @@ def test_interpreter_race_detector_finds_no_race(pipeline):
         interpret=plgpu.InterpretGPUParams(detect_races=True),
     )[0].block_until_ready()
     assert not gpu_callbacks.get_races().races_found
+
+
+# --------------------------------------------------------------------------------------------
+# The public path: paged.decode_attention(backend="pallas_mgpu")
+
+
+@pytest.mark.parametrize(
+    "q_len,split",
+    [(1, "planner"), (1, "no_split"), (3, "fixed2")],
+)
+def test_public_path_runs_the_mosaic_gpu_kernel(q_len, split):
+    """``decode_attention(backend="pallas_mgpu")`` runs this kernel (recorded as
+    ``paged_decode_mgpu``; interpreted here, compiled on a GPU) with the step's plan: final
+    outputs, partial states merged, several new tokens; it equals the float64 reference."""
+    from kernels_pallas.platform import record_backends
+
+    lens = (max(1, q_len), 17, 0, 45, 100)  # a request holds at least its new tokens
+    _, cache, table = make_inputs(30 + q_len, lens, "HND", 4, 64, jnp.bfloat16, 32)
+    rng = np.random.default_rng(q_len)
+    shape = (len(lens), *((q_len,) if q_len > 1 else ()), NUM_KV_HEADS * 4, 64)
+    q = jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
+    plan = make_plan(table, NUM_KV_HEADS * 4, 64, split)
+    with record_backends() as records:
+        o, lse = paged.decode_attention(
+            q, cache, table, plan=plan, return_lse=True, backend="pallas_mgpu"
+        )
+    assert [(r.kernel, r.backend) for r in records] == [("paged_decode_mgpu", "pallas")]
+    ref_o, ref_lse = reference64(q, cache, table)
+    assert o.shape == q.shape and o.dtype == q.dtype and lse.shape == q.shape[:-1]
+    assert relative_error(o, ref_o) < TOLERANCE
+    lse, empty = np.asarray(lse), np.isneginf(ref_lse)
+    assert np.all(np.asarray(o)[empty] == 0) and np.all(np.isneginf(lse[empty]))
+    np.testing.assert_allclose(lse[~empty], ref_lse[~empty], rtol=1e-5, atol=1e-5)
+
+
+def test_public_path_refuses_shapes_the_mosaic_gpu_kernel_cannot_run(monkeypatch):
+    """``backend="pallas_mgpu"`` names why it cannot run (NHD pages, another page size, more
+    new tokens than its tile holds); ``"auto"`` on a GPU still picks the Triton kernel."""
+    from kernels_pallas import platform
+    from kernels_pallas.platform import record_backends
+
+    lens = (20, 33)
+    q, cache, table = make_inputs(40, lens, "NHD", 4, 64, jnp.bfloat16, num_pool_pages=8)
+    with pytest.raises(ValueError, match=r"backend='pallas_mgpu' cannot run .*layout NHD"):
+        paged.decode_attention(q, cache, table, backend="pallas_mgpu")
+    q, cache, table = make_inputs(40, lens, "HND", 4, 64, jnp.bfloat16, num_pool_pages=8)
+    long_run = jnp.zeros((2, 17, *q.shape[1:]), q.dtype)
+    with pytest.raises(ValueError, match="q_len=17: the Mosaic GPU kernel takes 16"):
+        paged.decode_attention(long_run, cache, table, backend="pallas_mgpu")
+    small_pages = paged.KVCache(cache.k_pages[:, :, :8], cache.v_pages[:, :, :8], "HND")
+    small_table = paged.PageTable.from_seq_lens([5, 7], page_size=8)
+    with pytest.raises(ValueError, match="page_size=8: the Mosaic GPU kernel takes 16"):
+        paged.decode_attention(q, small_pages, small_table, backend="pallas_mgpu")
+
+    monkeypatch.setattr(platform, "on_gpu", lambda: True)
+    with record_backends() as records:
+        jax.eval_shape(lambda q: paged.decode_attention(q, cache, table), q)
+    assert [(r.kernel, r.backend) for r in records] == [("paged_decode", "pallas")]
