@@ -5,12 +5,14 @@ Same contract as ``kernels_pallas/paged_decode.py`` (the Triton kernel) in the H
 strided box per page and is left out): the work items of ``paged.plan_decode``, the CSR page
 table, one new token a request or ``q_len`` of them (causal among themselves, as there), final
 ``(o, lse)`` when ``write_final`` or partial states that ``merge_states.py`` merges unchanged.
-Not yet wired into ``paged.decode_attention``. First compiled run on the H200 (2026-12-01,
-``bench/probes/mgpu_decode.py``, two cases only; ``docs/benchmark_results/archive/
+``paged.decode_attention`` runs it when asked by name (``backend="pallas_mgpu"``); ``"auto"``
+keeps the Triton kernel until this one is measured faster. First compiled run on the H200
+(2026-12-01, ``bench/probes/mgpu_decode.py``, two cases only; ``docs/benchmark_results/archive/
 2026-12-01-mgpu-decode-probe.md``): it agrees with the Triton kernel (largest difference of o
 4.9e-4 in bfloat16) and is not yet faster: 171.6 against 165.1 us at B=32 x 4096 (3.13 TB/s;
 the issue asks 3.6), 21.8 against 21.5 us at B=1 x 4096, with the register path, two pages a
-step, three stages. The whole grid, tuning and memcheck are still to run.
+step, three stages. The whole grid, tuning and memcheck are still to run, and the ring
+pipeline below has not yet run compiled (``bench/probes/mgpu_decode.py --sweep`` times it).
 
 What it optimizes. Decode attention is memory bound (each K/V byte serves only the ``G`` query
 heads of its KV head), so the kernel's job is to keep enough page copies in flight to stream K
@@ -43,6 +45,32 @@ The pipeline, for one program (one work item, one KV head; one warpgroup of 128 
   of more pages than one window runs one pipeline a window, so the pipeline drains and refills
   once every ``index_window`` pages (one copy latency each; the planner's chunks usually fit one
   window).
+
+Two pipelines (the static ``pipeline``):
+
+- ``"emit"``: ``plgpu.emit_pipeline`` as above. Its BlockSpecs give each page its own slot, so
+  a step of ``pages_per_step`` pages is that many small WGMMA pairs (``q @ K_page^T`` of N = 16,
+  ``p @ V_page`` of K = 16), each a latency on the step's critical path.
+- ``"ring"``: a hand-written ring of ``num_stages`` slots, each ``[pages_per_step x 16, D]``
+  for K and for V, one barrier a slot on which the step's ``2 x pages_per_step`` page copies
+  arrive. A step's pages land side by side in one slot, so the step is ONE ``q @ K^T`` of N =
+  ``16 x pages_per_step`` keys, ONE softmax update, and ONE ``p @ V`` of K = ``16 x
+  pages_per_step``: p and V take the swizzle of that K (32 bytes for one page, 64 for two, 128
+  from four pages up; tiles 8 rows by the swizzle's width), q and K the 128-byte swizzle of
+  ``head_dim``. A page's 16 rows are two whole 8-row tiles, so each page's TMA lands in a
+  contiguous part of the slot. One loop runs over all the item's steps: step ``i`` waits for
+  its slot's barrier, computes, then (its WGMMAs done reading the slot) issues the copies of
+  step ``i + num_stages`` into it. The index windows are fetched ahead inside the issue: the
+  first step of window ``k`` waits for it and starts window ``k + 1``'s copy into the other
+  buffer (whose entries were all issued by then), so the ring never drains between windows.
+  ``pages_per_step`` 1 to 16 (N at most 256).
+
+Shared memory a program (``smem_bytes_per_program``): the query tile (16 KiB at ``D = 128``),
+``2 x num_stages x pages_per_step`` page slots (4 KiB each at ``D = 128``; both pipelines),
+p when it goes through shared memory, two index windows, the barriers; a configuration above the
+H200's 227 KiB is refused (ValueError naming ``num_stages`` and ``pages_per_step``). It sets the
+programs an SM can hold (``programs_per_sm``: 3 at 67 KiB, 2 at 83 KiB, 1 above 113 KiB), traded
+against pages in flight a program.
 - Epilogue: normalize, write the ``q_len x G`` output rows (final, or the real rows of a
   partial state's block) through shared memory by TMA, and the LSE rows as scalars (a TMA row
   must be 16 bytes; ``q_len x G`` scalar stores a program, to be measured).
