@@ -1064,6 +1064,7 @@ def test_mgpu_decode_sweep_reports_refused_and_skipped_arms(tmp_path, capsys):
     assert by_arm["mgpu:ring.smem.p4.s2"]["status"] == "ok"
     assert by_arm["mgpu:ring.smem.p4.s2"]["max_abs_diff_o"] <= mgpu_decode.MAX_DIFFERENCE
     assert by_arm["mgpu:ring.smem.p4.s2"]["smem_bytes"] < 227 * 1024
+    assert by_arm["mgpu:ring.smem.p4.s2"]["waves"] > 0
     assert by_arm["mgpu:ring.smem.p8.s8"]["status"] == "failed"
     assert "KiB of shared memory a program" in by_arm["mgpu:ring.smem.p8.s8"]["error"]
     capsys.readouterr()

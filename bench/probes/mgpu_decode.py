@@ -166,6 +166,7 @@ SMOKE_VARIANTS = (Variant("smem", 1, 4), Variant("smem", 2, 3), Variant("reg", 1
 # The smoke sweep: one interpretable ring arm, and one over the shared-memory limit, whose
 # refusal is reported, not fatal.
 SMOKE_SWEEP_VARIANTS = (Variant("smem", 4, 2, "ring"), Variant("smem", 8, 8, "ring"))
+H200_SMS = 132  # when the device does not say (interpreted runs)
 MAX_DIFFERENCE = 5e-2  # of o against the Triton kernel's (bfloat16 outputs of order 1)
 
 
@@ -233,11 +234,13 @@ def arms_for(setup, plan, variants, interpret):
     return arms, params
 
 
-def shared_memory_of(arm: str, setup, write_final: bool) -> dict:
-    """A Mosaic GPU arm's shared memory a program and programs an SM (what bounds its
-    occupancy); empty for the Triton arm."""
+def shared_memory_of(arm: str, setup, plan) -> dict:
+    """A Mosaic GPU arm's shared memory a program, the programs an SM that allows, and the
+    waves of the launch (``work items x KV heads`` programs over ``SMs x programs_per_sm``; a
+    second, partial wave idles SMs at the end); empty for the Triton arm."""
     if not arm.startswith("mgpu:"):
         return {}
+    write_final = bool(plan.write_final)
     variant = parse_variant(arm.removeprefix("mgpu:"))
     smem = smem_bytes_per_program(
         setup.head_dim,
@@ -248,7 +251,12 @@ def shared_memory_of(arm: str, setup, write_final: bool) -> dict:
         pipeline=variant.pipeline,
         write_final=write_final,
     )
-    return dict(smem_bytes=smem, programs_per_sm=programs_per_sm(smem))
+    per_sm = programs_per_sm(smem)
+    # Mosaic GPU launches every work item of the plan's bucket, padding included.
+    programs = int(np.asarray(plan.work_request).shape[0]) * setup.num_kv_heads
+    num_sms = getattr(jax.devices()[0], "core_count", None) or H200_SMS
+    waves = programs / (num_sms * per_sm) if per_sm else float("inf")
+    return dict(smem_bytes=smem, programs_per_sm=per_sm, waves=round(waves, 2))
 
 
 def memcheck_workload(interpret: bool, smoke: bool) -> int:
@@ -460,7 +468,7 @@ def main(argv=None) -> int:
         loops, triton_out = {}, None
         for arm, kernel in arms.items():
             loop = TimedLoop(decode_step(kernel, setup, plan, interpret), setup.num_sets, operands)
-            row = dict(common, arm=arm, **shared_memory_of(arm, setup, bool(plan.write_final)))
+            row = dict(common, arm=arm, **shared_memory_of(arm, setup, plan))
             if out_of_time():
                 row.update(status="skipped", error=f"time budget of {budget_s:.0f} s spent")
                 print(f"{setup.case:>16} {arm:>22} skipped (time budget)", flush=True)
@@ -548,13 +556,17 @@ def main(argv=None) -> int:
 
 
 def print_best(rows):
-    """Per case: the Triton kernel's time, the fastest Mosaic GPU arm, its time, TB/s, and the
-    Triton time over it (above 1: the Mosaic GPU arm is faster)."""
+    """Per case: the Triton kernel's time, the fastest Mosaic GPU arm, its time, TB/s, the
+    Triton time over it (above 1: the Mosaic GPU arm is faster), and its shared memory a
+    program and waves."""
     timed = [row for row in rows if "median_us" in row]
     if not timed:
         return
     print("\n# fastest Mosaic GPU arm per case")
-    print(f"{'case':<18}{'triton us':>11}{'best arm':>24}{'us':>9}{'TB/s':>8}{'speedup':>9}")
+    print(
+        f"{'case':<18}{'triton us':>11}{'best arm':>24}{'us':>9}{'TB/s':>8}{'speedup':>9}"
+        f"{'KiB':>6}{'waves':>7}"
+    )
     for case in dict.fromkeys(row["case"] for row in timed):
         triton = [r["median_us"] for r in timed if r["case"] == case and r["arm"] == "triton"]
         mgpu = [r for r in timed if r["case"] == case and r["arm"] != "triton"]
@@ -565,6 +577,7 @@ def print_best(rows):
         print(
             f"{case:<18}{triton_us:>11.1f}{best['arm']:>24}{best['median_us']:>9.1f}"
             f"{best['tbps']:>8.3f}{triton_us / best['median_us']:>9.2f}"
+            f"{best['smem_bytes'] // 1024:>6}{best['waves']:>7.2f}"
         )
 
 
