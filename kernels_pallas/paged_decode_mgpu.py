@@ -59,7 +59,8 @@ Two pipelines (the static ``pipeline``):
   from four pages up; tiles 8 rows by the swizzle's width), q and K the 128-byte swizzle of
   ``head_dim``. A page's 16 rows are two whole 8-row tiles, so each page's TMA lands in a
   contiguous part of the slot. One loop runs over all the item's steps: step ``i`` waits for
-  its slot's barrier, computes, then (its WGMMAs done reading the slot) issues the copies of
+  its K slot's barrier, computes the logits and softmax, waits for its V slot's (K and V have
+  a barrier each, K's copies issued first), computes ``p @ V``, then (its WGMMAs done reading the slot) issues the copies of
   step ``i + num_stages`` into it. The index windows are fetched ahead inside the issue: the
   first step of window ``k`` waits for it and starts window ``k + 1``'s copy into the other
   buffer (whose entries were all issued by then), so the ring never drains between windows.
@@ -249,10 +250,11 @@ def paged_decode_mgpu_kernel(
     def stream_ring(state, q_smem, probs_smem, index_buffers, index_barriers, rings):
         """The item's pages through the hand-written ring: ``num_stages`` slots, each the K (and
         the V) of one step's ``pages_per_step`` pages side by side, ``[pair_tokens, D]``, one
-        barrier a slot (``2 x pages_per_step`` copies arrive on it). One loop over all the
-        item's steps: the index windows are fetched ahead inside it, so nothing drains
-        between windows."""
-        k_ring, v_ring, ready = rings
+        barrier a slot for K and one for V (``pages_per_step`` copies arrive on each): a step's
+        ``q @ K^T`` and softmax start when its K has landed, while its V may still be in
+        flight (K is issued first). One loop over all the item's steps: the index windows are
+        fetched ahead inside it, so nothing drains between windows."""
+        k_ring, v_ring, k_ready, v_ready = rings
         num_steps = pl.cdiv(num_item_pages, pages_per_step)
 
         def issue(step):
@@ -273,20 +275,27 @@ def paged_decode_mgpu_kernel(
                     copy_index_window(window + 1, index_buffers, index_barriers)
 
             slot = lax.rem(step, num_stages)
-            for page in range(pages_per_step):
-                # A bad index reads a wrong page, never past the pool (one unsigned minimum).
-                number = unsigned_min(index_buffers[buffer, offset + page], num_pages - 1)
-                rows = pl.ds(page * page_size, page_size)
-                for pages_ref, ring_ref in ((k_pages_ref, k_ring), (v_pages_ref, v_ring)):
+            # A bad index reads a wrong page, never past the pool (one unsigned minimum).
+            numbers = [
+                unsigned_min(index_buffers[buffer, offset + page], num_pages - 1)
+                for page in range(pages_per_step)
+            ]
+            for pages_ref, ring_ref, ready in (
+                (k_pages_ref, k_ring, k_ready),
+                (v_pages_ref, v_ring, v_ready),
+            ):
+                for page, number in enumerate(numbers):
                     plgpu.copy_gmem_to_smem(
-                        pages_ref.at[number, kv_head], ring_ref.at[slot, rows], ready.at[slot]
+                        pages_ref.at[number, kv_head],
+                        ring_ref.at[slot, pl.ds(page * page_size, page_size)],
+                        ready.at[slot],
                     )
 
         lax.fori_loop(0, jnp.minimum(num_steps, num_stages), lambda step, _: issue(step), None)
 
         def step_body(step, state):
             slot = lax.rem(step, num_stages)
-            plgpu.barrier_wait(ready.at[slot])
+            plgpu.barrier_wait(k_ready.at[slot])
             state = _attend_step(
                 state,
                 q_smem,
@@ -301,6 +310,7 @@ def paged_decode_mgpu_kernel(
                 sm_scale=sm_scale,
                 probs_in_smem=probs_in_smem,
                 dtype=dtype,
+                wait_for_values=lambda: plgpu.barrier_wait(v_ready.at[slot]),
             )
 
             # The step's WGMMAs have finished reading the slot (their results are in
@@ -411,7 +421,8 @@ def paged_decode_mgpu_kernel(
         ring_scratch = (
             plgpu.SMEM((num_stages, pair_tokens, head_dim), dtype, transforms=k_transforms),
             plgpu.SMEM((num_stages, pair_tokens, head_dim), dtype, transforms=v_transforms),
-            plgpu.Barrier(num_arrivals=2 * pages_per_step, num_barriers=num_stages),
+            plgpu.Barrier(num_arrivals=pages_per_step, num_barriers=num_stages),
+            plgpu.Barrier(num_arrivals=pages_per_step, num_barriers=num_stages),
         )
     acc, running_max, running_sum = pl.run_scoped(
         scoped,
@@ -478,6 +489,7 @@ def _attend_step(
     sm_scale,
     probs_in_smem,
     dtype,
+    wait_for_values=None,
 ):
     """One pipeline step: the online-softmax update over ``len(k_slots)`` key blocks in SMEM,
     one ``q @ K^T`` and one ``p @ V`` WGMMA a block: each block a page (``emit_pipeline``, one
@@ -486,7 +498,9 @@ def _attend_step(
 
     ``causal`` (several new tokens) holds ``base``, ``row_offset`` and ``group_size``: tile row
     ``r`` is token ``(r - row_offset) // group_size`` and sees the item's keys below ``base``
-    plus its token; None for one new token (every key of the item is visible)."""
+    plus its token; None for one new token (every key of the item is visible).
+    ``wait_for_values``, when given, is called before V is first touched (the ring's V
+    barrier); the K slots must have landed before the call."""
     acc, running_max, running_sum = state
     num_blocks = len(k_slots)
     block_tokens = k_slots[0].shape[0]
@@ -535,6 +549,8 @@ def _attend_step(
     for block_probs in probs:
         running_sum = running_sum + block_probs.sum(axis=1)
 
+    if wait_for_values is not None:
+        wait_for_values()
     # A zero weight times a NaN in an unused slot is still NaN: zero the V rows of keys past the
     # item's end (the last page's tail, slots past the last page) before p @ V. Only the item's
     # last step has any.
@@ -841,7 +857,7 @@ def smem_bytes_per_program(
         + 2 * num_stages * kv_slot
         + (rounded(pairs_per_step * TILE_ROWS * pair_tokens * itemsize) if probs_in_smem else 0)
         + rounded(2 * index_window * 4)
-        + rounded(8 * (3 + num_stages))
+        + rounded(8 * (3 + (2 if pipeline == "ring" else 1) * num_stages))
     )
     out_itemsize = itemsize if write_final else 4
     epilogue = rounded(TILE_ROWS * head_dim * out_itemsize) + rounded(TILE_ROWS * 4)

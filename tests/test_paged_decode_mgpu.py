@@ -621,7 +621,8 @@ def test_interpreter_race_detector_finds_no_race(pipeline):
     the ring still streams the current one's pages.) The ring's refill of a slot only after the
     step that read it is checked by test_ring_pipeline_matches_reference's results instead: the
     detector does not report a copy into a slot issued before the step reads it, the results
-    go wrong."""
+    go wrong. A missing wait on the ring's V barrier the interpreter refuses in every test: a
+    barrier phase completes that no thread observed."""
     # Private JAX module: if a JAX version moves it, the test skips rather than fails.
     gpu_callbacks = pytest.importorskip("jax._src.pallas.mosaic_gpu.interpret.gpu_callbacks")
     from jax.experimental.pallas import mosaic_gpu as plgpu
