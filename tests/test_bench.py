@@ -1035,19 +1035,29 @@ def test_decode_clamps_probe_builds_its_variants_and_runs_a_smoke_case(tmp_path,
 def test_mgpu_decode_probe_runs_a_smoke_case(tmp_path, capsys):
     """``bench/probes/mgpu_decode.py`` (issue 16): one tiny case in Mosaic GPU's interpret mode
     through the check, timing and report code; the interpretable arms agree with the Triton
-    kernel, and an arm that cannot run (the register path, interpreted) is reported, not fatal."""
+    kernel, and an arm that cannot run (the register path, interpreted) is reported, not fatal.
+    The public path's arms (``--api``) too, its Mosaic GPU one on the ring."""
     from bench.probes import mgpu_decode
+    from paged import decode as decode_module
 
-    assert mgpu_decode.main(["--smoke", "--out", str(tmp_path)]) == 0
+    launch = dict(decode_module.MGPU_LAUNCH_PARAMETERS)
+    try:
+        arguments = ["--smoke", "--variants", "smem.p1.s4,reg.p1.s4", "--api"]
+        arguments += ["--api-variant", "ring.smem.p2.s2", "--out", str(tmp_path)]
+        assert mgpu_decode.main(arguments) == 0
+    finally:  # the probe sets the public path's pipeline for its process
+        decode_module.MGPU_LAUNCH_PARAMETERS = launch
     printed = capsys.readouterr().out
     document = json.loads((tmp_path / "mgpu_decode_probe.json").read_text())
     by_arm = {row["arm"]: row for row in document["rows"]}
     assert by_arm["mgpu:reg.p1.s4"]["status"] == "failed"
     assert "needs probs_in_smem=True" in by_arm["mgpu:reg.p1.s4"]["error"]
-    for arm in ("mgpu:smem.p1.s4", "mgpu:smem.p2.s3"):
+    assert by_arm["mgpu:smem.p1.s4"]["programs_per_sm"] >= 1
+    for arm in ("mgpu:smem.p1.s4", "api:pallas", "api:pallas_mgpu"):
         assert by_arm[arm]["status"] == "ok"
         assert by_arm[arm]["max_abs_diff_o"] <= mgpu_decode.MAX_DIFFERENCE
-        assert by_arm[arm]["programs_per_sm"] >= 1
+    assert by_arm["api:pallas"]["max_abs_diff_o"] == 0  # the Triton arm, through the API
+    assert document["api_launch_parameters"]["pipeline"] == "ring"
     assert "smoke run, no figures" in printed
 
 

@@ -25,8 +25,11 @@ rows go to ``--out/mgpu_decode_probe.json``.
 
 Usage (GPU): ``PYTHONPATH=. python3 -m bench.probes.mgpu_decode --out DIR`` (``--cases 4x1024,
 32x4096`` for a subset, ``--variants reg.p1.s4,ring.reg.p4.s3``, ``--max-grid N`` to plan for a
-different grid). ``--smoke`` runs one tiny case in Mosaic GPU's interpret mode on a CPU: the
-checks and the code paths, no figures (``tests/test_bench.py`` runs it).
+different grid; ``--api`` adds the public ``paged.decode_attention`` arms ``api:pallas`` and
+``api:pallas_mgpu``, ``--api-variant ring.reg.p4.s3`` runs the latter with that pipeline,
+pages a step and stages instead of ``paged.decode.MGPU_LAUNCH_PARAMETERS``; its p path
+follows the platform). ``--smoke`` runs one tiny case in Mosaic GPU's interpret mode on a CPU:
+the checks and the code paths, no figures (``tests/test_bench.py`` runs it).
 
 ``--sweep`` times ``SWEEP_VARIANTS`` beside the Triton kernel on the standard grid's ten cases
 (``SWEEP_CASES``; ``--cases`` for a part), each arm timed with 3 repeats of 0.15 s programs,
@@ -208,7 +211,37 @@ def decode_step(kernel, setup, plan, interpret):
     return step
 
 
-def arms_for(setup, plan, variants, interpret):
+class PublicPath(NamedTuple):
+    """An arm that calls ``paged.decode_attention`` itself, with this ``backend``."""
+
+    backend: str
+
+
+def api_step(backend, setup):
+    """``step(set_index, operands) -> (o, lse)``: the public ``paged.decode_attention`` on set
+    ``set_index`` with the plan (validation, the kernel, the merge: what a user calls)."""
+
+    def step(set_index, operands):
+        queries, k_pages, v_pages, page_indices, plan = operands
+        table = paged.PageTable(
+            setup.page_indptr[set_index],
+            page_indices[set_index],
+            setup.last_page_len[set_index],
+            setup.page_size,
+        )
+        return paged.decode_attention(
+            queries[set_index],
+            paged.KVCache(k_pages, v_pages, "HND"),
+            table,
+            plan=plan,
+            backend=backend,
+            return_lse=True,
+        )
+
+    return step
+
+
+def arms_for(setup, plan, variants, interpret, *, public_path=False):
     """name -> kernel callable (keyword launch parameters bound)."""
     params = decode_module.decode_launch_parameters(
         plan, setup.num_q_heads, setup.num_kv_heads, setup.head_dim, setup.page_size
@@ -231,6 +264,9 @@ def arms_for(setup, plan, variants, interpret):
             )
 
         arms["mgpu:" + variant.name] = mgpu
+    if public_path:
+        arms["api:pallas"] = PublicPath("pallas")
+        arms["api:pallas_mgpu"] = PublicPath(decode_module.MOSAIC_GPU_BACKEND)
     return arms, params
 
 
@@ -395,6 +431,17 @@ def main(argv=None) -> int:
         "--variants", default=None, help="comma-separated, e.g. reg.p1.s4,ring.reg.p4.s3"
     )
     parser.add_argument("--max-grid", type=int, default=None, help="plan_decode's max_grid")
+    parser.add_argument(
+        "--api",
+        action="store_true",
+        help="also time paged.decode_attention with backend='pallas' and 'pallas_mgpu'",
+    )
+    parser.add_argument(
+        "--api-variant",
+        default=None,
+        help="the pipeline decode_attention's Mosaic GPU path runs in this process, e.g. "
+        "ring.reg.p4.s3 (default: paged.decode.MGPU_LAUNCH_PARAMETERS)",
+    )
     parser.add_argument("--repeats", type=int, default=None, help="default 5, 3 with --sweep")
     parser.add_argument(
         "--budget-s",
@@ -431,6 +478,14 @@ def main(argv=None) -> int:
     if args.variants:
         variants = tuple(parse_variant(name) for name in args.variants.split(","))
 
+    if args.api_variant:  # the public path's pipeline for this run (read when it is traced)
+        chosen = parse_variant(args.api_variant)
+        decode_module.MGPU_LAUNCH_PARAMETERS = dict(
+            pipeline=chosen.pipeline,
+            pages_per_step=chosen.pages_per_step,
+            num_stages=chosen.num_stages,
+        )
+
     def out_of_time() -> bool:
         return budget_s is not None and time.monotonic() - started > budget_s
 
@@ -448,7 +503,7 @@ def main(argv=None) -> int:
         plan = paged.plan_decode(
             table, setup.num_q_heads, setup.num_kv_heads, setup.head_dim, **overrides
         )
-        arms, triton_params = arms_for(setup, plan, variants, interpret)
+        arms, triton_params = arms_for(setup, plan, variants, interpret, public_path=args.api)
         arm_names = list(dict.fromkeys(arm_names + list(arms)))
         plan = jax.device_put(plan)
         k_pages, v_pages = setup.pool("HND")
@@ -467,7 +522,11 @@ def main(argv=None) -> int:
         )
         loops, triton_out = {}, None
         for arm, kernel in arms.items():
-            loop = TimedLoop(decode_step(kernel, setup, plan, interpret), setup.num_sets, operands)
+            if isinstance(kernel, PublicPath):
+                step = api_step(kernel.backend, setup)
+            else:
+                step = decode_step(kernel, setup, plan, interpret)
+            loop = TimedLoop(step, setup.num_sets, operands)
             row = dict(common, arm=arm, **shared_memory_of(arm, setup, plan))
             if out_of_time():
                 row.update(status="skipped", error=f"time budget of {budget_s:.0f} s spent")
@@ -545,6 +604,7 @@ def main(argv=None) -> int:
             target_seconds=target_seconds,
             budget_s=budget_s,
             elapsed_s=time.monotonic() - started,
+            api_launch_parameters=dict(decode_module.MGPU_LAUNCH_PARAMETERS) if args.api else None,
             rows=rows,
         )
         (folder / "mgpu_decode_probe.json").write_text(json.dumps(document, indent=1))
@@ -569,7 +629,7 @@ def print_best(rows):
     )
     for case in dict.fromkeys(row["case"] for row in timed):
         triton = [r["median_us"] for r in timed if r["case"] == case and r["arm"] == "triton"]
-        mgpu = [r for r in timed if r["case"] == case and r["arm"] != "triton"]
+        mgpu = [r for r in timed if r["case"] == case and r["arm"].startswith("mgpu:")]
         if not mgpu:
             continue
         best = min(mgpu, key=lambda r: r["median_us"])
