@@ -45,36 +45,37 @@ The pipeline, for one program (one work item, one KV head; one warpgroup of 128 
   of more pages than one window runs one pipeline a window, so the pipeline drains and refills
   once every ``index_window`` pages (one copy latency each; the planner's chunks usually fit one
   window).
+- Epilogue: normalize, write the ``q_len x G`` output rows (final, or the real rows of a
+  partial state's block) through shared memory by TMA, and the LSE rows as scalars (a TMA row
+  must be 16 bytes; ``q_len x G`` scalar stores a program, to be measured).
 
 Two pipelines (the static ``pipeline``):
 
 - ``"emit"``: ``plgpu.emit_pipeline`` as above. Its BlockSpecs give each page its own slot, so
   a step of ``pages_per_step`` pages is that many small WGMMA pairs (``q @ K_page^T`` of N = 16,
-  ``p @ V_page`` of K = 16), each a latency on the step's critical path.
+  ``p @ V_page`` of K = 16), each a latency on the step's critical path (one softmax update a
+  step over all of them).
 - ``"ring"``: a hand-written ring of ``num_stages`` slots, each ``[pages_per_step x 16, D]``
-  for K and for V, one barrier a slot on which the step's ``2 x pages_per_step`` page copies
-  arrive. A step's pages land side by side in one slot, so the step is ONE ``q @ K^T`` of N =
-  ``16 x pages_per_step`` keys, ONE softmax update, and ONE ``p @ V`` of K = ``16 x
-  pages_per_step``: p and V take the swizzle of that K (32 bytes for one page, 64 for two, 128
-  from four pages up; tiles 8 rows by the swizzle's width), q and K the 128-byte swizzle of
-  ``head_dim``. A page's 16 rows are two whole 8-row tiles, so each page's TMA lands in a
-  contiguous part of the slot. One loop runs over all the item's steps: step ``i`` waits for
-  its K slot's barrier, computes the logits and softmax, waits for its V slot's (K and V have
-  a barrier each, K's copies issued first), computes ``p @ V``, then (its WGMMAs done reading the slot) issues the copies of
-  step ``i + num_stages`` into it. The index windows are fetched ahead inside the issue: the
-  first step of window ``k`` waits for it and starts window ``k + 1``'s copy into the other
-  buffer (whose entries were all issued by then), so the ring never drains between windows.
-  ``pages_per_step`` 1 to 16 (N at most 256).
+  for K and for V, and two barriers a slot (K's and V's; ``pages_per_step`` copies arrive on
+  each, K's issued first). A step's pages land side by side in one slot, so the step is ONE
+  ``q @ K^T`` of N = ``16 x pages_per_step`` keys, ONE softmax update, and ONE ``p @ V`` of
+  K = ``16 x pages_per_step``: p and V take the swizzle of that K (32 bytes for one page, 64
+  for two, 128 from four pages up; tiles 8 rows by the swizzle's width), q and K the 128-byte
+  swizzle of ``head_dim``. A page's 16 rows are two whole 8-row tiles, so each page's TMA
+  lands in a contiguous part of the slot. One loop runs over all the item's steps: step ``i``
+  waits for its K, computes the logits and the softmax, waits for its V, computes ``p @ V``,
+  then (its WGMMAs done reading the slot) issues the copies of step ``i + num_stages`` into
+  it. The index windows are fetched ahead inside the issue: the first step of window ``k``
+  waits for it and starts window ``k + 1``'s copy into the other buffer (whose entries were
+  all issued by then), so the ring never drains between windows. ``pages_per_step`` 1 to 16
+  (N at most 256).
 
 Shared memory a program (``smem_bytes_per_program``): the query tile (16 KiB at ``D = 128``),
 ``2 x num_stages x pages_per_step`` page slots (4 KiB each at ``D = 128``; both pipelines),
-p when it goes through shared memory, two index windows, the barriers; a configuration above the
-H200's 227 KiB is refused (ValueError naming ``num_stages`` and ``pages_per_step``). It sets the
-programs an SM can hold (``programs_per_sm``: 3 at 67 KiB, 2 at 83 KiB, 1 above 113 KiB), traded
-against pages in flight a program.
-- Epilogue: normalize, write the ``q_len x G`` output rows (final, or the real rows of a
-  partial state's block) through shared memory by TMA, and the LSE rows as scalars (a TMA row
-  must be 16 bytes; ``q_len x G`` scalar stores a program, to be measured).
+p when it goes through shared memory, two index windows, the barriers; a configuration above
+the H200's 227 KiB is refused (ValueError naming ``num_stages`` and ``pages_per_step``). It
+sets the programs an SM can hold (``programs_per_sm``: 3 at 67 KiB, 2 at 83 KiB, 1 above 113
+KiB), traded against pages in flight a program.
 
 GQA padding. A WGMMA tile has 64 rows (one warpgroup), so the ``G`` (1 to 8) query heads of a KV
 head fill ``G`` of 64 rows (``q_len x G`` with several new tokens; they must fit,
@@ -678,7 +679,7 @@ def paged_decode_mgpu(
       probs_in_smem: store the softmax weights to shared memory before ``p @ V`` (runs in
         interpret mode); False feeds them from registers (compiled only).
       pipeline: how pages reach shared memory. ``"emit"``: ``plgpu.emit_pipeline``, one slot
-        (and one ``q @ K^T``, ``p @ V`` WGMMA pair, and one softmax update) a page, restarted
+        and one ``q @ K^T``, ``p @ V`` WGMMA pair a page (one softmax update a step), restarted
         every ``index_window`` pages. ``"ring"``: a hand-written ring of ``num_stages`` slots,
         each holding a step's pages side by side (``[pages_per_step x page_size, D]``), so one
         WGMMA pair over ``pages_per_step x 16`` keys and one softmax update a step, and one
