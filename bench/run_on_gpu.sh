@@ -110,7 +110,7 @@ for stage in "$@"; do
         | grep -E 'passed|failed|Error' ;;
     mgpu-sweep)  # issue 16: the kernel's variants beside Triton on the standard grid, within a
       # 480 s budget (about 8 min; MGPU_SWEEP_CASES=1x4096,4x1024 for a part)
-      timeout 580 python3 -m bench.probes.mgpu_decode --sweep \
+      timeout 570 python3 -m bench.probes.mgpu_decode --sweep \
           ${MGPU_SWEEP_CASES:+--cases "$MGPU_SWEEP_CASES"} --out "$out" 2>&1 \
         | tee "$out/mgpu_sweep.log" | awk '!/^ +B=/ || /FAILED|MISMATCH|skipped/' ;;
     mgpu-memcheck)  # issue 16: the Mosaic GPU decode kernel under compute-sanitizer, both pipelines
