@@ -61,6 +61,50 @@ def token_positions(page_table: PageTable) -> jax.Array:
     return (page_in_request[..., None] * page_table.page_size + slot).astype(jnp.int32)
 
 
+def attention_over_visible_keys(
+    queries: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    visible: jax.Array,
+    *,
+    sm_scale: float,
+    logits_soft_cap: float | None,
+) -> tuple[jax.Array, jax.Array]:
+    """Grouped-query softmax attention of one request's query rows over the keys each row sees.
+
+    The one softmax of the references: plain decode (``decode_attention_reference``, causal
+    masks) and cascade levels (``paged/cascade.py``, a group's shared pages) both call it.
+
+    Args:
+      queries: ``[L, KVH, G, D]`` in the compute dtype; row ``l``'s heads of KV head ``k``.
+      k, v: ``[T, KVH, D]`` gathered keys and values (unused slots may hold anything, NaN too).
+      visible: ``bool[L, T]``: which keys row ``l`` attends to.
+      sm_scale, logits_soft_cap: as in ``scaled_logits``.
+
+    Returns:
+      ``(o [L, KVH, G, D], lse [L, KVH, G])``; a row that sees no key gets ``o = 0``,
+      ``lse = -inf``.
+    """
+    seen = visible[:, None, None, :]  # [L, 1, 1, T] against logits [L, KVH, G, T]
+    logits = jnp.einsum("lkgd,tkd->lkgt", queries, k, precision="highest")
+    logits = scaled_logits(logits, sm_scale, logits_soft_cap)
+    logits = jnp.where(seen, logits, -jnp.inf)
+    # Softmax as the kernels compute it: exponentials of the max-subtracted logits, divided
+    # by their sum. (Weighting by exp(logits - lse) instead is off by the rounding of lse,
+    # whose float32 step is 0.004 near lse = -46340: weights summing to 1 +- 0.4%.)
+    peak = jnp.max(logits, axis=-1, keepdims=True)  # -inf for a row that sees no key
+    shift = jnp.where(jnp.isfinite(peak), peak, 0)  # keeps exp() at 0 there, not NaN
+    weights = jnp.where(seen, jnp.exp(logits - shift), 0)  # the largest is exactly 1
+    total = jnp.sum(weights, axis=-1)  # [L, KVH, G], >= 1 when any key is visible
+    safe_total = jnp.where(total > 0, total, 1)
+    lse = jnp.where(total > 0, shift[..., 0] + jnp.log(safe_total), -jnp.inf)
+    # Zero the values no row sees: a weight of 0 times a NaN left in an unused slot (or in
+    # another request's token) would still be NaN.
+    seen_values = jnp.where(jnp.any(visible, axis=0)[:, None, None], v, 0)
+    weighted = jnp.einsum("lkgt,tkd->lkgd", weights, seen_values, precision="highest")
+    return weighted / safe_total[..., None], lse
+
+
 def decode_attention_reference(
     q: jax.Array,
     cache: KVCache,
@@ -117,24 +161,9 @@ def decode_attention_reference(
     def attend(request):
         q_b, mine, key_pos, query_pos = request  # [L, KVH, G, D], bool[T], int[T], int[L]
         visible = mine[None, :] & (key_pos[None, :] <= query_pos[:, None])  # [L, T], causal
-        visible = visible[:, None, None, :]  # [L, 1, 1, T] against logits [L, KVH, G, T]
-        logits = jnp.einsum("lkgd,tkd->lkgt", q_b, k, precision="highest")
-        logits = scaled_logits(logits, sm_scale, logits_soft_cap)
-        logits = jnp.where(visible, logits, -jnp.inf)
-        # Softmax as the kernels compute it: exponentials of the max-subtracted logits, divided
-        # by their sum. (Weighting by exp(logits - lse) instead is off by the rounding of lse,
-        # whose float32 step is 0.004 near lse = -46340: weights summing to 1 +- 0.4%.)
-        peak = jnp.max(logits, axis=-1, keepdims=True)  # -inf for a query that sees no key
-        shift = jnp.where(jnp.isfinite(peak), peak, 0)  # keeps exp() at 0 there, not NaN
-        weights = jnp.where(visible, jnp.exp(logits - shift), 0)  # the largest is exactly 1
-        total = jnp.sum(weights, axis=-1)  # [L, KVH, G], >= 1 when any key is visible
-        safe_total = jnp.where(total > 0, total, 1)
-        lse = jnp.where(total > 0, shift[..., 0] + jnp.log(safe_total), -jnp.inf)
-        # Zero the values the request does not own: a weight of 0 times a NaN left in an unused
-        # slot (or in another request's token) would still be NaN.
-        own_values = jnp.where(mine[:, None, None], v, 0)
-        weighted = jnp.einsum("lkgt,tkd->lkgd", weights, own_values, precision="highest")
-        return weighted / safe_total[..., None], lse
+        return attention_over_visible_keys(
+            q_b, k, v, visible, sm_scale=sm_scale, logits_soft_cap=logits_soft_cap
+        )
 
     o, lse = jax.lax.map(attend, (q_grouped, owns_token, key_position, query_position))
     o = o.reshape(batch, q_len, num_heads, head_dim)

@@ -274,10 +274,13 @@ def host_page_table(
     return PageTable(indptr, indices, last, page_size)
 
 
-def check_holds_new_tokens(table: PageTable, num_new_tokens: int, what: str) -> None:
+def check_holds_new_tokens(
+    table: PageTable, num_new_tokens: int, what: str, *, allow_empty: bool = False
+) -> None:
     """Raises ``ValueError`` if a concrete ``table`` has a request with fewer than
     ``num_new_tokens`` tokens: a table handed to a forward pass or a prefill must already
-    include the new tokens (``what`` names them in the message). Traced tables are not checked.
+    include the new tokens (``what`` names them in the message). With ``allow_empty``, a request
+    of no tokens passes (an idle row of a decode batch). Traced tables are not checked.
 
     Example:
       >>> check_holds_new_tokens(PageTable.from_seq_lens([3], page_size=4), 2, "L=2 new tokens")
@@ -286,12 +289,35 @@ def check_holds_new_tokens(table: PageTable, num_new_tokens: int, what: str) -> 
         return
     lengths = np.asarray(table.seq_lens())
     short = lengths < num_new_tokens
+    if allow_empty:
+        short &= lengths > 0
     if np.any(short):
         b = int(np.argmax(short))
         raise ValueError(
             f"page_table's request {b} has {lengths[b]} tokens, fewer than the {what}: the "
             "table must already include the new tokens"
         )
+
+
+def check_csr_offsets(
+    indptr: np.ndarray, owner: str, offsets_name: str, entries_name: str, num_entries: int
+) -> np.ndarray:
+    """Checks concrete CSR offsets (the rows of ``entries_name`` are ``[indptr[r],
+    indptr[r + 1])``): they start at 0, never decrease, and end inside the entries. Errors name
+    ``owner.offsets_name`` and the bad entries. Returns each row's length (``np.diff``)."""
+    full = f"{owner}.{offsets_name}"
+    if indptr[0] != 0:
+        raise ValueError(f"{full} must start at 0, got {indptr[0]}")
+    steps = np.diff(indptr)
+    if np.any(steps < 0):
+        r = int(np.argmax(steps < 0))
+        raise ValueError(
+            f"{full} must be non-decreasing, but {offsets_name}[{r}]={indptr[r]} > "
+            f"{offsets_name}[{r + 1}]={indptr[r + 1]}"
+        )
+    if indptr[-1] > num_entries:
+        raise ValueError(f"{full}[-1]={indptr[-1]} exceeds len({entries_name})={num_entries}")
+    return steps
 
 
 def validate_page_table(
@@ -330,20 +356,9 @@ def validate_page_table(
         return
     indptr = np.asarray(table.page_indptr)
     last = np.asarray(table.last_page_len)
-    if indptr[0] != 0:
-        raise ValueError(f"page_table.page_indptr must start at 0, got {indptr[0]}")
-    steps = np.diff(indptr)
-    if np.any(steps < 0):
-        b = int(np.argmax(steps < 0))
-        raise ValueError(
-            f"page_table.page_indptr must be non-decreasing, but page_indptr[{b}]={indptr[b]} > "
-            f"page_indptr[{b + 1}]={indptr[b + 1]}"
-        )
-    num_indices = table.page_indices.shape[0]
-    if indptr[-1] > num_indices:
-        raise ValueError(
-            f"page_table.page_indptr[-1]={indptr[-1]} exceeds len(page_indices)={num_indices}"
-        )
+    steps = check_csr_offsets(
+        indptr, "page_table", "page_indptr", "page_indices", table.page_indices.shape[0]
+    )
     has_pages = steps > 0
     bad_len = np.where(has_pages, (last < 1) | (last > table.page_size), last != 0)
     if np.any(bad_len):

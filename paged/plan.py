@@ -228,7 +228,7 @@ def plan_decode(
     # Host NumPy arrays, not device arrays: a jitted step transfers them with its other inputs,
     # whereas jnp.asarray here ran eager device ops, seven a plan, every step (on the H200 the
     # serving suite measured 2.1 to 2.8 ms of host time a step with them, 0.28 to 0.69 ms
-    # without: docs/benchmark_results/2026-12-01-serving.md).
+    # without: docs/benchmark_results/archive/2026-12-01-serving-9d4f043.md).
     def padded(values, fill):
         return np.array(values + [fill] * padding, np.int32)
 

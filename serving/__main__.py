@@ -22,6 +22,7 @@ from collections.abc import Sequence
 
 from kernels_pallas.platform import BACKENDS
 from paged.decode import MAX_KERNEL_Q_LEN
+from serving.step_decision import DEFAULT_PREFILL_GRANT_INTERVAL
 
 BACKEND_HELP = (
     "implementation of every operation: auto (Pallas kernels on a GPU where judged faster, "
@@ -38,6 +39,10 @@ PAGE_SIZE = 16
 MAX_SPECULATIVE = MAX_KERNEL_Q_LEN - 1
 # Seeds of SamplingParams are in [0, 2**63); prompt i samples from seed + i - 1.
 SEED_LIMIT = 2**63
+# The step's token budget: at the default 4 slots it never binds (a step's decode rows are at
+# most 4 x 16 tokens), so the prompts' chunks of DEFAULT_PREFILL_CHUNK_SIZE always fit.
+DEFAULT_MAX_BATCHED_TOKENS = 2048
+DEFAULT_PREFILL_CHUNK_SIZE = 512
 
 
 class UsageError(ValueError):
@@ -125,6 +130,38 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"drafts per step from the draft model, verified by the target, in [0, "
         f"{MAX_SPECULATIVE}]; 0 is plain decoding (default: %(default)s)",
     )
+    generate.add_argument(
+        "--max-batched-tokens",
+        type=int,
+        default=DEFAULT_MAX_BATCHED_TOKENS,
+        metavar="TOKENS",
+        help="tokens a step carries at most: the decoding requests' (N + 1 each with "
+        "--speculative N) first, then prompt chunks in what is left, >= 1 (default: "
+        "%(default)s)",
+    )
+    generate.add_argument(
+        "--prefill-chunk-size",
+        type=int,
+        default=DEFAULT_PREFILL_CHUNK_SIZE,
+        metavar="TOKENS",
+        help="the longest prompt chunk prefilled at once, a power of two (default: %(default)s)",
+    )
+    generate.add_argument(
+        "--prefill-grant-interval",
+        type=int,
+        default=DEFAULT_PREFILL_GRANT_INTERVAL,
+        metavar="STEPS",
+        help="a prompt that got no chunk for this many steps (the budget taken by decoding "
+        "requests or older prompts) gets one chunk in the next step, beyond the budget, "
+        ">= 0 (default: %(default)s)",
+    )
+    generate.add_argument(
+        "--no-overlap",
+        action="store_true",
+        help="step synchronously: fetch each step's tokens before planning the next, instead "
+        "of dispatching the next step first (plain decoding; the output is the same, only the "
+        "speed differs)",
+    )
     generate.add_argument("--backend", default="auto", choices=BACKENDS, help=BACKEND_HELP)
     generate.add_argument(
         "--stats",
@@ -199,6 +236,15 @@ def check_generate_arguments(args: argparse.Namespace) -> None:
         raise UsageError(
             f"--speculative must be in [0, {MAX_SPECULATIVE}] (the target verifies N + 1 tokens "
             f"a step), got {args.speculative}"
+        )
+    if args.max_batched_tokens < 1:
+        raise UsageError(f"--max-batched-tokens must be >= 1, got {args.max_batched_tokens}")
+    size = args.prefill_chunk_size
+    if size < 1 or size & (size - 1):
+        raise UsageError(f"--prefill-chunk-size must be a power of two >= 1, got {size}")
+    if args.prefill_grant_interval < 0:
+        raise UsageError(
+            f"--prefill-grant-interval must be >= 0, got {args.prefill_grant_interval}"
         )
 
 
@@ -348,6 +394,11 @@ def run_generate(args: argparse.Namespace) -> int:
         parallel=args.parallel,
         num_speculative=args.speculative,
         backend=args.backend,
+        max_prefill_tokens=args.max_batched_tokens,
+        prefill_chunk_size=args.prefill_chunk_size,
+        max_batched_tokens=args.max_batched_tokens,
+        prefill_grant_interval=args.prefill_grant_interval,
+        overlap=not args.no_overlap,
     )
     progress = GenerationProgress(engine, total_tokens=args.max_tokens * len(requests))
     steps = []

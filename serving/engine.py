@@ -5,6 +5,24 @@
 chunks (one jitted program a chunk, through both models), then the decode batch as ONE jitted
 program, and commits the tokens back. ``generate`` and ``run_until_done`` loop over steps.
 
+The host out of the critical path (``overlap=True``, plain decoding)
+-------------------------------------------------------------------
+JAX dispatches asynchronously, so the host can plan and dispatch step ``N + 1`` while the device
+still runs step ``N``, if nothing step ``N + 1`` needs must first come back to the host. With
+one token a row, everything but the tokens' values is known ahead: positions, lengths, pages,
+keys (``fold_in(request key, tokens generated)``) and ``max_tokens`` finishes all follow from
+the count. So the scheduler commits step ``N`` before its tokens are known
+(``Scheduler.commit_step_unresolved``: a placeholder token), step ``N + 1`` feeds those rows'
+last tokens straight from step ``N``'s device output, and step ``N``'s tokens are fetched after
+step ``N + 1`` is dispatched (their copy started at once), then resolved
+(``Scheduler.resolve_step``): stop tokens apply there, one step late; the row the finished
+request had in step ``N + 1`` is wasted and its token discarded, its pages and slot freed (the
+device runs step ``N + 1`` before any later step that reuses them). Every request's keys,
+positions and tokens are those of the synchronous loop, so the outputs are the same
+(``tests/test_engine.py``, and the state machine of ``tests/test_engine_stateful.py`` runs both
+loops). A speculative step's token count is only known with its tokens, so a speculative
+engine steps synchronously.
+
 Where each part lives:
 
 - ``serving/programs.py``: the jitted decode and prefill programs, and how they sample;
@@ -33,6 +51,7 @@ from serving.config import ModelConfig
 from serving.keys import request_key_data, seedless_key_data
 from serving.requests import Request, RequestOutput
 from serving.scheduler import DecodeBatch, Scheduler, Step
+from serving.step_decision import DEFAULT_PREFILL_GRANT_INTERVAL
 from serving.step_stats import AcceptanceStats, RequestTiming, StepOutput, StepStats
 
 
@@ -64,7 +83,16 @@ class Engine:
       layout: the KV pools' layout, ``"HND"`` or ``"NHD"``.
       max_prefill_tokens, prefill_chunk_size: the scheduler's prefill budget per step and
         longest chunk (a power of two).
+      max_batched_tokens: tokens a step carries at most, decode rows first, then prefill
+        chunks (None: no limit beyond ``max_prefill_tokens``).
+      prefill_grant_interval: a prefill that got no chunk for this many steps gets one
+        (``serving/step_decision.py``).
       seed: derives the keys of requests submitted without a seed.
+      overlap: keep the host out of the device's way (plain decoding; a speculative engine
+        steps synchronously whatever this says): step ``N + 1`` is dispatched before step
+        ``N``'s tokens are fetched, its rows feeding step ``N``'s tokens from the device, and
+        stop tokens are applied one step late (below). False: the synchronous loop, each
+        step's tokens fetched before the next is planned. Outputs are the same either way.
 
     Raises:
       ValueError: naming the argument and the bad value (models that are not pairs, params
@@ -97,7 +125,10 @@ class Engine:
         layout: str = "HND",
         max_prefill_tokens: int = 512,
         prefill_chunk_size: int = 512,
+        max_batched_tokens: int | None = None,
+        prefill_grant_interval: int = DEFAULT_PREFILL_GRANT_INTERVAL,
         seed: int = 0,
+        overlap: bool = True,
     ):
         self.target_config, self.target_params = _check_model("target", target)
         if isinstance(num_speculative, bool) or not isinstance(num_speculative, int):
@@ -124,8 +155,12 @@ class Engine:
             raise ValueError(f"layout must be 'HND' or 'NHD', got {layout!r}")
         if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**31:
             raise ValueError(f"seed must be an integer in [0, 2**31), got {seed!r}")
+        if not isinstance(overlap, bool):
+            raise ValueError(f"overlap must be True or False, got {overlap!r}")
         self.backend = backend
         self.num_speculative = num_speculative
+        # Overlapped steps need each row's token count before its tokens: plain decoding only.
+        self.overlap = overlap and num_speculative == 0
         self.seed = seed
         self.scheduler = Scheduler(
             num_pages,
@@ -134,6 +169,8 @@ class Engine:
             num_speculative=num_speculative,
             max_prefill_tokens=max_prefill_tokens,
             prefill_chunk_size=prefill_chunk_size,
+            max_batched_tokens=max_batched_tokens,
+            prefill_grant_interval=prefill_grant_interval,
         )
         self.parallel = self.scheduler.parallel
         self.target_caches = model_lib.new_caches(self.target_config, num_pages, page_size, layout)
@@ -155,6 +192,10 @@ class Engine:
         self._abstract_state: tuple | None = None
         # (dispatch, device wait, fetch) seconds of the last decode program (StepStats).
         self._decode_phases = (0.0, 0.0, 0.0)
+        # Overlapped steps: the last step dispatched whose tokens are not yet on the host, and
+        # its tokens on the device (int32[B, 1]); the next step's rows read them there.
+        self._in_flight: tuple[Step, jax.Array] | None = None
+        self._no_previous_tokens = None  # int32[B, 1] zeros on the device, made once
 
     # --- requests --------------------------------------------------------------------------
 
@@ -190,16 +231,24 @@ class Engine:
 
     @property
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished
+        """Whether a submitted request has not finished (overlapped: or a step's tokens are
+        still on their way)."""
+        return self.scheduler.has_unfinished or self._in_flight is not None
 
     # --- one step --------------------------------------------------------------------------
 
     def step(self) -> StepOutput:
         """Plans, runs and commits one step: prefill chunks, then the decode batch (if any).
 
+        Overlapped (``overlap=True``, plain decoding): the step is planned and dispatched,
+        then the PREVIOUS step's tokens are fetched (the device already has this one queued
+        behind it) and committed; the returned tokens and finishes are the previous step's.
+
         Returns:
           The ``StepOutput`` (tokens kept, finished requests, acceptance, timings).
         """
+        if self.overlap:
+            return self._step_overlapped()
         compiles_before = self._compile_count()
         host_start = time.perf_counter()
         step = self.scheduler.plan_step()
@@ -215,9 +264,11 @@ class Engine:
         decode_s = 0.0
         self._decode_phases = (0.0, 0.0, 0.0)
         result = None
+        plan_s = host_s
         if step.decode is not None:
             host_start = time.perf_counter()
             inputs = self._decode_inputs(step.decode)
+            plan_s += time.perf_counter() - host_start
             host_s += time.perf_counter() - host_start
             decode_start = time.perf_counter()
             result = self._run_decode(inputs)
@@ -230,16 +281,14 @@ class Engine:
         host_start = time.perf_counter()
         output, num_accepted = self._commit(step, result)
         now = time.perf_counter()
-        host_s += now - host_start
-        for request_id, tokens in output.new_token_ids.items():
-            self.timings[request_id].token_s.extend([now] * len(tokens))
-        self._finished.extend(output.finished)
-        for finished in output.finished:
-            del self._key_data[finished.request_id]
+        commit_s = now - host_start
+        host_s += commit_s
+        self._record_output(output, now)
         stats = StepStats(
             index=step.index,
             num_prefill_chunks=len(step.prefill),
             num_prefill_tokens=sum(len(chunk.token_ids) for chunk in step.prefill),
+            num_granted=len(step.granted),
             num_decode_rows=int(step.decode.active.sum()) if step.decode is not None else 0,
             num_emitted=sum(len(tokens) for tokens in output.new_token_ids.values()),
             host_s=host_s,
@@ -249,8 +298,97 @@ class Engine:
             dispatch_s=self._decode_phases[0],
             device_wait_s=self._decode_phases[1],
             fetch_s=self._decode_phases[2],
+            plan_s=plan_s,
+            commit_s=commit_s,
         )
         return StepOutput(output.new_token_ids, output.finished, num_accepted, stats)
+
+    def _step_overlapped(self) -> StepOutput:
+        """One overlapped step (``step``'s docstring): plan and dispatch step N, then fetch
+        and commit step N - 1's tokens."""
+        compiles_before = self._compile_count()
+        start = time.perf_counter()
+        step = self.scheduler.plan_step()
+        inputs = self._decode_inputs(step.decode) if step.decode is not None else None
+        planned = time.perf_counter()
+        for chunk in step.prefill:  # dispatched, not awaited: the device runs them in order
+            self._run_prefill_chunk(chunk)
+        prefilled = time.perf_counter()
+        tokens_on_device = None
+        if inputs is not None:
+            tokens_on_device = self._dispatch_decode(inputs)
+        dispatched = time.perf_counter()
+
+        output, wait_s, fetch_s = StepOutput({}, ()), 0.0, 0.0
+        if self._in_flight is not None:  # step N - 1: on the device before this one
+            previous_step, previous_tokens = self._in_flight
+            jax.block_until_ready(previous_tokens)
+            ready = time.perf_counter()
+            tokens = np.asarray(jax.device_get(previous_tokens))
+            fetched = time.perf_counter()
+            wait_s, fetch_s = ready - dispatched, fetched - ready
+            output = self.scheduler.resolve_step(previous_step, tokens)
+        resolved = time.perf_counter()
+        if step.decode is not None:
+            self.scheduler.commit_step_unresolved(step)
+            self._in_flight = (step, tokens_on_device)
+        else:
+            self.scheduler.commit_step(step)
+            self._in_flight = None
+        now = time.perf_counter()
+        self._record_output(output, now)
+        stats = StepStats(
+            index=step.index,
+            num_prefill_chunks=len(step.prefill),
+            num_prefill_tokens=sum(len(chunk.token_ids) for chunk in step.prefill),
+            num_granted=len(step.granted),
+            num_decode_rows=int(step.decode.active.sum()) if step.decode is not None else 0,
+            num_emitted=sum(len(tokens) for tokens in output.new_token_ids.values()),
+            host_s=(planned - start) + (now - resolved) + (time.perf_counter() - now),
+            prefill_s=prefilled - planned,
+            decode_s=(dispatched - prefilled) + wait_s + fetch_s,
+            compiled=self._compile_count() > compiles_before,
+            dispatch_s=dispatched - prefilled,
+            device_wait_s=wait_s,
+            fetch_s=fetch_s,
+            plan_s=planned - start,
+            commit_s=now - resolved,
+            overlapped=True,
+        )
+        return StepOutput(output.new_token_ids, output.finished, {}, stats)
+
+    def _record_output(self, output: StepOutput, now: float) -> None:
+        """Token arrival times, finished requests kept for ``run_until_done``, keys dropped."""
+        for request_id, tokens in output.new_token_ids.items():
+            self.timings[request_id].token_s.extend([now] * len(tokens))
+        self._finished.extend(output.finished)
+        for finished in output.finished:
+            del self._key_data[finished.request_id]
+
+    def _dispatch_decode(self, inputs: programs.DecodeInputs) -> jax.Array:
+        """Dispatches the decode program without waiting for it; rows whose token is the
+        scheduler's placeholder feed the previous step's tokens from the device. Returns this
+        step's tokens (int32[B, 1], on the device; their copy to the host is started)."""
+        args = (self.target_params, self.draft_params, self.target_caches, self.draft_caches)
+        static = dict(
+            target_config=self.target_config,
+            draft_config=self.draft_config,
+            num_speculative=self.num_speculative,
+            backend=self.backend,
+        )
+        self._traced["decode"] = ("decode", self._abstract_args((*args, inputs)), static)
+        if self._in_flight is not None:
+            previous = self._in_flight[1]
+        else:
+            if self._no_previous_tokens is None:
+                self._no_previous_tokens = jax.numpy.zeros((self.parallel, 1), jax.numpy.int32)
+            previous = self._no_previous_tokens
+        packed, packing = host_inputs.pack(inputs)
+        result, self.target_caches, self.draft_caches = programs.decode_step_jit(
+            *args, packed, previous, packing=packing, **static
+        )
+        result.token_ids.copy_to_host_async()  # the fetch after the next dispatch finds it ready
+        return result.token_ids
 
     def _run_prefill_chunk(self, chunk) -> None:
         length = len(chunk.token_ids)
@@ -372,7 +510,7 @@ class Engine:
         Returns:
           The requests finished since the last call, in the order they finished.
         """
-        while self.scheduler.has_unfinished:
+        while self.has_unfinished:
             output = self.step()
             if progress_callback is not None:
                 progress_callback(output)

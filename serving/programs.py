@@ -99,6 +99,7 @@ def decode_step(
     target_caches,
     draft_caches,
     inputs: DecodeInputs,
+    previous_token_ids: jax.Array | None = None,
     *,
     target_config: ModelConfig,
     draft_config: ModelConfig | None,
@@ -111,6 +112,10 @@ def decode_step(
       target_params, draft_params: parameter pytrees (``draft_params`` None without a draft).
       target_caches, draft_caches: per-layer ``paged.KVCache`` lists (donated under ``jit``).
       inputs: the ``DecodeInputs``.
+      previous_token_ids: int32[B, 1], the previous step's ``DecodeResult.token_ids``, still on
+        the device (overlapped steps): a row whose ``inputs.token_ids`` is negative (the
+        scheduler's ``UNRESOLVED_TOKEN``) feeds the token its slot sampled there. None: every
+        row's token comes from ``inputs``.
       target_config, draft_config: the models (static).
       num_speculative: ``n`` (static); 0 is plain decoding.
       backend: for every op (static).
@@ -119,6 +124,9 @@ def decode_step(
       ``(DecodeResult, target_caches, draft_caches)``.
     """
     n = num_speculative
+    if previous_token_ids is not None:
+        fed = jnp.where(inputs.token_ids < 0, previous_token_ids[:, 0], inputs.token_ids)
+        inputs = inputs._replace(token_ids=fed)
     keys = step_keys(inputs.key_data, inputs.num_generated)
     row_params = dict(
         temperature=inputs.temperature, top_k=inputs.top_k, top_p=inputs.top_p, min_p=inputs.min_p
@@ -218,12 +226,28 @@ def prefill_step(
 
 
 def packed_decode_step(
-    target_params, draft_params, target_caches, draft_caches, packed_inputs, *, packing, **static
+    target_params,
+    draft_params,
+    target_caches,
+    draft_caches,
+    packed_inputs,
+    previous_token_ids=None,
+    *,
+    packing,
+    **static,
 ):
     """``decode_step`` on ``DecodeInputs`` packed by ``serving.host_inputs.pack`` into one int32
     buffer: the step's host arrays reach the device in one copy, not twenty."""
     inputs = host_inputs.unpack(packed_inputs, packing)
-    return decode_step(target_params, draft_params, target_caches, draft_caches, inputs, **static)
+    return decode_step(
+        target_params,
+        draft_params,
+        target_caches,
+        draft_caches,
+        inputs,
+        previous_token_ids,
+        **static,
+    )
 
 
 _STATIC = ("target_config", "draft_config", "backend")

@@ -66,6 +66,27 @@ page past the prefill range are always private (so nothing is copied on write). 
 the registry when its last holder frees it: no cache outlives its requests, so no eviction
 policy is needed. Both models prefill each chunk, so a shared page is valid in both pools.
 
+What a step prefills
+--------------------
+``serving/step_decision.py`` decides, as a pure function of a state the scheduler carries from
+step to step: every decoding row runs, then prefill chunks fill what is left of the budget
+(``max_batched_tokens`` minus the decode rows' ``n + 1`` tokens each, at most
+``max_prefill_tokens``), oldest prefill first, and a prefill that got no chunk for
+``prefill_grant_interval`` steps gets one chunk beyond the budget (``Step.granted``). Admission
+comes first, so a request admitted in a step may prefill in it.
+
+Committing before the tokens are known (overlapped steps)
+---------------------------------------------------------
+With plain decoding the engine may commit a step before its tokens reach the host
+(``commit_step_unresolved``): each row emitted exactly one token, so lengths, pages and
+``max_tokens`` finishes are known; the token itself is ``UNRESOLVED_TOKEN`` in the request's list
+(the next decode batch feeds -1 there, and the engine takes the token from the device) until
+``resolve_step`` brings it, after the next step was planned. Stop tokens apply there, one step
+late: the request finishes (from the running set, or from the queue if the plan in between
+preempted it), its token of the step planned meanwhile is discarded, and a request that a later
+plan still holds is skipped when that plan commits. A preempted request is readmitted only with
+its tokens known (``resolve_step`` runs before the next plan).
+
 Static shapes for ``jit``
 -------------------------
 The decode batch always has ``parallel`` rows; ``page_indices`` is padded to
@@ -106,10 +127,19 @@ import numpy as np
 
 import paged
 from serving.requests import Request, RequestOutput, SamplingParams
+from serving.step_decision import (
+    DEFAULT_PREFILL_GRANT_INTERVAL,
+    StepBudget,
+    StepState,
+    decide_step,
+)
 from serving.step_stats import StepOutput
 
 # The registry key of a prefix's first page has no parent page.
 _NO_PARENT = -1
+# The placeholder of a token sampled on the device but not yet on the host (overlapped steps,
+# ``Scheduler.commit_step_unresolved``); a decode batch feeding it takes it from the device.
+UNRESOLVED_TOKEN = -1
 
 
 def pages_needed(num_tokens: int, page_size: int) -> int:
@@ -189,6 +219,8 @@ class Step:
       prefill: chunks to run first; a request may have several, in position order.
       decode: the decode batch, or None when no request is ready to decode.
       admitted, preempted: requests that entered and left the running set in this plan.
+      granted: requests whose chunks the fairness grant gave beyond the step's prefill budget
+        (``serving/step_decision.py``).
     """
 
     index: int
@@ -196,6 +228,7 @@ class Step:
     decode: DecodeBatch | None
     admitted: tuple[Hashable, ...]
     preempted: tuple[Hashable, ...]
+    granted: tuple[Hashable, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -237,6 +270,10 @@ class _Live:
     # in k order: they become shareable when prefill passes their end.
     pending: collections.deque = dataclasses.field(default_factory=collections.deque)
     num_preemptions: int = 0
+    # Overlapped steps (commit_step_unresolved): the provisional finish of a request retired
+    # before its last token reached the host, and whether its output was given.
+    provisional_reason: str | None = None
+    done: bool = False
 
     @property
     def num_generated(self) -> int:
@@ -268,6 +305,11 @@ class Scheduler:
       max_prefill_tokens: prompt tokens prefilled per step at most, over all requests (bounds
         how long decoding requests wait behind a long prompt).
       prefill_chunk_size: the longest chunk, a power of two.
+      max_batched_tokens: tokens a step carries at most, decode rows (``n + 1`` each) first,
+        then prefill chunks; None: no limit beyond ``max_prefill_tokens``.
+      prefill_grant_interval: ``N``: a prefilling request that got no chunk for ``N`` steps gets
+        one (``prefill_chunk_size`` tokens) in the next, beyond the budget
+        (``serving/step_decision.py``).
 
     Raises:
       ValueError: naming the argument and the bad value.
@@ -284,6 +326,8 @@ class Scheduler:
         num_speculative: int = 0,
         max_prefill_tokens: int = 512,
         prefill_chunk_size: int = 512,
+        max_batched_tokens: int | None = None,
+        prefill_grant_interval: int = DEFAULT_PREFILL_GRANT_INTERVAL,
     ):
         for name, value, low in (
             ("num_pages", num_pages, 2),
@@ -302,6 +346,15 @@ class Scheduler:
         self.num_speculative = int(num_speculative)
         self.max_prefill_tokens = int(max_prefill_tokens)
         self.prefill_chunk_size = int(prefill_chunk_size)
+        self.budget = StepBudget(
+            max_batched_tokens=max_batched_tokens,
+            max_prefill_tokens=self.max_prefill_tokens,
+            prefill_chunk_size=self.prefill_chunk_size,
+            prefill_grant_interval=prefill_grant_interval,
+        )
+        # The last decision's state: the grant counters travel from one decide_step to the next
+        # here, and nowhere else.
+        self._decision = StepState(self.budget, decode_tokens=0, prefills=())
         self.pool = paged.PagePool(int(num_pages))
         (self.padding_page,) = self.pool.allocate(1)
         # Counts for reports: admitted, preempted, finished, shared_prefix_pages,
@@ -314,6 +367,9 @@ class Scheduler:
         self._free_slots = list(range(self.parallel))  # a heap: lowest slot first
         self._steps = itertools.count()
         self._plan: _Plan | None = None
+        # Steps committed before their tokens reached the host: step index -> (slot, request,
+        # index of its unresolved token), until resolve_step.
+        self._unresolved: dict[int, list[tuple[int, _Live, int]]] = {}
         # The prefix registry: key -> page, page -> key, and registered pages not yet computed.
         self._prefix_page: dict[tuple[int, tuple[int, ...]], int] = {}
         self._page_key: dict[int, tuple[int, tuple[int, ...]]] = {}
@@ -418,12 +474,6 @@ class Scheduler:
         if self._plan is not None:
             raise RuntimeError("commit_step the previous step before planning another")
         preempted = self._grow_running()
-        budget = self.max_prefill_tokens
-        chunks: list[PromptChunk] = []
-        prefill_ends: list[tuple[_Live, int]] = []
-        for live in self._running:
-            if live.prefilling:
-                budget = self._plan_prefill(live, budget, chunks, prefill_ends)
         admitted = []
         if not preempted:
             while self._waiting and self._free_slots:
@@ -431,8 +481,22 @@ class Scheduler:
                 if live is None:
                     break
                 admitted.append(live.request.request_id)
-                if live.prefilling:
-                    budget = self._plan_prefill(live, budget, chunks, prefill_ends)
+        # Decodes first, then prefill within the budget, and the grant (step_decision.py).
+        n = self.num_speculative
+        prefilling = [live for live in self._running if live.prefilling]
+        state = dataclasses.replace(
+            self._decision,
+            decode_tokens=(len(self._running) - len(prefilling)) * (n + 1),
+            prefills=tuple(
+                (live.request.request_id, live.prefill_end - live.cached) for live in prefilling
+            ),
+        )
+        decision, self._decision = decide_step(state)
+        chunks: list[PromptChunk] = []
+        prefill_ends: list[tuple[_Live, int]] = []
+        for live, (_, tokens) in zip(prefilling, decision.prefill_tokens, strict=True):
+            if tokens:
+                self._plan_prefill(live, tokens, chunks, prefill_ends)
         # Rows ready to decode: those past prefill, and those whose prefill ends in this step.
         ends = {id(live): end for live, end in prefill_ends}
         rows = [
@@ -446,6 +510,7 @@ class Scheduler:
             decode=self._decode_batch(rows, ends) if rows else None,
             admitted=tuple(admitted),
             preempted=tuple(preempted),
+            granted=decision.granted,
         )
         self._plan = _Plan(step, prefill_ends, rows)
         return step
@@ -497,6 +562,9 @@ class Scheduler:
         """Admits the head of the queue if its prefix is not being computed elsewhere and the
         pool has its pages; returns it, or None (nothing changes then)."""
         live = self._waiting[0]
+        # A preempted request is readmitted only once its tokens are known (resolve_step runs
+        # before the next plan, and a step that preempts admits nobody).
+        assert UNRESOLVED_TOKEN not in live.tokens, "readmitting a request with unknown tokens"
         num_full = (len(live.tokens) - 1) // self.page_size  # full pages inside the prefill
         shared: list[int] = []
         parent = _NO_PARENT
@@ -666,10 +734,7 @@ class Scheduler:
             raise ValueError("step is not the outstanding step of this scheduler")
         emitted = self._check_outputs(plan, token_ids, num_accepted, draft_token_ids)
         self._plan = None
-        for live, end in plan.prefill_ends:
-            live.cached = end
-            while live.pending and (live.pending[0][0] + 1) * self.page_size <= end:
-                self._pending_pages.discard(live.pending.popleft()[1])
+        self._commit_prefill(plan)
         new_token_ids, finished = {}, []
         for (_, live), tokens in zip(plan.decode_rows, emitted, strict=True):
             # Both caches hold the fed last token and the accepted drafts, nothing after.
@@ -677,13 +742,120 @@ class Scheduler:
             kept, reason = self._append_tokens(live, tokens)
             new_token_ids[live.request.request_id] = kept
             if reason is None:
-                keep = pages_needed(live.cached, self.page_size)
-                if keep < len(live.pages):
-                    self._release(live.pages[keep:])
-                    del live.pages[keep:]
+                self._trim_pages(live)
             else:
                 finished.append(self._finish(live, reason))
         return StepOutput(new_token_ids, tuple(finished))
+
+    def _commit_prefill(self, plan: _Plan) -> None:
+        for live, end in plan.prefill_ends:
+            live.cached = end
+            while live.pending and (live.pending[0][0] + 1) * self.page_size <= end:
+                self._pending_pages.discard(live.pending.popleft()[1])
+
+    def _trim_pages(self, live: _Live) -> None:
+        """Frees the request's pages past its cached length (a rewind's leftovers)."""
+        keep = pages_needed(live.cached, self.page_size)
+        if keep < len(live.pages):
+            self._release(live.pages[keep:])
+            del live.pages[keep:]
+
+    # --- committing before the tokens are known (overlapped steps, n = 0) -------------------
+
+    def commit_step_unresolved(self, step: Step) -> None:
+        """Commits ``step`` before its tokens reach the host (plain decoding only).
+
+        Each decode row emitted exactly one token (``n = 0``), so everything but the token's
+        value is known: the cache grows by one, the token list gets ``UNRESOLVED_TOKEN`` in its
+        place (the next step feeds it from the device: ``DecodeBatch.token_ids`` is -1 there),
+        and a request that reached ``max_tokens`` retires now (pages and slot freed; a later
+        step on the device may still write its pages, but it runs before any step that reuses
+        them). Stop tokens can only be applied when the tokens are known: ``resolve_step``
+        does it, one step late; the request's row in the step planned meanwhile is wasted and
+        its token discarded. Rows of requests that such a stop finished after ``step`` was
+        planned are skipped.
+
+        Raises:
+          ValueError: a step other than the outstanding one, or a speculative scheduler (the
+            number of tokens a speculative row emits is only known with them).
+        """
+        plan = self._plan
+        if plan is None or step is not plan.step:
+            raise ValueError("step is not the outstanding step of this scheduler")
+        if self.num_speculative:
+            raise ValueError(
+                f"commit_step_unresolved needs plain decoding; num_speculative is "
+                f"{self.num_speculative} (a row's token count is known only with its tokens)"
+            )
+        self._plan = None
+        self._commit_prefill(plan)
+        rows = []
+        for slot, live in plan.decode_rows:
+            if live.done:  # a stop token resolved after this step was planned
+                continue
+            live.cached = self._accepted_length(live.cached, 0)
+            live.tokens.append(UNRESOLVED_TOKEN)
+            rows.append((slot, live, len(live.tokens) - 1))
+            if live.num_generated >= live.request.params.max_tokens:
+                live.provisional_reason = "length"
+                self._retire(live)
+            else:
+                self._trim_pages(live)
+        self._unresolved[step.index] = rows  # even empty: the engine resolves every step
+
+    def resolve_step(self, step: Step, token_ids) -> StepOutput:
+        """The tokens of a step committed by ``commit_step_unresolved``: they replace the
+        placeholders, and stop tokens finish their requests now (one step late: a later token
+        of such a request is discarded; its pages and slot are freed).
+
+        Args:
+          step: the step, as ``plan_step`` returned it.
+          token_ids: int ``[B]`` or ``[B, 1]``, the step's sampled tokens per slot.
+
+        Returns:
+          The ``StepOutput`` of ``step``: tokens kept and requests finished.
+
+        Raises:
+          ValueError: a step with nothing to resolve, or tokens of the wrong shape or < 0.
+        """
+        rows = self._unresolved.get(step.index)
+        if rows is None:
+            raise ValueError(f"step {step.index} has no unresolved tokens")
+        tokens = np.asarray(token_ids)
+        if tokens.ndim == 2 and tokens.shape[1] == 1:
+            tokens = tokens[:, 0]
+        if tokens.shape != (self.parallel,) or not np.issubdtype(tokens.dtype, np.integer):
+            raise ValueError(
+                f"token_ids must be integers of shape [{self.parallel}], got "
+                f"{tokens.dtype}{list(tokens.shape)}"
+            )
+        for slot, live, _ in rows:
+            if not live.done and tokens[slot] < 0:
+                raise ValueError(f"token_ids[{slot}]={tokens[slot]} is not a token id")
+        del self._unresolved[step.index]
+        new_token_ids, finished = {}, []
+        for slot, live, index in rows:
+            if live.done:
+                continue
+            token = int(tokens[slot])
+            live.tokens[index] = token
+            new_token_ids[live.request.request_id] = (token,)
+            if token in live.stop_token_ids:
+                del live.tokens[index + 1 :]  # whatever a later step added is discarded
+                if live.provisional_reason is None:
+                    if live in self._running:
+                        self._retire(live)
+                    else:  # preempted after this step: it waits to be recomputed
+                        self._waiting.remove(live)
+                finished.append(self._output(live, "stop"))
+            elif live.provisional_reason is not None and index == len(live.tokens) - 1:
+                finished.append(self._output(live, live.provisional_reason))
+        return StepOutput(new_token_ids, tuple(finished))
+
+    @property
+    def num_unresolved_steps(self) -> int:
+        """Steps committed whose tokens ``resolve_step`` has not yet received."""
+        return len(self._unresolved)
 
     @staticmethod
     def _accepted_length(position: int, num_accepted: int) -> int:
@@ -756,10 +928,20 @@ class Scheduler:
         return tuple(kept), None
 
     def _finish(self, live: _Live, reason) -> RequestOutput:
+        self._retire(live)
+        return self._output(live, reason)
+
+    def _retire(self, live: _Live) -> None:
+        """Takes a finished request out of the running set: its pages and slot are free."""
         self._running.remove(live)
         self._release(live.pages)
         live.pages = []
         heapq.heappush(self._free_slots, live.slot)
+        live.slot = -1
+
+    def _output(self, live: _Live, reason) -> RequestOutput:
+        """The finished request's output; its id is free from now on."""
+        live.done = True
         del self._by_id[live.request.request_id]
         self.stats["finished"] += 1
         prompt = live.request.prompt_token_ids

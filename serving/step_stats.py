@@ -38,6 +38,15 @@ class StepStats:
         argument transfers, launch), before the device is done.
       device_wait_s: part of ``decode_s``: from then until the step's outputs were ready.
       fetch_s: part of ``decode_s``: copying the outputs to the host.
+      plan_s: part of ``host_s``: ``plan_step`` and the decode program's host inputs (split-KV
+        plans included).
+      commit_s: part of ``host_s``: committing the tokens (stop tokens, rewinds, finishes).
+      num_granted: prefilling requests whose chunks the fairness grant gave beyond the step's
+        budget (``Step.granted``).
+      overlapped: whether the step ran overlapped (``Engine(overlap=True)``): its prefill and
+        decode were dispatched without waiting, and ``device_wait_s``, ``fetch_s`` and
+        ``num_emitted`` belong to the PREVIOUS step's tokens, fetched after this step was
+        dispatched (the device ran the previous step while this one was planned).
     """
 
     index: int
@@ -52,6 +61,10 @@ class StepStats:
     dispatch_s: float = 0.0
     device_wait_s: float = 0.0
     fetch_s: float = 0.0
+    plan_s: float = 0.0
+    commit_s: float = 0.0
+    overlapped: bool = False
+    num_granted: int = 0
 
     @property
     def total_s(self) -> float:

@@ -169,6 +169,142 @@ def test_one_hot_chain_sampling_is_greedy_verification():
 
 
 # ----------------------------------------------------------------------------------------------
+# Mixed steps: the token budget and the fairness grant (serving/step_decision.py)
+
+LONG_PROMPT = "def main(argv):\n    import os, sys\n    return 0  # e"  # 41 bytes: 40 to prefill
+
+
+def _steps_to_first_token(engine, request_id) -> int:
+    """Steps from now until ``request_id``'s first token (the step that emits it counted)."""
+    for count in range(1, 200):
+        if request_id in engine.step().new_token_ids:
+            return count
+    raise AssertionError(f"{request_id!r} had no token after 200 steps")
+
+
+@pytest.mark.parametrize(("interval", "overlap"), [(0, False), (2, True)])
+def test_a_long_prompt_under_full_decode_load_gets_its_first_token_within_the_bound(
+    pair, interval, overlap
+):
+    """One request decodes every step and its row alone fills the step's budget
+    (``max_batched_tokens=1``), so a long prompt admitted next to it gets no token from the
+    budget: only the grant prefills it, one chunk of 8 every ``N + 1`` steps. Its 40 prompt
+    tokens are 5 chunks, so its first token is sampled within ``(N + 1) * 5`` steps of its
+    submission (exactly then: the budget gives it nothing), and reaches the host in that step,
+    or in the next with the overlap; without the grant (an interval of 1000) it has none by
+    then."""
+    prompt = encode_text(LONG_PROMPT)
+    num_chunks = -(-(len(prompt) - 1) // 8)
+    bound = (interval + 1) * num_chunks
+    options = dict(num_pages=16, max_batched_tokens=1, prefill_chunk_size=8, overlap=overlap)
+    for grant_interval in (interval, 1000):
+        engine = _engine(pair, prefill_grant_interval=grant_interval, **options)
+        load = SamplingParams(temperature=0, max_tokens=3 * bound)
+        engine.submit(Request("load", encode_text(PROMPTS[0]), load))
+        while "load" not in engine.step().new_token_ids:  # the load decodes from here on
+            pass
+        engine.submit(Request("long", prompt, SamplingParams(temperature=0, max_tokens=2)))
+        if grant_interval == interval:
+            assert _steps_to_first_token(engine, "long") == bound + overlap
+        else:
+            for _ in range(bound):
+                step = engine.step()
+                assert "long" not in step.new_token_ids and step.stats.num_prefill_tokens == 0
+
+
+def test_greedy_tokens_do_not_depend_on_the_step_budget(pair):
+    """The budget and the grant decide when prompts are prefilled, never what is generated:
+    greedy tokens (float32) with a budget that the decode rows fill, and small chunks granted
+    every step or every other, equal those of the default engine."""
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    prompts = [LONG_PROMPT, *PROMPTS[:3]]
+    requests = lambda: [Request(i, encode_text(p), params) for i, p in enumerate(prompts)]
+    baseline = _tokens(_engine(pair, num_pages=16).generate(requests()))
+    for n in (0, 2):
+        for interval in (0, 1):
+            engine = _engine(
+                pair,
+                num_speculative=n,
+                num_pages=16,
+                max_batched_tokens=2,
+                prefill_chunk_size=8,
+                prefill_grant_interval=interval,
+            )
+            assert _tokens(engine.generate(requests())) == baseline, (n, interval)
+
+
+# ----------------------------------------------------------------------------------------------
+# Overlapped steps: the host out of the device's way
+
+
+def _run_with_arrivals(engine, arrivals) -> dict:
+    """Steps ``engine`` until done, submitting ``arrivals[k]`` (a list of requests) before
+    step ``k``; returns each request's output by id."""
+    outputs, step = {}, 0
+    while step in arrivals or engine.has_unfinished:
+        for request in arrivals.get(step, ()):
+            engine.submit(request)
+        for output in engine.step().finished:
+            outputs[output.request_id] = output
+        step += 1
+    return outputs
+
+
+@pytest.mark.parametrize("num_speculative", [0, 2])
+def test_overlapped_steps_give_the_synchronous_outputs(pair, num_speculative):
+    """Greedy and seeded sampled requests (float32) arriving while others decode, finishing by
+    max_tokens and by stop tokens (a stop token one step before a length finish, too), on a
+    pool small enough to preempt: the same tokens, finish reasons and full pool with the
+    overlap on and off. (A speculative engine steps synchronously with the overlap on: its
+    case checks that the flag changes nothing there.)"""
+    greedy = lambda tokens, stop=(): SamplingParams(0.0, max_tokens=tokens, stop_token_ids=stop)
+    arrivals = lambda: {
+        0: [Request("a", encode_text(PROMPTS[0]), greedy(9)), Request("b", [7], greedy(1))],
+        2: [Request("c", encode_text(PROMPTS[1]), SamplingParams(0.8, seed=3, max_tokens=7))],
+        3: [Request("d", encode_text(PROMPTS[2]), greedy(12, stop=[101, 32]))],
+        5: [Request("e", encode_text(PROMPTS[3]), greedy(3, stop=[32, 115]))],
+    }
+    results = {}
+    for overlap in (False, True):
+        engine = _engine(pair, num_speculative=num_speculative, overlap=overlap)
+        assert engine.overlap == (overlap and num_speculative == 0)
+        outputs = _run_with_arrivals(engine, arrivals())
+        results[overlap] = {
+            rid: (out.token_ids, out.finish_reason) for rid, out in sorted(outputs.items())
+        }
+        assert engine.scheduler.pool.num_free == engine.scheduler.usable_pages
+        assert not engine.has_unfinished
+    assert results[True] == results[False]
+    reasons = [reason for _, reason in results[False].values()]
+    assert reasons.count("stop") == 2 and "length" in reasons  # both finishes exercised
+
+
+def test_overlapped_engine_dispatches_a_step_before_fetching_the_last(pair, monkeypatch):
+    """The point of the overlap: step N + 1's program is dispatched before step N's tokens are
+    fetched, and a step's tokens come back from the device once, after that dispatch."""
+    events = []
+    real_decode, real_get = programs.decode_step_jit, jax.device_get
+
+    def decode_spy(*args, **kwargs):
+        events.append("dispatch")
+        return real_decode(*args, **kwargs)
+
+    def get_spy(tree):
+        events.append("fetch")
+        return real_get(tree)
+
+    decode_spy._cache_size = real_decode._cache_size
+    monkeypatch.setattr(programs, "decode_step_jit", decode_spy)
+    monkeypatch.setattr(jax, "device_get", get_spy)
+    engine = _engine(pair, overlap=True)
+    engine.generate([Request(0, encode_text(PROMPTS[0]), SamplingParams(0.0, max_tokens=4))])
+    # Four tokens, four steps: each fetch follows the next step's dispatch, but the last
+    # (max_tokens is reached by count, so no fifth step is dispatched).
+    dispatch_then_fetch = ["dispatch", "fetch"]
+    assert events == ["dispatch", *dispatch_then_fetch * 3, "fetch"]
+
+
+# ----------------------------------------------------------------------------------------------
 # A request's randomness is its own
 
 

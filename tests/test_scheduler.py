@@ -28,7 +28,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 import paged
 from serving.requests import Request, RequestOutput, SamplingParams
-from serving.scheduler import Scheduler, pages_needed
+from serving.scheduler import UNRESOLVED_TOKEN, Scheduler, pages_needed
+from serving.step_decision import prefill_budget
 
 VOCAB = 6  # small, so prompts share prefixes and drafts hit stop tokens often
 
@@ -54,6 +55,8 @@ class ShadowEngine:
         self.requests: dict[object, Request] = {}
         self.generated: dict[object, list[int]] = {}
         self.outputs: dict[object, RequestOutput] = {}
+        # Steps each prefilling request has gone without a chunk (the grant bounds it).
+        self.parked: dict[object, int] = {}
 
     # --- requests ------------------------------------------------------------------------
 
@@ -119,13 +122,32 @@ class ShadowEngine:
         assert table.seq_lens()[row] == length
         assert table.page_lists()[row] == list(pages[: pages_needed(length, self.page_size)])
 
+    def check_prefill_decision(self, step, states, prefilled) -> None:
+        """The step's prefill keeps the budget (decode rows first, ``n + 1`` tokens each), beyond
+        it only one granted chunk a granted request, and no prefilling request goes more than
+        ``prefill_grant_interval`` steps in a row without a chunk (the fairness grant)."""
+        scheduler = self.scheduler
+        budget = scheduler.budget
+        n = scheduler.num_speculative
+        prefilling = {rid for rid, s in states.items() if s.num_cached < s.prefill_end}
+        decode_tokens = (len(states) - len(prefilling)) * (n + 1)
+        within = sum(tokens for rid, tokens in prefilled.items() if rid not in step.granted)
+        assert within <= prefill_budget(budget, decode_tokens)
+        for rid in step.granted:
+            assert rid in prefilling and 1 <= prefilled[rid] <= budget.prefill_chunk_size
+        for rid in prefilling:
+            self.parked[rid] = 0 if prefilled[rid] else self.parked.get(rid, 0) + 1
+            assert self.parked[rid] <= budget.prefill_grant_interval, f"{rid!r} starves"
+        for rid in set(self.parked) - prefilling:
+            del self.parked[rid]
+
     def run(self, step, rng: np.random.Generator, accept=None):
         """Runs ``step``; returns ``commit_step``'s arguments. ``accept`` fixes the accepted
         counts per slot (default: random, 0 and n often)."""
         scheduler, n = self.scheduler, self.scheduler.num_speculative
         states = {state.request_id: state for state in scheduler.running()}
         cached = {rid: state.num_cached for rid, state in states.items()}
-        prefilled = 0
+        prefilled = collections.Counter()
         for chunk in step.prefill:
             state = states[chunk.request_id]
             length = len(chunk.token_ids)
@@ -141,8 +163,8 @@ class ShadowEngine:
                     token = state.token_ids[position]
                     self._write(cache, states, chunk.request_id, state.pages, position, token)
             cached[chunk.request_id] = end
-            prefilled += length
-        assert prefilled <= scheduler.max_prefill_tokens
+            prefilled[chunk.request_id] += length
+        self.check_prefill_decision(step, states, prefilled)
 
         decode = step.decode
         if decode is None:
@@ -687,6 +709,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         num_speculative=st.integers(0, 3),
         max_prefill_tokens=st.integers(1, 8),
         prefill_chunk_size=st.sampled_from([1, 2, 4]),
+        # Budgets from none to below one decode row: prefills often get nothing but the grant.
+        max_batched_tokens=st.one_of(st.none(), st.integers(1, 12)),
+        prefill_grant_interval=st.integers(0, 3),
         bases=st.lists(
             st.lists(st.integers(0, VOCAB - 1), min_size=8, max_size=8), min_size=1, max_size=2
         ),
@@ -699,6 +724,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         num_speculative,
         max_prefill_tokens,
         prefill_chunk_size,
+        max_batched_tokens,
+        prefill_grant_interval,
         bases,
     ):
         # Pools of 6 to 24 tokens (plus the padding page) whatever the page size: requests of up to
@@ -710,6 +737,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             num_speculative=num_speculative,
             max_prefill_tokens=max_prefill_tokens,
             prefill_chunk_size=prefill_chunk_size,
+            max_batched_tokens=max_batched_tokens,
+            prefill_grant_interval=prefill_grant_interval,
         )
         self.engine = ShadowEngine(self.scheduler)
         self.bases = bases
@@ -743,6 +772,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             check_pool(self.scheduler)
             if step.decode is not None and self.scheduler.num_speculative:
                 event("speculative step")
+            if step.granted:
+                event("a prefill chunk granted beyond the budget")
 
     @invariant()
     def pool_matches_the_holders(self):
@@ -776,3 +807,63 @@ TestSchedulerMachine = SchedulerMachine.TestCase
 TestSchedulerMachine.settings = settings(
     max_examples=8 * settings.default.max_examples, stateful_step_count=40
 )
+
+
+# ----------------------------------------------------------------------------------------------
+# Committing before the tokens are known (the engine's overlapped steps)
+
+
+def test_a_stop_token_resolved_one_step_late_finishes_a_preempted_request():
+    """Two requests decode overlapped: each step is committed before its tokens are known, and
+    resolved after the next step is planned. The plan of step 3 preempts "b" (the pool runs
+    dry) while its token of step 2 is still unknown; that token is a stop token, so "b"
+    finishes from the queue, its tokens cut after the stop; "a" finishes by max_tokens, its
+    output given when its last token is resolved; every page comes back."""
+    scheduler = Scheduler(num_pages=5, page_size=2, parallel=2)
+    scheduler.submit(request("a", [1, 2], max_tokens=6))
+    scheduler.submit(request("b", [3, 4], max_tokens=6, stop=[5]))
+    previous, outputs, streamed = None, {}, collections.defaultdict(list)
+    for index in range(10):
+        step = scheduler.plan_step()
+        if index == 3:
+            assert step.preempted == ("b",) and scheduler.waiting() == ("b",)
+        if step.decode is not None:  # the unknown token is fed from the device: -1 here
+            fed = step.decode.token_ids[step.decode.active].tolist()
+            assert index == 0 or set(fed) == {UNRESOLVED_TOKEN}
+        if previous is not None:
+            tokens = np.array([0, 5 if index == 3 else 0])
+            output = scheduler.resolve_step(previous, tokens)
+            for rid, kept in output.new_token_ids.items():
+                streamed[rid].extend(kept)
+            outputs.update((out.request_id, out) for out in output.finished)
+        if step.decode is not None:
+            scheduler.commit_step_unresolved(step)
+            previous = step
+        else:
+            scheduler.commit_step(step)
+            previous = None
+        if not scheduler.has_unfinished:
+            break
+    assert outputs["b"].token_ids == (0, 0, 5) and outputs["b"].finish_reason == "stop"
+    assert outputs["b"].num_preemptions == 1
+    assert outputs["a"].token_ids == (0,) * 6 and outputs["a"].finish_reason == "length"
+    assert streamed == {"a": [0] * 6, "b": [0, 0, 5]}
+    assert scheduler.pool.num_free == scheduler.usable_pages and scheduler.num_unresolved_steps == 0
+
+
+def test_unresolved_commits_refuse_what_they_cannot_do():
+    speculative = Scheduler(num_pages=8, page_size=2, parallel=1, num_speculative=2)
+    speculative.submit(request("a", [1, 2]))
+    with pytest.raises(ValueError, match="needs plain decoding; num_speculative is 2"):
+        speculative.commit_step_unresolved(speculative.plan_step())
+    scheduler = Scheduler(num_pages=8, page_size=2, parallel=2)
+    scheduler.submit(request("a", [1, 2]))
+    step = scheduler.plan_step()
+    with pytest.raises(ValueError, match="has no unresolved tokens"):
+        scheduler.resolve_step(step, [1, 0])
+    scheduler.commit_step_unresolved(step)
+    with pytest.raises(ValueError, match=r"token_ids must be integers of shape \[2\]"):
+        scheduler.resolve_step(step, [1, 0, 0])
+    with pytest.raises(ValueError, match=r"token_ids\[0\]=-1 is not a token id"):
+        scheduler.resolve_step(step, [-1, 0])
+    assert scheduler.resolve_step(step, [[4], [0]]).new_token_ids == {"a": (4,)}

@@ -32,6 +32,10 @@ GENERATE_FLAGS = (
     "--seed",
     "--parallel",
     "--speculative",
+    "--max-batched-tokens",
+    "--prefill-chunk-size",
+    "--prefill-grant-interval",
+    "--no-overlap",
     "--backend",
     "--stats",
 )
@@ -169,6 +173,13 @@ def test_progress_writes_a_line_each_quarter_and_each_interval():
         (["--parallel", "0"], "--parallel must be >= 1, got 0"),
         (["--speculative", "-1"], f"--speculative must be in [0, {MAX_SPECULATIVE}]"),
         (["--speculative", "16"], "(the target verifies N + 1 tokens a step), got 16"),
+        (["--max-batched-tokens", "0"], "--max-batched-tokens must be >= 1, got 0"),
+        (
+            ["--prefill-chunk-size", "24"],
+            "--prefill-chunk-size must be a power of two >= 1, got 24",
+        ),
+        (["--prefill-chunk-size", "0"], "--prefill-chunk-size must be a power of two >= 1, got 0"),
+        (["--prefill-grant-interval", "-1"], "--prefill-grant-interval must be >= 0, got -1"),
     ],
 )
 def test_generate_refuses_bad_values_under_the_flags_names(flags, message, capsys):
@@ -177,7 +188,11 @@ def test_generate_refuses_bad_values_under_the_flags_names(flags, message, capsy
     assert main(["generate", *flags]) == 2
     error = capsys.readouterr().err
     assert error.startswith("error: ") and message in error, error
-    assert not re.search(r"\b(top_p|top_k|min_p|max_tokens|num_speculative)\b", error)
+    assert not re.search(
+        r"\b(top_p|top_k|min_p|max_tokens|num_speculative|max_batched_tokens|"
+        r"prefill_chunk_size|prefill_grant_interval)\b",
+        error,
+    )
 
 
 @pytest.mark.parametrize(
@@ -211,3 +226,15 @@ def test_module_entry_point_runs():
         check=False,
     )
     assert result.returncode == 0 and "--speculative" in result.stdout
+
+
+def test_no_overlap_changes_the_speed_not_the_output(capsys):
+    """Greedy plain decoding with the overlapped loop (the default) and with ``--no-overlap``
+    prints the same continuation."""
+    argv = ["generate", "--prompt", "def main(", "--max-tokens", "5", "--temperature", "0"]
+    argv += ["--backend", "reference", "--parallel", "1"]
+    printed = []
+    for extra in ([], ["--no-overlap"]):
+        assert main([*argv, *extra]) == 0
+        printed.append(capsys.readouterr().out)
+    assert printed[0] == printed[1] and printed[0].strip()

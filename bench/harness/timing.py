@@ -292,9 +292,14 @@ class TimedLoop:
             self.operands
         )
 
+    def trace(self, iters: int = 1):
+        """The traced program of ``iters`` calls (``jax.stages.Traced``), to lower it for
+        another platform than this machine's."""
+        return self.program(iters).trace(self.operands)
+
     def lowered_text(self, iters: int = 1) -> str:
         """A program's StableHLO text, to check which kernels it calls (attribution)."""
-        return self.program(iters).lower(self.operands).as_text()
+        return self.trace(iters).lower().as_text()
 
     def time(
         self,
@@ -407,6 +412,17 @@ class SetsInTurnLoop(TimedLoop):
         self._single_call = jax.jit(call)
 
     def program(self, iters: int):
+        """The program of ``iters`` calls: ``iters / R`` rounds, a constant of the program.
+
+        Why a constant: at 62bfd3a the round count was a program argument (and every call went
+        through one jitted function, to lower the arm once); measured on the H200, every JAX arm
+        then took about 15 us more a round (5 us a call at batch 256 with 3 sets a round, 0.9 us
+        at batch 32 with 17), the PyTorch arms nothing more
+        (``docs/benchmark_results/archive/2026-12-01-sampling-62bfd3a.md``). The likely cause: a
+        while loop whose trip count XLA cannot see reads its predicate back to the host every
+        iteration. The two changes were not told apart; both are undone, so each ``iters``
+        compiles its own program, as in ``TimedLoop``.
+        """
         if iters not in self._programs:
             num_sets = self.num_sets
             rounds = math.ceil(iters / num_sets)
@@ -428,5 +444,9 @@ class SetsInTurnLoop(TimedLoop):
         """One call on set ``set_index`` at round 0 (what the timed calls compute)."""
         return self._single_call(self.operands[set_index], jnp.int32(0))
 
+    def trace(self, iters: int | None = None):
+        """The traced program of ``iters`` calls (R by default: one round)."""
+        return super().trace(iters or self.num_sets)
+
     def lowered_text(self, iters: int | None = None) -> str:
-        return self.program(iters or self.num_sets).lower(self.operands).as_text()
+        return self.trace(iters).lower().as_text()

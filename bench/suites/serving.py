@@ -23,6 +23,11 @@ Scenarios (``SCENARIOS``; ``--quick``: the first two):
   (256 full pages, shared read-only by the scheduler) and differ in a 32-token tail; 64 new
   tokens each.
 
+- ``continuous``: requests arriving while others decode (Poisson, seeded), prompts of 64 to
+  8192 tokens, one row per (prefill chunk size, grant interval) under the default arm:
+  ``bench/suites/serving_load.py`` (``LOAD_SCENARIO``; not in ``--quick``; its dry run runs
+  toy prompts for about a second on the reference backend).
+
 ``ctx`` counts the tokens in the cache when decoding starts: a prompt has ``ctx + 1`` tokens
 (``ctx + 32 + 1`` with the shared-prefix tail), since the scheduler prefills all but the last
 token and the first decode step feeds it. Prefills are then whole chunks of 512, one program a
@@ -40,7 +45,11 @@ Arms, each a fresh engine per scenario, one after the other (``ARMS``):
   op included. The engine's programs cache on ``backend="auto"`` like the default's, so the jit
   caches are cleared (``jax.clear_caches``) before each arm: otherwise the second arm would run
   the first arm's compiled programs.
-- ``decodelab``: the default, ``Engine(backend="auto")``: on a GPU the paged-decode, norm,
+- ``decodelab-sync``: the default's kernels with ``Engine(overlap=False)``: the synchronous
+  loop (each step's tokens fetched before the next step is planned), the engine's step as it was
+  before issue 18, so the overlap's gain is measured in the same run.
+- ``decodelab``: the default, ``Engine(backend="auto")`` (steps overlapped: step ``N + 1``
+  dispatched before step ``N``'s tokens are fetched; speculative engines step synchronously): on a GPU the paged-decode, norm,
   RoPE + append and dual-pivot sampling kernels (and the acceptance kernel when speculating;
   Gumbel-max runs its kernel from batch ``sampling.api.GUMBEL_KERNEL_MIN_BATCH`` up and XLA's
   reference below); in a dry run on the
@@ -48,7 +57,7 @@ Arms, each a fresh engine per scenario, one after the other (``ARMS``):
   interpreted) to exercise the kernel path.
 
 ``attribution`` is what ``Engine.backend_report()`` reads off the traced programs: the kernel
-names each op calls, or ``reference``. Two arms that ran the same code have the same
+names each op calls, or ``reference``, and the engine's loop (overlapped or synchronous). Two arms that ran the same code have the same
 attribution and the report is refused (``bench.harness.report.check_distinguishable``).
 
 Each (scenario, arm) runs the scenario twice on fresh engines of the same shapes: the first run
@@ -132,7 +141,7 @@ import sampling
 import speculative
 from bench.harness import CaseResult, CopyCeiling, RunOptions, TimedLoop, expected_us, report
 from bench.harness.attention_inputs import make_attention_setup
-from bench.suites import SuiteOutput
+from bench.suites import SuiteOutput, serving_load
 from kernels_pallas.platform import KILL_SWITCH_VARIABLE, resolve_backend
 from serving import config as config_lib
 from serving import engine as engine_lib
@@ -147,12 +156,15 @@ PAGE_SIZE = 16
 PREFILL_CHUNK = 512
 TEMPERATURE, TOP_K, TOP_P = 1.0, 50, 0.9
 SEED = 7
-ARMS = ("reference", "decodelab")  # the report's arm names; reference first (the ratio's base)
+# The report's arm names; reference first (the ratio's base).
+ARMS = ("reference", "decodelab-sync", "decodelab")
 # Seconds a timed step loop should last (its calls are sized from the engine's step time).
 LOOP_TARGET_SECONDS = 0.2
 MAX_LOOP_CALLS = 256
 # Split a run across commands: a comma-separated list of scenario kinds (``Scenario.kind``).
 SCENARIOS_VARIABLE = "DECODELAB_SERVING_SCENARIOS"
+# ... and the continuous load's configurations (``load_scenario_for``).
+LOAD_CONFIGS_VARIABLE = "DECODELAB_SERVING_LOAD_CONFIGS"
 MAX_MEASURED_RUNS = 3
 # Priors (TB/s, floor us) for sizing the op-level programs (a prior 4x off costs one more
 # compilation): the reference attention reads every padded slot once per request; sort-based
@@ -221,9 +233,29 @@ QUICK_SCENARIOS = SCENARIOS[:2]
 DRY_RUN_SCENARIOS = (
     Scenario("single", 1, 32, 5),
     Scenario("batch", 2, 32, 5),
-    Scenario("long", 1, 64, 4),
-    Scenario("long", 1, 128, 4),
+    Scenario("long", 1, 128, 4),  # one long prompt: the standard grid's two differ in size only
     Scenario("shared_prefix", 2, 64, 4, shared_prefix=64, tail=32),
+)
+# Continuous load (bench/suites/serving_load.py): Poisson arrivals while others decode, one row
+# per (prefill_chunk_size, prefill_grant_interval). On the GPU: 20 s of arrivals at 16 slots,
+# prompts of 64 to 8192 tokens; in a dry run a few seconds of toy prompts on the reference.
+LOAD_SCENARIO = serving_load.LoadScenario(
+    parallel=16,
+    rate_per_s=24.0,
+    duration_s=20.0,
+    prompt_lengths=(64, 512, 2048, 8192),
+    new_tokens=128,
+    configs=((512, 1), (512, 8), (2048, 1), (2048, 8)),
+    seed=SEED,
+)
+DRY_RUN_LOAD_SCENARIO = serving_load.LoadScenario(
+    parallel=2,
+    rate_per_s=30.0,
+    duration_s=1.0,
+    prompt_lengths=(8, 24, 40),
+    new_tokens=6,
+    configs=((8, 0), (16, 2)),
+    seed=SEED,
 )
 DRY_RUN_PARALLEL = 2
 DRY_RUN_PREFILL_CHUNK = 32
@@ -246,11 +278,105 @@ def scenarios_for(options: RunOptions) -> tuple[Scenario, ...]:
     wanted = os.environ.get(SCENARIOS_VARIABLE, "").strip()
     if wanted:
         kinds = {kind.strip() for kind in wanted.split(",") if kind.strip()}
-        unknown = kinds - {scenario.kind for scenario in SCENARIOS}
+        unknown = kinds - {scenario.kind for scenario in SCENARIOS} - {LOAD_SCENARIO.kind}
         if unknown:
             raise ValueError(f"{SCENARIOS_VARIABLE} names unknown kinds {sorted(unknown)}")
         chosen = tuple(scenario for scenario in chosen if scenario.kind in kinds)
     return chosen
+
+
+def load_scenario_for(options: RunOptions) -> serving_load.LoadScenario | None:
+    """The continuous load of this run: in a full run and a dry run (not ``--quick``), unless
+    ``DECODELAB_SERVING_SCENARIOS`` leaves out ``continuous``; its configurations chosen by
+    ``DECODELAB_SERVING_LOAD_CONFIGS`` when set (``CHUNK:INTERVAL`` pairs, comma-separated, e.g.
+    ``512:1,512:8``), to split the load across device commands.
+
+    Raises:
+      ValueError: naming the variable and the entry that is not ``CHUNK:INTERVAL`` with a
+        power-of-two chunk and an interval >= 0.
+    """
+    if options.quick and not options.dry_run:
+        return None
+    wanted = os.environ.get(SCENARIOS_VARIABLE, "").strip()
+    if wanted and LOAD_SCENARIO.kind not in {kind.strip() for kind in wanted.split(",")}:
+        return None
+    scenario = DRY_RUN_LOAD_SCENARIO if options.dry_run else LOAD_SCENARIO
+    chosen = os.environ.get(LOAD_CONFIGS_VARIABLE, "").strip()
+    if not chosen:
+        return scenario
+    configs = []
+    for entry in chosen.split(","):
+        try:
+            chunk, interval = (int(part) for part in entry.split(":"))
+        except ValueError:
+            chunk, interval = 0, -1
+        if chunk < 1 or chunk & (chunk - 1) or interval < 0:
+            raise ValueError(
+                f"{LOAD_CONFIGS_VARIABLE} entries must be CHUNK:INTERVAL (a power-of-two chunk, "
+                f"an interval >= 0), got {entry!r}"
+            )
+        configs.append((chunk, interval))
+    return dataclasses.replace(scenario, configs=tuple(configs))
+
+
+def run_load_rows(model, num_pages: int, options: RunOptions) -> tuple[list, list[str]]:
+    """The continuous-load rows (``bench/suites/serving_load.py``): the default arm's engine
+    (overlapped, every kernel "auto" picks); in a dry run the reference backend, as interpreted
+    kernels would take minutes of CPU for a few seconds of load."""
+    scenario = load_scenario_for(options)
+    if scenario is None:
+        return [], []
+    config = model[0]
+    backend = "reference" if options.dry_run else "auto"
+    rows, notes = [], []
+
+    def make_engine(chunk, budget, interval):
+        return engine_lib.Engine(
+            model,
+            num_pages=num_pages,
+            page_size=PAGE_SIZE,
+            parallel=scenario.parallel,
+            backend=backend,
+            max_prefill_tokens=budget,
+            prefill_chunk_size=chunk,
+            max_batched_tokens=budget,
+            prefill_grant_interval=interval,
+            seed=SEED,
+        )
+
+    for chunk, interval in scenario.configs:
+        case = scenario.case(chunk, interval)
+        report.print_progress(case)
+        try:
+            figures, engine = serving_load.run_load_case(
+                make_engine, scenario, chunk, interval, config.vocab_size
+            )
+        except Exception as error:  # one failing configuration must not lose the others
+            notes.append(f"{case} failed: {type(error).__name__}: {str(error)[:300]}")
+            continue
+        loop = "overlapped" if engine.overlap else "synchronous"
+        attribution = (
+            f"{attribution_of(engine.backend_report())}; engine loop={loop}; "
+            f"chunk={chunk}; grant={interval}"
+        )
+        rows.append(serving_load.load_row(case, "decodelab", attribution, figures))
+        if figures["compiled_steps"]:
+            notes.append(
+                f"{case}: {figures['compiled_steps']} measured step(s) compiled a program; "
+                "ITL and TTFT include compilation"
+            )
+        notes.append(
+            f"{case}: {figures['requests']} requests, TTFT p50/p99 "
+            f"{figures['ttft_p50_ms']:.1f}/{figures['ttft_p99_ms']:.1f} ms, ITL p50/p99 "
+            f"{figures['itl_p50_ms']:.2f}/{figures['itl_p99_ms']:.2f} ms, in admission "
+            f"windows {figures['itl_admission_p50_ms']:.2f}/"
+            f"{figures['itl_admission_p99_ms']:.2f} ms, {figures['tokens_per_s']:.1f} tokens/s, "
+            f"{figures['granted_chunks']} granted chunk(s)"
+        )
+        engine.target_caches = None
+        del engine
+        gc.collect()
+    return rows, notes
 
 
 def model_config(options: RunOptions) -> config_lib.ModelConfig:
@@ -260,13 +386,24 @@ def model_config(options: RunOptions) -> config_lib.ModelConfig:
     return config_lib.llama3_8b_like(NUM_LAYERS, "bfloat16")
 
 
-def pool_pages(scenarios: tuple[Scenario, ...], page_size: int) -> int:
+def pool_pages(
+    scenarios: tuple[Scenario, ...],
+    page_size: int,
+    load: serving_load.LoadScenario | None = None,
+) -> int:
     """One pool size for every scenario: the largest scenario's pages if nothing were shared
-    (every request's whole footprint), plus the padding page, rounded up to 1024 pages."""
+    (every request's whole footprint; for the continuous ``load``, every slot holding its
+    longest prompt), plus the padding page, rounded up to 1024 pages."""
     needed = max(
-        scenario.num_requests * -(-(scenario.prompt_tokens + scenario.new_tokens) // page_size)
-        for scenario in scenarios
+        (
+            scenario.num_requests * -(-(scenario.prompt_tokens + scenario.new_tokens) // page_size)
+            for scenario in scenarios
+        ),
+        default=0,
     )
+    if load is not None:
+        longest = max(load.prompt_lengths) + load.new_tokens
+        needed = max(needed, load.parallel * -(-longest // page_size))
     return -(-(needed + 1) // 1024) * 1024
 
 
@@ -276,16 +413,31 @@ def pool_pages(scenarios: tuple[Scenario, ...], page_size: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class Arm:
-    """An arm: its report name, the engine's ``backend=``, and whether the kill switch is set."""
+    """An arm: its report name, the engine's ``backend=``, whether the kill switch is set, and
+    whether the engine overlaps its steps (``Engine(overlap=...)``)."""
 
     name: str
     backend: str
     kill_switch: bool
+    overlap: bool = True
+
+
+def scenarios_of_arm(arm: Arm, scenarios, options: RunOptions):
+    """The scenarios an arm runs: all of them, except in a dry run, where the synchronous arm
+    runs the ``batch`` scenario alone (its code path differs from the default's in the engine's
+    loop only, and every interpreted scenario costs CI time)."""
+    if options.dry_run and arm.name == "decodelab-sync":
+        return tuple(scenario for scenario in scenarios if scenario.kind == "batch")
+    return tuple(scenarios)
 
 
 def arms_for(options: RunOptions) -> tuple[Arm, ...]:
     default_backend = "pallas" if options.interpret else "auto"
-    return (Arm("reference", "auto", True), Arm("decodelab", default_backend, False))
+    return (
+        Arm("reference", "auto", True),
+        Arm("decodelab-sync", default_backend, False, overlap=False),
+        Arm("decodelab", default_backend, False),
+    )
 
 
 @contextlib.contextmanager
@@ -370,6 +522,7 @@ def new_engine(model, scenario: Scenario, arm: Arm, num_pages: int, options: Run
         page_size=PAGE_SIZE,
         parallel=parallel,
         backend=arm.backend,
+        overlap=arm.overlap,
         max_prefill_tokens=max(chunk, scenario.total_prompt_tokens),
         prefill_chunk_size=chunk,
         seed=SEED,
@@ -391,22 +544,25 @@ def measured_run(model, scenario, arm, num_pages, options, prompts) -> MeasuredR
 
 def run_engine(engine, requests: list[Request], capture: bool) -> MeasuredRun:
     """Submits ``requests`` together and steps until all finish; with ``capture``, keeps the
-    decode inputs of steps in which every request decodes."""
+    decode inputs of steps in which every request decodes (an overlapped step's rows feed
+    their last token from the device: -1 in the captured inputs, see ``_decode_loop``)."""
     captured: list[tuple[int, programs.DecodeInputs]] = []
     stats: list[StepStats] = []
-    run_decode = engine._run_decode
+    decode_inputs = engine._decode_inputs
 
-    def recording_run_decode(inputs):
+    def recording_decode_inputs(batch):
+        inputs = decode_inputs(batch)
         captured.append((len(stats), inputs))
-        return run_decode(inputs)
+        return inputs
 
     if capture:
-        engine._run_decode = recording_run_decode
+        engine._decode_inputs = recording_decode_inputs
     for request in requests:
         engine.submit(request)
     while engine.has_unfinished:
         stats.append(engine.step().stats)
-    engine._run_decode = run_decode
+    if capture:
+        del engine._decode_inputs  # the method again
     full = [(i, inputs) for i, inputs in captured if stats[i].num_decode_rows == len(requests)]
     return MeasuredRun(engine, requests, stats, full)
 
@@ -469,7 +625,8 @@ def _decode_loop(params, caches, inputs, *, config, backend, variant, num_calls)
             tokens = result.token_ids[:, 0]
             return caches, tokens, checksum + jnp.sum(tokens.astype(jnp.float32))
 
-        carry = (caches, jnp.asarray(inputs.token_ids), jnp.float32(0))
+        # An overlapped step's captured tokens are -1 (fed from the device): any token will do.
+        carry = (caches, jnp.maximum(jnp.asarray(inputs.token_ids), 0), jnp.float32(0))
         caches, _, checksum = lax.fori_loop(0, num_calls, body, carry)
     return caches, checksum
 
@@ -722,6 +879,13 @@ def run_case(
         "dispatch_us_per_step": statistics.median(s.dispatch_s for s in timed_steps) * 1e6,
         "device_wait_us_per_step": statistics.median(s.device_wait_s for s in timed_steps) * 1e6,
         "fetch_us_per_step": statistics.median(s.fetch_s for s in timed_steps) * 1e6,
+        # Host work of a step apart (issue 18): planning (plan_step, inputs, split-KV plans)
+        # and committing; with the overlap both run while the device runs the previous step.
+        "plan_us_per_step": statistics.median(s.plan_s for s in timed_steps) * 1e6,
+        "commit_us_per_step": statistics.median(s.commit_s for s in timed_steps) * 1e6,
+        "overlap": engine.overlap,
+        # The client-visible step over the device step (issue 18's target: within 1.15x).
+        "wall_over_device_step": step_s * 1e6 / full_us,
         "device_step_us": full_us,
         "attention_fraction": attention_us / step_us,
         "sampling_fraction": sampling_us / step_us,
@@ -755,10 +919,11 @@ def run_case(
             notes.append(f"{scenario.case}: the kill switch did not reach {sorted(ran)}")
     elif backends.get("decode: attention", "reference") == "reference":
         notes.append(f"{scenario.case}: the default ran no attention kernel in decode")
+    loop = "overlapped" if engine.overlap else "synchronous"
     row = CaseResult(
         case=scenario.case,
         arm=arm.name,
-        attribution=attribution_of(backends),
+        attribution=f"{attribution_of(backends)}; engine loop={loop}",
         median_us=step_us,
         min_us=min(wall) * 1e6,
         max_us=max(wall) * 1e6,
@@ -775,6 +940,32 @@ def run_case(
 
 # ----------------------------------------------------------------------------------------------
 # Notes comparing the arms
+
+
+def overlap_notes(rows: list[CaseResult]) -> list[str]:
+    """Per scenario: the overlapped default against the synchronous loop (``decodelab-sync``):
+    tokens/s, and the client-visible step over the device step (issue 18: within 1.15x)."""
+    notes = []
+    by_case: dict[str, dict[str, CaseResult]] = {}
+    for row in rows:
+        by_case.setdefault(row.case, {})[row.arm] = row
+    for case, arms in by_case.items():
+        overlapped, synchronous = arms.get("decodelab"), arms.get("decodelab-sync")
+        if overlapped is None or synchronous is None:
+            continue
+        speedup = overlapped.extra["tokens_per_s"] / synchronous.extra["tokens_per_s"]
+        ratio = overlapped.extra["wall_over_device_step"]
+        notes.append(
+            f"{case}: overlapped steps decode at {speedup:.2f}x the synchronous loop's tokens/s "
+            f"({overlapped.extra['tokens_per_s']:.1f} vs "
+            f"{synchronous.extra['tokens_per_s']:.1f}); wall step / device step "
+            f"{ratio:.2f} (synchronous {synchronous.extra['wall_over_device_step']:.2f}; "
+            f"issue 18's target 1.15: {'met' if ratio <= 1.15 else 'not met'}); host per step: "
+            f"plan {overlapped.extra['plan_us_per_step']:.0f} us, dispatch "
+            f"{overlapped.extra['dispatch_us_per_step']:.0f} us, commit "
+            f"{overlapped.extra['commit_us_per_step']:.0f} us"
+        )
+    return notes
 
 
 def comparison_notes(rows: list[CaseResult]) -> list[str]:
@@ -819,6 +1010,8 @@ def comparison_notes(rows: list[CaseResult]) -> list[str]:
                     f"{theirs.extra[f'{op}_fraction']:.0%} of the reference's step"
                 )
         ours.extra["vs_reference_tokens_per_s"] = speedup
+    if not verdicts:  # only the continuous load ran
+        return notes
     measured = [faster for _, faster in verdicts if faster is not None]
     slower = [case for case, faster in verdicts if faster is False]
     met = bool(measured) and all(measured) and len(measured) == len(verdicts)
@@ -844,7 +1037,7 @@ def run(options: RunOptions, ceiling: CopyCeiling) -> SuiteOutput:
     config = model_config(options)
     params = model_lib.init_params(config, jax.random.key(SEED))
     model = (config, params)
-    num_pages = pool_pages(scenarios, PAGE_SIZE)
+    num_pages = pool_pages(scenarios, PAGE_SIZE, load_scenario_for(options))
     notes = [
         f"model: random weights, {config.num_layers} layers (Llama 3 8B has 32) of hidden "
         f"{config.hidden}, "
@@ -865,14 +1058,15 @@ def run(options: RunOptions, ceiling: CopyCeiling) -> SuiteOutput:
         f"the default (Engine backend={arms_for(options)[1].backend!r})",
     ]
     notes.append(SAMPLING_SHRINK_NOTE)
-    chosen = os.environ.get(SCENARIOS_VARIABLE, "").strip()
-    if chosen:  # the command line alone does not say which scenarios ran
-        notes.append(f"scenarios chosen by {SCENARIOS_VARIABLE}={chosen}")
+    for variable in (SCENARIOS_VARIABLE, LOAD_CONFIGS_VARIABLE):
+        chosen = os.environ.get(variable, "").strip()
+        if chosen:  # the command line alone does not say which scenarios ran
+            notes.append(f"scenarios chosen by {variable}={chosen}")
     rows: list[CaseResult] = []
     ops: dict = {}
     for arm in arms_for(options):
         with arm_environment(arm):
-            for scenario in scenarios:
+            for scenario in scenarios_of_arm(arm, scenarios, options):
                 report.print_progress(f"{scenario.case}, arm {arm.name}")
                 try:
                     row, case_notes = run_case(model, scenario, arm, num_pages, options, ops)
@@ -889,6 +1083,10 @@ def run(options: RunOptions, ceiling: CopyCeiling) -> SuiteOutput:
     order = {scenario.case: index for index, scenario in enumerate(scenarios)}
     rows.sort(key=lambda row: (order[row.case], ARMS.index(row.arm)))
     notes += comparison_notes(rows)
+    notes += overlap_notes(rows)
+    load_rows, load_notes = run_load_rows(model, num_pages, options)
+    rows += load_rows
+    notes += load_notes
     return SuiteOutput(results=rows, notes=notes, peers_for_ratio=("reference",))
 
 
