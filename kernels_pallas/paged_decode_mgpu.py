@@ -117,6 +117,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kernels_pallas.online_softmax import LN_2, LOG2_E, MASKED_LOGIT
@@ -129,6 +130,7 @@ MAX_INDEX_WINDOW = 256  # a TMA box has at most 256 elements a dimension
 PAGE_SIZE = 16  # the WGMMA K dimension of p @ V is one page
 SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16)
 SUPPORTED_HEAD_DIMS = (64, 128)
+MERGES = ("separate", "folded")  # split plans: merge_partial_states after, or in this launch
 PIPELINES = ("emit", "ring")  # emit_pipeline (one WGMMA pair a page) or the hand-written ring
 RING_PAGES_PER_STEP = (1, 2, 4, 8, 16)  # the ring's step: one WGMMA of N = 16 to 256 keys
 H200_SMEM_PER_PROGRAM_BYTES = 227 * 1024  # the most one block may allocate (sm_90)
@@ -175,6 +177,12 @@ def paged_decode_mgpu_kernel(
     # head, P = R padded to a power of two):
     #   o_ref,  # [batch * KVH * R, head_dim] q.dtype | [num_work * KVH * P, head_dim] float32
     #   lse_ref,  # [batch * KVH * R] | [num_work * KVH * P] float32
+    # With merge="folded" (partials merged in this launch) the table's merge_indptr comes after
+    # page_indices (and the causal table), the partials are the first two outputs (blocks of
+    # P_fold = folded_partial_rows rows) and the final (o, lse) the last two:
+    #   merge_indptr_ref,  # [batch + 1] int32, GMEM
+    #   final_o_ref,  # [batch * KVH * R, head_dim] q.dtype
+    #   final_lse_ref,  # [batch * KVH * R] float32
     *refs,
     q_len: int,
     group_size: int,
@@ -189,10 +197,17 @@ def paged_decode_mgpu_kernel(
     write_final: bool,
     probs_in_smem: bool,
     pipeline: str,
+    merge: str = "separate",
+    folded_interpret: bool = False,
 ):
     if q_len > 1:
         page_indptr_ref, request_last_page_len_ref, *refs = refs
-    q_ref, k_pages_ref, v_pages_ref, o_ref, lse_ref = refs
+    folded = merge == "folded" and not write_final
+    if folded:
+        merge_indptr_ref, *refs = refs
+        q_ref, k_pages_ref, v_pages_ref, o_ref, lse_ref, final_o_ref, final_lse_ref = refs
+    else:
+        q_ref, k_pages_ref, v_pages_ref, o_ref, lse_ref = refs
     work = lax.axis_index("work")
     kv_head = lax.axis_index("kv_head")
     num_pages, _, page_size, head_dim = k_pages_ref.shape
@@ -446,6 +461,7 @@ def paged_decode_mgpu_kernel(
     else:
         first_out = (work * num_kv_heads + kv_head) * partial_block
         store = None  # every item's partial rows are its own; a padding item's stay empty
+    # (partial_block is folded_partial_rows(R, D) with merge="folded": the merge's load width)
 
     def write(o_smem, lse_smem):
         o_smem[...] = out.astype(o_ref.dtype)
@@ -473,6 +489,180 @@ def paged_decode_mgpu_kernel(
         plgpu.SMEM((TILE_ROWS, head_dim), o_ref.dtype),  # rows row_offset .. + R - 1 used
         plgpu.SMEM((TILE_ROWS,), jnp.float32),
     )
+    if folded:
+        _merge_if_last_to_arrive(
+            o_ref,
+            lse_ref,
+            merge_indptr_ref,
+            final_o_ref,
+            final_lse_ref,
+            work=work,
+            kv_head=kv_head,
+            request=request,
+            is_padding=is_padding,
+            first_row=first_row,
+            query_rows=query_rows,
+            partial_block=partial_block,
+            num_kv_heads=num_kv_heads,
+            interpret=folded_interpret,
+        )
+
+
+def folded_partial_rows(query_rows: int, head_dim: int) -> int:
+    """Rows a (work item, KV head) partial state keeps with ``merge="folded"``: ``partial_rows``
+    (``q_len x G`` padded to a power of two), at least ``128 / head_dim``, so that the merge
+    loads one block as a ``[rows, head_dim]`` array spread over the warpgroup's 128 threads
+    (a strided register layout needs a multiple of 128 elements).
+
+    Example:
+      >>> folded_partial_rows(1, 64), folded_partial_rows(1, 128), folded_partial_rows(3, 64)
+      (2, 1, 4)
+    """
+    return max(partial_rows(query_rows), 128 // head_dim)
+
+
+def _fence_async_proxy_global():
+    """``fence.proxy.async.global``: orders this thread's TMA (async proxy) writes to global
+    memory, completed by ``wait_smem_to_gmem``, before its later generic accesses (the release
+    of the arrival counter), so that the program that merges, with generic loads, sees them.
+    Compiled only (the interpreter has no proxies)."""
+
+    @plgpu.inline_mgpu()
+    def fence(ctx):
+        del ctx
+        mgpu_utils.inline_ptx("fence.proxy.async.global;", has_side_effects=True)
+
+    fence()
+
+
+def _strided_layout(rows: int, head_dim: int):
+    """The merge's register layout of a ``[rows, head_dim]`` float32 block: consecutive
+    elements over the 128 threads, two at a time (8-byte loads) where the block allows."""
+    return plgpu.Layout.WG_STRIDED((rows, head_dim), vec_size=min(2, rows * head_dim // 128))
+
+
+def _merge_if_last_to_arrive(
+    partial_o_ref,  # [num_work * KVH * P_fold, head_dim] float32, GMEM
+    partial_lse_ref,  # [num_work * KVH * P_fold] float32, GMEM
+    merge_indptr_ref,  # [batch + 1] int32, GMEM
+    final_o_ref,  # [batch * KVH * R, head_dim] q.dtype, GMEM
+    final_lse_ref,  # [batch * KVH * R] float32, GMEM
+    *,
+    work,
+    kv_head,
+    request,
+    is_padding,
+    first_row,
+    query_rows: int,
+    partial_block: int,
+    num_kv_heads: int,
+    interpret: bool,
+):
+    """``merge="folded"``: after this program's partial state is in global memory, count its
+    arrival on its (request, KV head); the program that brings the count to the request's
+    number of items merges all of them into the final rows.
+
+    The counter: one of ``batch x KVH`` global semaphores (``pl.get_global``; Pallas zeroes
+    them before every launch, so no program resets them). A program signals its counter
+    (``red.release.gpu`` after a warpgroup barrier, so the partial rows written before it are
+    released) and reads it back (``ld.acquire``): a count equal to the request's items means
+    every item's partial state is visible. At least one program sees the full count (the last
+    signal is followed by its own read); more than one may, when the last signals land before
+    earlier readers read, and then each writes the same final rows from the same partials
+    (same bits), which is harmless.
+
+    The merge (``proofs/merge_states.md``, as ``merge_partial_states``): per row, the largest
+    LSE over the items, each item's weight ``2^(lse2_i - max)`` in base 2 (``lse2 = lse x
+    log2 e``), empty items (``lse = -inf``) weight 0, a row that saw no key in any item gets o =
+    0 and lse = -inf; the LSE written is natural-log. Two passes over the items: the maxima
+    (``R`` scalar loads an item), then the weighted sum of the items' ``[P_fold, D]`` blocks in
+    a strided register layout (each thread a few elements of the block; a row's weight is
+    spread over the block by one select a row on the row index).
+
+    Interpreted, there are no semaphores, but Mosaic GPU's interpreter runs the grid one program
+    at a time in grid order (work items innermost), so a request's items arrive in index order
+    and the count after item ``w`` is ``w - first + 1``, which stands in for the counter."""
+    num_work = partial_lse_ref.shape[0] // (num_kv_heads * partial_block)
+    head_dim = partial_o_ref.shape[1]
+    batch = merge_indptr_ref.shape[0] - 1
+    first = jnp.clip(merge_indptr_ref[request], 0, num_work)
+    last = jnp.clip(merge_indptr_ref[request + 1], first, num_work)
+    if interpret:
+        arrived = work - first + 1
+    else:
+        counters = pl.get_global(plgpu.SemaphoreType.REGULAR((batch * num_kv_heads,)))
+        counter = counters.at[request * num_kv_heads + kv_head]
+        _fence_async_proxy_global()
+
+        @pl.when(jnp.logical_not(is_padding))
+        def _():
+            plgpu.semaphore_signal(counter, 1, memory_scope="gpu")
+
+        arrived = pl.semaphore_read(counter)
+    layout = _strided_layout(partial_block, head_dim)
+    row = plgpu.broadcasted_iota(jnp.int32, (partial_block, head_dim), 0, layout=layout)
+
+    def spread(per_row):
+        """``R`` scalars -> ``[P_fold, D]``: row ``r`` holds scalar ``r``, padding rows 0."""
+        block = jnp.zeros((partial_block, head_dim), jnp.float32)
+        for r, value in enumerate(per_row):
+            block = jnp.where(row == r, value, block)
+        return block
+
+    def block_row(item):
+        return (item * num_kv_heads + kv_head) * partial_block
+
+    @pl.when(jnp.logical_and(jnp.logical_not(is_padding), arrived == last - first))
+    def _():
+        def row_maxima(item, maxima):
+            base = block_row(item)
+            return tuple(
+                jnp.maximum(m, partial_lse_ref[base + r] * LOG2_E) for r, m in enumerate(maxima)
+            )
+
+        maxima = lax.fori_loop(first, last, row_maxima, (jnp.float32(-jnp.inf),) * query_rows)
+        # Where every item is empty (-inf), shift by 0: the weights stay 0, not NaN.
+        shifts = [jnp.where(m == -jnp.inf, jnp.float32(0.0), m) for m in maxima]
+
+        def weighted_sum(item, carry):
+            acc, sums = carry
+            base = block_row(item)
+            weights = [
+                jnp.exp2(partial_lse_ref[base + r] * LOG2_E - shift)
+                for r, shift in enumerate(shifts)
+            ]
+            block = plgpu.load(
+                partial_o_ref.at[pl.ds(base, partial_block)], layout=layout, optimized=False
+            )
+            acc = acc + spread(weights) * block
+            return acc, tuple(s + w for s, w in zip(sums, weights, strict=True))
+
+        acc = plgpu.layout_cast(jnp.zeros((partial_block, head_dim), jnp.float32), layout)
+        acc, sums = lax.fori_loop(
+            first, last, weighted_sum, (acc, (jnp.float32(0.0),) * query_rows)
+        )
+        nonempty = [s > 0 for s in sums]
+        inverse = [
+            jnp.where(n, 1.0 / jnp.where(n, s, 1.0), 0.0)
+            for n, s in zip(nonempty, sums, strict=True)
+        ]
+        out = acc * spread(inverse)
+        for r in range(query_rows):
+            final_lse_ref[first_row + r] = jnp.where(
+                nonempty[r],
+                (shifts[r] + jnp.log2(jnp.where(nonempty[r], sums[r], 1.0))) * LN_2,
+                -jnp.inf,
+            )
+
+        def store(out_smem):
+            out_smem[...] = out.astype(out_smem.dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(
+                out_smem.at[pl.ds(0, query_rows)], final_o_ref.at[pl.ds(first_row, query_rows)]
+            )
+            plgpu.wait_smem_to_gmem(0)
+
+        pl.run_scoped(store, plgpu.SMEM((partial_block, head_dim), final_o_ref.dtype))
 
 
 def _attend_step(
@@ -620,6 +810,7 @@ def _runs_in_32_bits_also_interpreted(jitted):
         "index_window",
         "probs_in_smem",
         "pipeline",
+        "merge",
         "interpret",
     ),
 )
@@ -635,6 +826,7 @@ def paged_decode_mgpu(
     *,
     page_indptr: jax.Array | None = None,
     last_page_len: jax.Array | None = None,
+    merge_indptr: jax.Array | None = None,
     sm_scale: float,
     logits_soft_cap: float | None,
     write_final: bool,
@@ -643,6 +835,7 @@ def paged_decode_mgpu(
     index_window: int = MAX_INDEX_WINDOW,
     probs_in_smem: bool = False,
     pipeline: str = "emit",
+    merge: str = "separate",
     interpret: bool | plgpu.InterpretGPUParams = False,
 ):
     """Runs the Mosaic GPU decode kernel over a list of work items (HND layout).
@@ -684,11 +877,19 @@ def paged_decode_mgpu(
         each holding a step's pages side by side (``[pages_per_step x page_size, D]``), so one
         WGMMA pair over ``pages_per_step x 16`` keys and one softmax update a step, and one
         loop over the item's steps that fetches the next index window ahead (no drain).
+      merge_indptr: the plan's int32 ``[B + 1]`` (request ``b``'s items are ``merge_indptr[b]
+        .. merge_indptr[b + 1] - 1``); needed with ``merge="folded"`` and partial states.
+      merge: for partial states (``write_final=False``): ``"separate"`` returns them, for
+        ``merge_partial_states`` to merge in a second launch; ``"folded"`` merges them in
+        this launch (the last item of a request to finish merges, through a global arrival
+        counter, ``_merge_if_last_to_arrive``) and returns the final ``(o, lse)`` as
+        ``write_final`` does. Ignored for final plans (nothing to merge).
       interpret: run in Mosaic GPU's interpret mode (CPU); needs ``probs_in_smem=True``. A
         ``plgpu.InterpretGPUParams`` sets the interpreter's options (its race detector).
 
     Returns:
-      The final or partial ``(o, lse)`` described above.
+      The final (``write_final`` or ``merge="folded"``) or partial ``(o, lse)`` described
+      above.
 
     Raises:
       ValueError: for shapes, dtypes or static parameters the kernel does not take, and a
@@ -705,6 +906,7 @@ def paged_decode_mgpu(
         interpret,
         pipeline=pipeline,
         write_final=write_final,
+        merge=merge,
     )
     q_len = 1 if q.ndim == 3 else q.shape[1]
     batch, num_q_heads, head_dim = q.shape[0], q.shape[-2], q.shape[-1]
@@ -719,25 +921,34 @@ def paged_decode_mgpu(
                 f"of {batch} (the kernel reads them at a request's index), got "
                 f"{page_indptr.shape} and {last_page_len.shape}"
             )
+    folded = merge == "folded" and not write_final
+    if folded and (merge_indptr is None or merge_indptr.shape != (batch + 1,)):
+        raise ValueError(
+            f"merge='folded' needs the plan's merge_indptr, [{batch + 1}] for q's batch of "
+            f"{batch}, got {None if merge_indptr is None else merge_indptr.shape}"
+        )
     num_kv_heads = k_pages.shape[1]
     group_size = num_q_heads // num_kv_heads
     query_rows = q_len * group_size
-    partial_block = partial_rows(query_rows)
+    partial_block = (
+        folded_partial_rows(query_rows, head_dim) if folded else partial_rows(query_rows)
+    )
     num_work = work_request.shape[0]
     total_rows = batch * num_q_heads * q_len
-    if write_final:
-        out_type = (
-            jax.ShapeDtypeStruct((total_rows, head_dim), q.dtype),
-            jax.ShapeDtypeStruct((total_rows,), jnp.float32),
-        )
-    else:
-        count = num_work * num_kv_heads * partial_block
-        out_type = (
-            jax.ShapeDtypeStruct((count, head_dim), jnp.float32),
-            jax.ShapeDtypeStruct((count,), jnp.float32),
-        )
+    final_type = (
+        jax.ShapeDtypeStruct((total_rows, head_dim), q.dtype),
+        jax.ShapeDtypeStruct((total_rows,), jnp.float32),
+    )
+    count = num_work * num_kv_heads * partial_block
+    partial_type = (
+        jax.ShapeDtypeStruct((count, head_dim), jnp.float32),
+        jax.ShapeDtypeStruct((count,), jnp.float32),
+    )
+    out_type = final_type if write_final else partial_type + (final_type if folded else ())
     if num_work == 0 or batch == 0:  # no program to launch
-        o, lse = (jnp.zeros(t.shape, t.dtype) for t in out_type)
+        outs = [jnp.zeros(t.shape, t.dtype) for t in out_type]
+        if folded:  # the merge of no item: no key, o = 0 and lse = -inf
+            outs[3] = jnp.full(outs[3].shape, -jnp.inf, jnp.float32)
     else:
         kernel = functools.partial(
             paged_decode_mgpu_kernel,
@@ -754,12 +965,16 @@ def paged_decode_mgpu(
             write_final=write_final,
             probs_in_smem=probs_in_smem,
             pipeline=pipeline,
+            merge=merge,
+            folded_interpret=bool(interpret),
         )
         # Rows grouped by (request, KV head), token-major inside: q's own order for one token,
         # a small copy of q otherwise (the Triton kernel's row order).
         q_rows = head_major(q.reshape(batch, q_len, num_q_heads, head_dim), num_kv_heads)
         table = (page_indptr, last_page_len) if q_len > 1 else ()
-        o, lse = plgpu.kernel(
+        if folded:
+            table += (merge_indptr,)
+        outs = plgpu.kernel(
             kernel,
             out_type=out_type,
             # Mosaic GPU maps the last grid axis to CUDA's x (up to 2^31 - 1 blocks; y and z
@@ -771,7 +986,7 @@ def paged_decode_mgpu(
             kernel_name=f"paged_decode_mgpu_{pipeline}_p{pages_per_step}_s{num_stages}"
             + ("_psmem" if probs_in_smem else "_preg")
             + (f"_q{q_len}" if q_len > 1 else "")
-            + ("_final" if write_final else "_partial"),
+            + ("_final" if write_final else "_folded" if folded else "_partial"),
         )(
             work_request,
             work_page_start,
@@ -783,10 +998,12 @@ def paged_decode_mgpu(
             k_pages,
             v_pages,
         )
-    if write_final:
+    if write_final or folded:
+        o, lse = outs[-2:]
         o = token_major(o.reshape(batch, num_q_heads * q_len, head_dim), q_len, num_kv_heads)
         lse = token_major(lse.reshape(batch, num_q_heads * q_len), q_len, num_kv_heads)
         return o.reshape(q.shape), lse.reshape(q.shape[:-1])
+    o, lse = outs
     return (
         o.reshape(num_work, num_kv_heads, partial_block, head_dim),
         lse.reshape(num_work, num_kv_heads, partial_block),
@@ -883,6 +1100,7 @@ def validate_mgpu_decode_arguments(
     *,
     pipeline="emit",
     write_final=False,
+    merge="separate",
 ) -> None:
     """Raises ValueError for what ``paged_decode_mgpu`` cannot run, naming the value."""
     if q.ndim not in (3, 4):
@@ -934,6 +1152,8 @@ def validate_mgpu_decode_arguments(
             f"index_window must be a multiple of 4 and of pages_per_step={pages_per_step}, at "
             f"most {MAX_INDEX_WINDOW}, got {index_window}"
         )
+    if merge not in MERGES:
+        raise ValueError(f"merge must be one of {MERGES}, got {merge!r}")
     if pipeline not in PIPELINES:
         raise ValueError(f"pipeline must be one of {PIPELINES}, got {pipeline!r}")
     if pipeline == "ring" and pages_per_step not in RING_PAGES_PER_STEP:

@@ -41,6 +41,11 @@ MOSAIC_GPU_BACKEND = "pallas_mgpu"
 # step, three stages; 171.6 us at B=32 x 4096). The ring's shapes are not yet timed:
 # bench/probes/mgpu_decode.py --sweep is to pick the pipeline this dictionary names.
 MGPU_LAUNCH_PARAMETERS = dict(pipeline="emit", pages_per_step=2, num_stages=3)
+# How a split plan's partial states are merged on this path: "separate" (merge_partial_states,
+# a second launch) or "folded" (in the decode launch: the last item of a request to finish
+# merges, paged_decode_mgpu's merge="folded"). "separate" until bench/probes/mgpu_decode.py's
+# merge arms (run_on_gpu.sh mgpu-merge-fold) measure the folded merge faster at B=1 and B=4.
+MGPU_MERGE = "separate"
 
 
 def kernel_name_for(q: jax.Array) -> str:
@@ -367,9 +372,13 @@ def _decode_attention_pallas(
             sm_scale=sm_scale,
             logits_soft_cap=logits_soft_cap,
             write_final=plan.write_final,
+            merge=MGPU_MERGE,
+            merge_indptr=plan.merge_indptr if MGPU_MERGE == "folded" else None,
             interpret=interpret,
             **mgpu_decode_launch_parameters(interpret),
         )
+        if MGPU_MERGE == "folded":  # merged in the launch: final (o, lse) in q's shape
+            return o, lse
         return _merge_split(o, lse, plan, q, num_kv_heads, interpret)
     params = decode_launch_parameters(
         plan, num_q_heads, num_kv_heads, head_dim, cache.page_size, q_len=q_len

@@ -706,3 +706,234 @@ def test_public_path_refuses_shapes_the_mosaic_gpu_kernel_cannot_run(monkeypatch
     with record_backends() as records:
         jax.eval_shape(lambda q: paged.decode_attention(q, cache, table), q)
     assert [(r.kernel, r.backend) for r in records] == [("paged_decode", "pallas")]
+
+
+# --------------------------------------------------------------------------------------------
+# merge="folded": a split plan's partial states merged in the decode launch (the last item of
+# a request to finish merges). Interpreted, the arrival counter is replaced by the item's rank
+# in its request (the interpreter runs programs one at a time, in order); the semaphores run
+# compiled only (the lowering test below and the gpu-marked test).
+
+
+def run_folded(q, cache, table, arrays, merge_indptr, *, soft_cap=None, merge="folded", **launch):
+    """The kernel with ``merge="folded"`` over raw plan arrays: final ``(o, lse)`` in q's
+    shape. p through shared memory unless asked (the path the interpreter runs)."""
+    multi_token = q.ndim == 4
+    launch = {"probs_in_smem": True, **launch}
+    return paged_decode_mgpu(
+        q,
+        cache.k_pages,
+        cache.v_pages,
+        table.page_indices,
+        *arrays,
+        page_indptr=table.page_indptr if multi_token else None,
+        last_page_len=table.last_page_len if multi_token else None,
+        merge_indptr=jnp.asarray(merge_indptr),
+        sm_scale=1.0 / np.sqrt(q.shape[-1]),
+        logits_soft_cap=soft_cap,
+        write_final=False,
+        merge=merge,
+        interpret=not ON_GPU,
+        **launch,
+    )
+
+
+def with_empty_item(plan, request):
+    """The plan's real items plus one more item of ``request`` with no page (an empty split:
+    o = 0, lse = -inf), placed among the request's items: ``(arrays, merge_indptr)``."""
+    count = int(plan.num_work_items)
+    items = [list(np.asarray(a)[:count]) for a in plan_arrays(plan)]
+    merge_indptr = np.asarray(plan.merge_indptr).copy()
+    at = int(merge_indptr[request]) + 1  # after the request's first item
+    end = items[2][at - 1]
+    for column, value in zip(items, (request, end, end, 0), strict=True):
+        column.insert(at, value)
+    merge_indptr[request + 1 :] += 1
+    return tuple(jnp.asarray(c, jnp.int32) for c in items), merge_indptr
+
+
+# (lens, group, head_dim, q_len, split, soft cap, pipeline, pages_per_step): B = 1 in four
+# two-page splits and an empty split inserted among them (G = 1 at head_dim 64: P_fold = 2 >
+# P = 1); B = 4 ragged, one-page splits, with an empty request (its one item has no key) and
+# three new tokens a request, causal (the 3-token request's first queries see no key; P_fold
+# = P = 8), soft cap, the ring.
+FOLDED_CASES = [
+    ((100,), 1, 64, 1, "empty_split", None, "emit", 1),
+    ((3, 40, 0, 21), 2, 64, 3, "fixed1", 5.0, "ring", 2),
+]
+
+
+@pytest.mark.parametrize(
+    "lens,group,head_dim,q_len,split,soft_cap,pipeline,pages_per_step", FOLDED_CASES
+)
+def test_folded_merge_matches_separate_merge_and_reference(
+    lens, group, head_dim, q_len, split, soft_cap, pipeline, pages_per_step
+):
+    """merge="folded" gives the separate merge's result (same float32 math, base 2 inside:
+    equal to rounding) and the float64 reference's; a row that saw no key (empty request, a
+    query before position 0) gets exactly o = 0 and lse = -inf; an empty split adds nothing."""
+    q, cache, table = make_inputs(
+        50 + group,
+        lens,
+        "HND",
+        group,
+        head_dim,
+        jnp.bfloat16,
+        num_pool_pages=24,
+        q_len=q_len if q_len > 1 else None,
+    )
+    num_q_heads = q.shape[-2]
+    pages = 1 if split == "fixed1" else 2
+    plan = paged.plan_decode(table, num_q_heads, NUM_KV_HEADS, head_dim, fixed_split_pages=pages)
+    assert not plan.write_final
+    if split == "empty_split":
+        arrays, merge_indptr = with_empty_item(plan, request=0)
+        plan = dataclasses.replace(
+            plan,
+            work_request=np.asarray(arrays[0]),
+            work_page_start=np.asarray(arrays[1]),
+            work_page_end=np.asarray(arrays[2]),
+            work_last_page_len=np.asarray(arrays[3]),
+            merge_indptr=merge_indptr,
+            num_work_items=np.int32(arrays[0].shape[0]),
+        )
+    else:
+        arrays, merge_indptr = plan_arrays(plan), plan.merge_indptr
+    assert np.diff(merge_indptr).max() >= 3  # several splits in one request
+    launch = dict(pipeline=pipeline, pages_per_step=pages_per_step)
+    o, lse = run_folded(q, cache, table, arrays, merge_indptr, soft_cap=soft_cap, **launch)
+    if q_len > 1:
+        separate = run_mgpu_multi_token(q, cache, table, plan, soft_cap=soft_cap, **launch)
+    else:
+        separate, _ = run_mgpu(q, cache, table, plan, soft_cap=soft_cap, **launch)
+    assert o.shape == q.shape and o.dtype == q.dtype and lse.shape == q.shape[:-1]
+    np.testing.assert_allclose(
+        np.asarray(o, np.float32), np.asarray(separate[0], np.float32), atol=1e-2, rtol=0
+    )
+    ref_o, ref_lse = reference64(q, cache, table, soft_cap)
+    assert relative_error(o, ref_o) < TOLERANCE
+    lse, sees_nothing = np.asarray(lse), np.isneginf(ref_lse)
+    np.testing.assert_array_equal(np.isneginf(np.asarray(separate[1])), sees_nothing)
+    assert np.all(np.asarray(o)[sees_nothing] == 0)
+    assert np.all(np.isneginf(lse[sees_nothing]))
+    np.testing.assert_allclose(lse[~sees_nothing], ref_lse[~sees_nothing], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        lse[~sees_nothing], np.asarray(separate[1])[~sees_nothing], rtol=1e-6, atol=1e-6
+    )
+
+
+def test_folded_merge_keyword_is_checked():
+    """A merge other than "separate" or "folded" is refused, naming it; "folded" needs the
+    plan's merge_indptr for q's batch; a final plan has nothing to merge and ignores it."""
+    lens = (20, 33)
+    q, cache, table = make_inputs(41, lens, "HND", 4, 64, jnp.bfloat16, num_pool_pages=8)
+    plan = paged.plan_decode(table, q.shape[1], NUM_KV_HEADS, 64, fixed_split_pages=1)
+    with pytest.raises(ValueError, match=r"merge must be one of .*got 'fused'"):
+        run_folded(q, cache, table, plan_arrays(plan), plan.merge_indptr, merge="fused")
+    with pytest.raises(ValueError, match=r"needs the plan's merge_indptr, \[3\] .* got \(2,\)"):
+        run_folded(q, cache, table, plan_arrays(plan), plan.merge_indptr[:2])
+
+
+def test_folded_merge_lowers_for_an_h200_with_its_arrival_counter():
+    """Compiled, the folded merge counts arrivals on global semaphores: after its partial
+    state's TMA store, each program fences the async proxy, signals its (request, KV head)
+    counter with a release (red.release.gpu) and reads it with an acquire; Pallas zeroes the
+    counters before the launch (an aliased zero buffer). Both pipelines, one and nine new
+    tokens, head_dim 128 and 64, p from registers."""
+
+    def int32(n):
+        return jax.ShapeDtypeStruct((n,), jnp.int32)
+
+    for head_dim, q_len, pipeline, pages_per_step in ((128, 1, "emit", 2), (64, 9, "ring", 4)):
+        pool = jax.ShapeDtypeStruct((1024, 8, PAGE_SIZE, head_dim), jnp.bfloat16)
+        q_shape = (4, 32, head_dim) if q_len == 1 else (4, q_len, 32, head_dim)
+        text = (
+            paged_decode_mgpu.trace(
+                jax.ShapeDtypeStruct(q_shape, jnp.bfloat16),
+                pool,
+                pool,
+                int32(1024),
+                *[int32(64)] * 4,
+                page_indptr=int32(5),
+                last_page_len=int32(4),
+                merge_indptr=int32(5),
+                sm_scale=0.088,
+                logits_soft_cap=None,
+                write_final=False,
+                pages_per_step=pages_per_step,
+                num_stages=3,
+                probs_in_smem=False,
+                pipeline=pipeline,
+                merge="folded",
+            )
+            .lower(lowering_platforms=("cuda",))
+            .as_text()
+        )
+        for ptx in ("fence.proxy.async.global", "red.release.gpu", "ld.acquire"):
+            assert ptx in text, (ptx, head_dim, q_len, pipeline)
+        assert "output_operand_aliases" in text  # the zeroed counters
+
+
+def test_public_path_folds_the_merge_when_asked(monkeypatch):
+    """``paged.decode.MGPU_MERGE = "folded"`` makes ``backend="pallas_mgpu"`` merge a split
+    plan in the decode launch (one kernel recorded, no merge launch); same result as the
+    reference."""
+    from kernels_pallas.platform import record_backends
+    from paged import decode
+
+    monkeypatch.setattr(decode, "MGPU_MERGE", "folded")
+    lens = (1, 17, 0, 45)
+    q, cache, table = make_inputs(42, lens, "HND", 4, 64, jnp.bfloat16, num_pool_pages=16)
+    plan = paged.plan_decode(table, q.shape[1], NUM_KV_HEADS, 64, fixed_split_pages=1)
+    with record_backends() as records:
+        o, lse = paged.decode_attention(
+            q, cache, table, plan=plan, return_lse=True, backend="pallas_mgpu"
+        )
+    assert [(r.kernel, r.backend) for r in records] == [("paged_decode_mgpu", "pallas")]
+    check_against_reference(o, lse, q, cache, table, lens)
+
+
+# (batch, context): the probe's merge arms.
+FOLDED_GPU_CASES = [(1, 4096), (1, 32768), (4, 4096), (4, 32768)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch,context", FOLDED_GPU_CASES)
+def test_folded_merge_on_gpu(batch, context):
+    """Compiled at the benchmark's shapes (32/8 heads, head_dim 128, bfloat16, the planner's
+    split, a ragged tail), the decode path's launch parameters: the folded merge equals the
+    separate one and the float32 reference, and three launches give the same bits (the
+    counters start from zero every launch; a duplicate merge writes the same values)."""
+    from paged.decode import MGPU_LAUNCH_PARAMETERS
+
+    assert ON_GPU
+    lens = [context] * batch
+    lens[0] = context - 5
+    pages_needed = sum(-(-n // PAGE_SIZE) for n in lens)
+    q, cache, table = make_inputs(
+        8, lens, "HND", 4, 128, jnp.bfloat16, num_pool_pages=pages_needed + 64, num_kv_heads=8
+    )
+    plan = paged.plan_decode(table, 32, 8, 128)
+    assert not plan.write_final
+    launch = dict(MGPU_LAUNCH_PARAMETERS, probs_in_smem=False)
+    runs = [
+        run_folded(q, cache, table, plan_arrays(plan), plan.merge_indptr, **launch)
+        for _ in range(3)
+    ]
+    for o, lse in runs[1:]:
+        np.testing.assert_array_equal(np.asarray(o), np.asarray(runs[0][0]))
+        np.testing.assert_array_equal(np.asarray(lse), np.asarray(runs[0][1]))
+    o, lse = runs[0]
+    (separate_o, separate_lse), _ = run_mgpu(q, cache, table, plan, **launch)
+    np.testing.assert_allclose(
+        np.asarray(o, np.float32), np.asarray(separate_o, np.float32), atol=1e-2
+    )
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(separate_lse), rtol=1e-6, atol=1e-5)
+    ref_o, ref_lse = decode_attention_reference(
+        q.astype(jnp.float32),
+        paged.KVCache(cache.k_pages.astype(jnp.float32), cache.v_pages.astype(jnp.float32), "HND"),
+        table,
+        sm_scale=1.0 / np.sqrt(128),
+    )
+    assert relative_error(o, np.asarray(ref_o, np.float64)) < 1e-2
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), rtol=1e-4, atol=1e-3)
