@@ -41,6 +41,14 @@ and 3 timed programs of 0.15 s; a first sizing program), 10 cases x 9 arms = 90 
 6 minutes, plus building the cases' rotating inputs (up to 537 MB a set) and the Triton
 compilations, about 7 minutes in all; the budget keeps it under 8.5.
 
+``--merge-fold`` times the merge both ways (issue 16) on ``MERGE_FOLD_CASES`` (B = 1 and 4 at
+4096 and 32768 tokens, where the planner splits every request): ``MERGE_FOLD_VARIANTS``, each
+pipeline with the separate merge kernel (``mgpu:reg.p2.s3``) and with the merge folded into the
+decode launch (``mgpu:reg.p2.s3.folded``, ``paged_decode_mgpu(merge="folded")``), each checked
+against the Triton arm before it is timed, and a last table of separate against folded per
+case. About 4 s an arm, 4 cases x 5 arms, about 2 minutes (estimated). ``--smoke
+--merge-fold`` runs its interpretable pair on the smoke case.
+
 ``--memcheck`` instead runs a small ragged workload to put under NVIDIA's memcheck (interpret
 mode cannot show a read outside an array; memcheck on the compiled kernel can), with the
 platform allocator so that every array is its own allocation::
@@ -109,30 +117,39 @@ class Variant(NamedTuple):
     pages_per_step: int
     num_stages: int
     pipeline: str = "emit"
+    merge: str = "separate"  # a split plan: merge_partial_states after, or "folded" in-launch
 
     @property
     def name(self) -> str:
-        """``reg.p2.s3`` (emit_pipeline, the first probe's names) or ``ring.reg.p4.s3``."""
+        """``reg.p2.s3`` (emit_pipeline, the first probe's names) or ``ring.reg.p4.s3``, with
+        ``.folded`` when the kernel merges a split plan itself (``merge="folded"``)."""
         prefix = "" if self.pipeline == "emit" else f"{self.pipeline}."
-        return f"{prefix}{self.probs_path}.p{self.pages_per_step}.s{self.num_stages}"
+        suffix = ".folded" if self.merge == "folded" else ""
+        return f"{prefix}{self.probs_path}.p{self.pages_per_step}.s{self.num_stages}{suffix}"
 
 
 def parse_variant(name: str) -> Variant:
-    """``Variant`` from its name (``reg.p1.s4``, ``ring.reg.p4.s3``).
+    """``Variant`` from its name (``reg.p1.s4``, ``ring.reg.p4.s3``, ``reg.p2.s3.folded``).
 
     Raises:
       ValueError: for a name of another form (naming it).
     """
     parts = name.split(".")
+    merge = "folded" if parts[-1:] == ["folded"] else "separate"
+    if merge == "folded":
+        parts.pop()
     pipeline = parts.pop(0) if len(parts) == 4 else "emit"
     if (
         len(parts) != 3
+        or pipeline not in ("emit", "ring")
         or parts[0] not in ("reg", "smem")
         or not (parts[1][:1] == "p" and parts[1][1:].isdigit())
         or not (parts[2][:1] == "s" and parts[2][1:].isdigit())
     ):
-        raise ValueError(f"--variants: {name!r} is not [emit.|ring.]<reg|smem>.p<pages>.s<stages>")
-    return Variant(parts[0], int(parts[1][1:]), int(parts[2][1:]), pipeline)
+        raise ValueError(
+            f"--variants: {name!r} is not [emit.|ring.]<reg|smem>.p<pages>.s<stages>[.folded]"
+        )
+    return Variant(parts[0], int(parts[1][1:]), int(parts[2][1:]), pipeline, merge)
 
 
 # The register path at a few pipeline shapes, the shared-memory path at two (what it costs next
@@ -162,6 +179,18 @@ SWEEP_VARIANTS = (
     Variant("reg", 8, 2, "ring"),
     Variant("reg", 8, 3, "ring"),
 )
+# --merge-fold (issue 16: the merge folded into the decode launch, measured both ways at B = 1
+# and B = 4, where the planner splits every request and the merge launch and the partial
+# states' round trip are a visible share of the call): the decode path's pipeline and the
+# ring's 4-page step, each with the separate merge kernel and with the merge folded in.
+MERGE_FOLD_CASES = ((1, 4096), (1, 32768), (4, 4096), (4, 32768))
+MERGE_FOLD_VARIANTS = (
+    Variant("reg", 2, 3),
+    Variant("reg", 2, 3, merge="folded"),
+    Variant("reg", 4, 3, "ring"),
+    Variant("reg", 4, 3, "ring", merge="folded"),
+)
+SMOKE_MERGE_FOLD_VARIANTS = (Variant("smem", 1, 4), Variant("smem", 1, 4, merge="folded"))
 SWEEP_BUDGET_SECONDS = 480.0  # a sweep stops starting arms after this (the rest: "skipped")
 # The smoke run's arms: the interpretable path twice, and one register variant, whose refusal in
 # interpret mode exercises the report of a failed arm (the smoke sweep runs the ring).
@@ -179,10 +208,13 @@ def variant_name(probs_path: str, pages_per_step: int, num_stages: int, pipeline
 
 def decode_step(kernel, setup, plan, interpret):
     """``step(set_index, operands) -> (o, lse)``: one whole decode of set ``set_index``
-    (the kernel, then the merge when the plan splits)."""
+    (the kernel, then the merge when the plan splits, unless the kernel folds it in: an arm
+    whose ``folds_merge`` is set gets the plan's ``merge_indptr`` and returns final outputs)."""
+    folds_merge = getattr(kernel, "folds_merge", False)
 
     def step(set_index, operands):
         queries, k_pages, v_pages, page_indices, plan = operands
+        extra = dict(merge_indptr=plan.merge_indptr) if folds_merge else {}
         o, lse = kernel(
             queries[set_index],
             k_pages,
@@ -196,8 +228,9 @@ def decode_step(kernel, setup, plan, interpret):
             logits_soft_cap=None,
             write_final=plan.write_final,
             interpret=interpret,
+            **extra,
         )
-        if not plan.write_final:
+        if not plan.write_final and not folds_merge:
             o, lse = merge_partial_states(
                 o,
                 lse,
@@ -260,9 +293,11 @@ def arms_for(setup, plan, variants, interpret, *, public_path=False):
                 num_stages=variant.num_stages,
                 probs_in_smem=variant.probs_path == "smem",
                 pipeline=variant.pipeline,
+                merge=variant.merge,
                 **kwargs,
             )
 
+        mgpu.folds_merge = variant.merge == "folded"
         arms["mgpu:" + variant.name] = mgpu
     if public_path:
         arms["api:pallas"] = PublicPath("pallas")
@@ -442,6 +477,12 @@ def main(argv=None) -> int:
         help="the pipeline decode_attention's Mosaic GPU path runs in this process, e.g. "
         "ring.reg.p4.s3 (default: paged.decode.MGPU_LAUNCH_PARAMETERS)",
     )
+    parser.add_argument(
+        "--merge-fold",
+        action="store_true",
+        help="MERGE_FOLD_CASES x MERGE_FOLD_VARIANTS: the separate merge kernel against the "
+        "merge folded into the decode launch",
+    )
     parser.add_argument("--repeats", type=int, default=None, help="default 5, 3 with --sweep")
     parser.add_argument(
         "--budget-s",
@@ -467,11 +508,15 @@ def main(argv=None) -> int:
     target_seconds = 0.15 if args.sweep else 0.25
     if args.smoke:
         cases = (SMOKE_CASE,)
+    elif args.merge_fold:
+        cases = MERGE_FOLD_CASES
     else:
         cases = SWEEP_CASES if args.sweep else CASES
     if args.cases:
         cases = tuple(tuple(int(n) for n in case.split("x")) for case in args.cases.split(","))
-    if args.sweep:
+    if args.merge_fold:
+        variants = SMOKE_MERGE_FOLD_VARIANTS if args.smoke else MERGE_FOLD_VARIANTS
+    elif args.sweep:
         variants = SMOKE_SWEEP_VARIANTS if args.smoke else SWEEP_VARIANTS
     else:
         variants = SMOKE_VARIANTS if args.smoke else VARIANTS
@@ -600,6 +645,7 @@ def main(argv=None) -> int:
             jax_version=jax.__version__,
             smoke=args.smoke,
             sweep=args.sweep,
+            merge_fold=args.merge_fold,
             repeats=repeats,
             target_seconds=target_seconds,
             budget_s=budget_s,
@@ -610,6 +656,7 @@ def main(argv=None) -> int:
         (folder / "mgpu_decode_probe.json").write_text(json.dumps(document, indent=1))
     print_table(rows, arm_names, smoke=args.smoke)
     print_best(rows)
+    print_merge_fold(rows)
     skipped = sorted({row["case"] for row in rows if row["status"] == "skipped"})
     print(f"\n# {time.monotonic() - started:.0f} s" + (f"; skipped: {skipped}" if skipped else ""))
     return 0
@@ -638,6 +685,27 @@ def print_best(rows):
             f"{case:<18}{triton_us:>11.1f}{best['arm']:>24}{best['median_us']:>9.1f}"
             f"{best['tbps']:>8.3f}{triton_us / best['median_us']:>9.2f}"
             f"{best['smem_bytes'] // 1024:>6}{best['waves']:>7.2f}"
+        )
+
+
+def print_merge_fold(rows):
+    """Per case and pipeline with both merges timed: the separate merge's time, the folded
+    one's, and their ratio (above 1: folding the merge in is faster)."""
+    timed = {(row["case"], row["arm"]): row["median_us"] for row in rows if "median_us" in row}
+    pairs = [
+        (case, arm, folded)
+        for (case, folded) in timed
+        if folded.endswith(".folded") and (case, arm := folded.removesuffix(".folded")) in timed
+    ]
+    if not pairs:
+        return
+    print("\n# merge: separate kernel vs folded into the decode launch")
+    print(f"{'case':<18}{'arm':>24}{'separate us':>13}{'folded us':>11}{'speedup':>9}")
+    for case, arm, folded in pairs:
+        separate_us, folded_us = timed[(case, arm)], timed[(case, folded)]
+        print(
+            f"{case:<18}{arm:>24}{separate_us:>13.1f}{folded_us:>11.1f}"
+            f"{separate_us / folded_us:>9.2f}"
         )
 
 
