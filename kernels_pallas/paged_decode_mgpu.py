@@ -132,7 +132,8 @@ SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16)
 SUPPORTED_HEAD_DIMS = (64, 128)
 MERGES = ("separate", "folded")  # split plans: merge_partial_states after, or in this launch
 PIPELINES = ("emit", "ring")  # emit_pipeline (one WGMMA pair a page) or the hand-written ring
-RING_PAGES_PER_STEP = (1, 2, 4, 8, 16)  # the ring's step: one WGMMA of N = 16 to 256 keys
+RING_PAGES_PER_STEP = (1, 2, 4, 8, 16)
+MERGE_ITEMS_PER_CHUNK = 8  # merge="folded": partial states loaded at once (fewer for big blocks)  # the ring's step: one WGMMA of N = 16 to 256 keys
 H200_SMEM_PER_PROGRAM_BYTES = 227 * 1024  # the most one block may allocate (sm_90)
 H200_SMEM_PER_SM_BYTES = 228 * 1024
 
@@ -612,35 +613,61 @@ def _merge_if_last_to_arrive(
     def block_row(item):
         return (item * num_kv_heads + kv_head) * partial_block
 
+    # Items a chunk: their loads are independent straight-line code, issued together (one
+    # memory latency a chunk, not one an item), as many as ~32 float32 registers a thread hold.
+    elements_per_thread = partial_block * head_dim // 128
+    items_per_chunk = max(1, min(MERGE_ITEMS_PER_CHUNK, 32 // elements_per_thread))
+
     @pl.when(jnp.logical_and(jnp.logical_not(is_padding), arrived == last - first))
     def _():
-        def row_maxima(item, maxima):
-            base = block_row(item)
-            return tuple(
-                jnp.maximum(m, partial_lse_ref[base + r] * LOG2_E) for r, m in enumerate(maxima)
-            )
-
-        maxima = lax.fori_loop(first, last, row_maxima, (jnp.float32(-jnp.inf),) * query_rows)
-        # Where every item is empty (-inf), shift by 0: the weights stay 0, not NaN.
-        shifts = [jnp.where(m == -jnp.inf, jnp.float32(0.0), m) for m in maxima]
-
-        def weighted_sum(item, carry):
-            acc, sums = carry
-            base = block_row(item)
-            weights = [
-                jnp.exp2(partial_lse_ref[base + r] * LOG2_E - shift)
-                for r, shift in enumerate(shifts)
+        def merge_chunk(chunk, carry):
+            # One online-softmax step over the chunk's items (base 2): rescale what was
+            # merged so far to the new per-row maximum, add the chunk's weighted blocks.
+            acc, maxima, sums = carry
+            items = [first + chunk * items_per_chunk + u for u in range(items_per_chunk)]
+            real = [item < last for item in items]
+            # Past the request's last item: a real item's block again (in bounds), weight 0.
+            bases = [
+                block_row(jnp.where(ok, item, first)) for item, ok in zip(items, real, strict=True)
             ]
-            block = plgpu.load(
-                partial_o_ref.at[pl.ds(base, partial_block)], layout=layout, optimized=False
+            lse2 = [
+                [
+                    jnp.where(ok, partial_lse_ref[base + r] * LOG2_E, -jnp.inf)
+                    for r in range(query_rows)
+                ]
+                for base, ok in zip(bases, real, strict=True)
+            ]
+            blocks = [
+                plgpu.load(
+                    partial_o_ref.at[pl.ds(base, partial_block)], layout=layout, optimized=False
+                )
+                for base in bases
+            ]
+            new_maxima = [
+                functools.reduce(jnp.maximum, [item_lse2[r] for item_lse2 in lse2], maxima[r])
+                for r in range(query_rows)
+            ]
+            # Where every item so far is empty (-inf), shift by 0: the weights stay 0, not NaN.
+            shifts = [jnp.where(m == -jnp.inf, jnp.float32(0.0), m) for m in new_maxima]
+            scales = [jnp.exp2(m - shift) for m, shift in zip(maxima, shifts, strict=True)]
+            weights = [
+                [jnp.exp2(x - shift) for x, shift in zip(item_lse2, shifts, strict=True)]
+                for item_lse2 in lse2
+            ]
+            acc = acc * spread(scales)
+            for item_weights, block in zip(weights, blocks, strict=True):
+                acc = acc + spread(item_weights) * block
+            sums = tuple(
+                sums[r] * scales[r] + sum(item_weights[r] for item_weights in weights)
+                for r in range(query_rows)
             )
-            acc = acc + spread(weights) * block
-            return acc, tuple(s + w for s, w in zip(sums, weights, strict=True))
+            return acc, tuple(new_maxima), sums
 
         acc = plgpu.layout_cast(jnp.zeros((partial_block, head_dim), jnp.float32), layout)
-        acc, sums = lax.fori_loop(
-            first, last, weighted_sum, (acc, (jnp.float32(0.0),) * query_rows)
-        )
+        rows_init = (jnp.float32(-jnp.inf),) * query_rows, (jnp.float32(0.0),) * query_rows
+        num_chunks = pl.cdiv(last - first, items_per_chunk)
+        acc, maxima, sums = lax.fori_loop(0, num_chunks, merge_chunk, (acc, *rows_init))
+        shifts = [jnp.where(m == -jnp.inf, jnp.float32(0.0), m) for m in maxima]
         nonempty = [s > 0 for s in sums]
         inverse = [
             jnp.where(n, 1.0 / jnp.where(n, s, 1.0), 0.0)

@@ -752,13 +752,13 @@ def with_empty_item(plan, request):
     return tuple(jnp.asarray(c, jnp.int32) for c in items), merge_indptr
 
 
-# (lens, group, head_dim, q_len, split, soft cap, pipeline, pages_per_step): B = 1 in four
-# two-page splits and an empty split inserted among them (G = 1 at head_dim 64: P_fold = 2 >
-# P = 1); B = 4 ragged, one-page splits, with an empty request (its one item has no key) and
+# (lens, group, head_dim, q_len, split, soft cap, pipeline, pages_per_step): B = 1 in nine
+# one-page splits and an empty split inserted among them (ten items: two chunks of the merge's
+# eight; G = 1 at head_dim 64: P_fold = 2 > P = 1); B = 4 ragged, one-page splits, with an empty request (its one item has no key) and
 # three new tokens a request, causal (the 3-token request's first queries see no key; P_fold
 # = P = 8), soft cap, the ring.
 FOLDED_CASES = [
-    ((100,), 1, 64, 1, "empty_split", None, "emit", 1),
+    ((130,), 1, 64, 1, "empty_split", None, "emit", 1),
     ((3, 40, 0, 21), 2, 64, 3, "fixed1", 5.0, "ring", 2),
 ]
 
@@ -783,7 +783,7 @@ def test_folded_merge_matches_separate_merge_and_reference(
         q_len=q_len if q_len > 1 else None,
     )
     num_q_heads = q.shape[-2]
-    pages = 1 if split == "fixed1" else 2
+    pages = 2 if split == "fixed2" else 1
     plan = paged.plan_decode(table, num_q_heads, NUM_KV_HEADS, head_dim, fixed_split_pages=pages)
     assert not plan.write_final
     if split == "empty_split":
@@ -882,7 +882,7 @@ def test_public_path_folds_the_merge_when_asked(monkeypatch):
     from paged import decode
 
     monkeypatch.setattr(decode, "MGPU_MERGE", "folded")
-    lens = (1, 17, 0, 45)
+    lens = (0, 45)
     q, cache, table = make_inputs(42, lens, "HND", 4, 64, jnp.bfloat16, num_pool_pages=16)
     plan = paged.plan_decode(table, q.shape[1], NUM_KV_HEADS, 64, fixed_split_pages=1)
     with record_backends() as records:
