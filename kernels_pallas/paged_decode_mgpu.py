@@ -4,7 +4,8 @@ Same contract as ``kernels_pallas/paged_decode.py`` (the Triton kernel) in the H
 (the layout whose page of one KV head is one contiguous tile, one TMA box; NHD would need a
 strided box per page and is left out): the work items of ``paged.plan_decode``, the CSR page
 table, one new token a request or ``q_len`` of them (causal among themselves, as there), final
-``(o, lse)`` when ``write_final`` or partial states that ``merge_states.py`` merges unchanged.
+``(o, lse)`` when ``write_final`` or partial states that ``merge_states.py`` merges unchanged
+(or, with ``merge="folded"``, merges in the same launch: see below).
 ``paged.decode_attention`` runs it when asked by name (``backend="pallas_mgpu"``); ``"auto"``
 keeps the Triton kernel until this one is measured faster. First compiled run on the H200
 (2026-12-01, ``bench/probes/mgpu_decode.py``, two cases only; ``docs/benchmark_results/archive/
@@ -100,6 +101,31 @@ a request outside the batch is a padding item whose rows are not stored (final o
 page range is cut to ``page_indices`` by one unsigned minimum each end; each page number is cut
 to the pool by one unsigned minimum; copies that run past the end of ``q`` or ``page_indices``
 are filled with zeros by the TMA unit.
+
+The merge folded in (``merge="folded"``, issue 16; default ``"separate"``). A split plan's
+partial states are otherwise merged by ``merge_states.py`` in a second launch; at B = 1 and 4
+(every request split, 8 to 33 items) that launch and the partials' round trip are a visible
+share of a 10-25 us call. Folded, each program stores its partial state as before, then
+counts its arrival on its (request, KV head) counter, and the program that completes the count
+merges the request's items into the final rows (``_merge_if_last_to_arrive``; same rule as
+``merge_partial_states``). What Mosaic GPU Pallas (jax 0.11.2) offers for coordinating programs:
+``plgpu.atomic_add`` (and max, min, and, or, xor) are store-only reductions (no old value comes
+back, so no program learns it was last); ``pl.get_global(plgpu.SemaphoreType.REGULAR((n,)))``
+gives global semaphores that Pallas zeroes before every launch (an aliased zero operand, one
+small memset), ``plgpu.semaphore_signal`` adds to one after a warpgroup barrier
+(``red.release.gpu``), ``pl.semaphore_read`` reads it (``ld.acquire``) and
+``plgpu.semaphore_wait`` spins on it (not used: a program that waits for others deadlocks when
+they are not all resident); ``plgpu.inline_mgpu`` reaches PTX (the ``fence.proxy.async.global``
+that orders a TMA store before the release); there is no grid-wide barrier (cluster barriers
+only). Signal-then-read is the atomic "last one merges": the last signal's own read sees the
+full count. Mosaic GPU's interpreter runs none of these (global semaphores fail to trace,
+atomics fail on their effects, ``inline_mgpu`` is refused), but it runs the grid one program at
+a time in order, so interpreted the item's rank in its request stands in for the count; the
+semaphores are tested by lowering and compiled (``gpu``-marked tests). The persistent
+alternative (one program a request and KV head looping over its splits) would give up the
+split's parallelism, which is the reason to split. The partial states of a folded launch keep
+``folded_partial_rows`` rows an item, so the merge loads each as one ``[rows, D]`` array over
+the 128 threads.
 
 Mosaic GPU's interpreter (``interpret=True`` here, ``plgpu.InterpretGPUParams()``) runs TMA
 copies, barriers, ``emit_pipeline`` and WGMMA with both operands in shared memory; it cannot run
