@@ -115,7 +115,7 @@ gives global semaphores that Pallas zeroes before every launch (an aliased zero 
 small memset), ``plgpu.semaphore_signal`` adds to one after a warpgroup barrier
 (``red.release.gpu``), ``pl.semaphore_read`` reads it (``ld.acquire``) and
 ``plgpu.semaphore_wait`` spins on it (not used: a program that waits for others deadlocks when
-they are not all resident); ``plgpu.inline_mgpu`` reaches PTX (the ``fence.proxy.async.global``
+they are not all resident); ``plgpu.inline_mgpu`` reaches the NVVM dialect (the ``fence.proxy.async.global``
 that orders a TMA store before the release); there is no grid-wide barrier (cluster barriers
 only). Signal-then-read is the atomic "last one merges": the last signal's own read sees the
 full count. Mosaic GPU's interpreter runs none of these (global semaphores fail to trace,
@@ -143,8 +143,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
+from jaxlib.mlir.dialects import nvvm  # the NVVM dialect Mosaic GPU lowers to
 
 from kernels_pallas.online_softmax import LN_2, LOG2_E, MASKED_LOGIT
 from kernels_pallas.paged_decode import head_major, partial_rows, token_major, unsigned_min
@@ -557,7 +557,7 @@ def _fence_async_proxy_global():
     @plgpu.inline_mgpu()
     def fence(ctx):
         del ctx
-        mgpu_utils.inline_ptx("fence.proxy.async.global;", has_side_effects=True)
+        nvvm.fence_proxy(nvvm.ProxyKind.async_global)
 
     fence()
 
