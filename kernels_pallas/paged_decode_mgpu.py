@@ -115,9 +115,9 @@ gives global semaphores that Pallas zeroes before every launch (an aliased zero 
 small memset), ``plgpu.semaphore_signal`` adds to one after a warpgroup barrier
 (``red.release.gpu``), ``pl.semaphore_read`` reads it (``ld.acquire``) and
 ``plgpu.semaphore_wait`` spins on it (not used: a program that waits for others deadlocks when
-they are not all resident); ``plgpu.inline_mgpu`` reaches the NVVM dialect (the ``fence.proxy.async.global``
-that orders a TMA store before the release); there is no grid-wide barrier (cluster barriers
-only). Signal-then-read is the atomic "last one merges": the last signal's own read sees the
+they are not all resident); ``plgpu.inline_mgpu`` reaches the NVVM dialect (the
+``fence.proxy.async.global`` that orders a TMA store before the release); there is no
+grid-wide barrier (cluster barriers only). Signal-then-read is the atomic "last one merges": the last signal's own read sees the
 full count. Mosaic GPU's interpreter runs none of these (global semaphores fail to trace,
 atomics fail on their effects, ``inline_mgpu`` is refused), but it runs the grid one program at
 a time in order, so interpreted the item's rank in its request stands in for the count; the
