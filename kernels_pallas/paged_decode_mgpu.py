@@ -105,9 +105,9 @@ are filled with zeros by the TMA unit.
 The merge folded in (``merge="folded"``, issue 16; default ``"separate"``). A split plan's
 partial states are otherwise merged by ``merge_states.py`` in a second launch; at B = 1 and 4
 (every request split, 8 to 33 items) that launch and the partials' round trip are a visible
-share of a 10-25 us call. Folded, each program stores its partial state as before, then
-counts its arrival on its (request, KV head) counter, and the program that completes the count
-merges the request's items into the final rows (``_merge_if_last_to_arrive``; same rule as
+share of a 10-25 us call. Folded, each program stores its partial state as before, then counts
+its arrival on its (request, KV head) counter, and the program that completes the count merges
+the request's items into the final rows (``_merge_if_last_to_arrive``; same rule as
 ``merge_partial_states``). What Mosaic GPU Pallas (jax 0.11.2) offers for coordinating programs:
 ``plgpu.atomic_add`` (and max, min, and, or, xor) are store-only reductions (no old value comes
 back, so no program learns it was last); ``pl.get_global(plgpu.SemaphoreType.REGULAR((n,)))``
@@ -116,16 +116,16 @@ small memset), ``plgpu.semaphore_signal`` adds to one after a warpgroup barrier
 (``red.release.gpu``), ``pl.semaphore_read`` reads it (``ld.acquire``) and
 ``plgpu.semaphore_wait`` spins on it (not used: a program that waits for others deadlocks when
 they are not all resident); ``plgpu.inline_mgpu`` reaches the NVVM dialect (the
-``fence.proxy.async.global`` that orders a TMA store before the release); there is no
-grid-wide barrier (cluster barriers only). Signal-then-read is the atomic "last one merges": the last signal's own read sees the
-full count. Mosaic GPU's interpreter runs none of these (global semaphores fail to trace,
-atomics fail on their effects, ``inline_mgpu`` is refused), but it runs the grid one program at
-a time in order, so interpreted the item's rank in its request stands in for the count; the
-semaphores are tested by lowering and compiled (``gpu``-marked tests). The persistent
-alternative (one program a request and KV head looping over its splits) would give up the
-split's parallelism, which is the reason to split. The partial states of a folded launch keep
-``folded_partial_rows`` rows an item, so the merge loads each as one ``[rows, D]`` array over
-the 128 threads.
+``fence.proxy.async.global`` that orders a TMA store before the release); there is no grid-wide
+barrier (cluster barriers only). Signal-then-read is the atomic "last one merges": the last
+signal's own read sees the full count. Mosaic GPU's interpreter runs none of these (global
+semaphores fail to trace, atomics fail on their effects, ``inline_mgpu`` is refused), but it
+runs the grid one program at a time in order, so interpreted the item's rank in its request
+stands in for the count; the semaphores are tested by lowering and compiled (``gpu``-marked
+tests). The persistent alternative (one program a request and KV head looping over its splits)
+would give up the split's parallelism, which is the reason to split. The partial states of a
+folded launch keep ``folded_partial_rows`` rows an item, so the merge loads each as one ``[rows,
+D]`` array over the 128 threads.
 
 Mosaic GPU's interpreter (``interpret=True`` here, ``plgpu.InterpretGPUParams()``) runs TMA
 copies, barriers, ``emit_pipeline`` and WGMMA with both operands in shared memory; it cannot run
@@ -158,8 +158,8 @@ SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16)
 SUPPORTED_HEAD_DIMS = (64, 128)
 MERGES = ("separate", "folded")  # split plans: merge_partial_states after, or in this launch
 PIPELINES = ("emit", "ring")  # emit_pipeline (one WGMMA pair a page) or the hand-written ring
-RING_PAGES_PER_STEP = (1, 2, 4, 8, 16)
-MERGE_ITEMS_PER_CHUNK = 8  # merge="folded": partial states loaded at once (fewer for big blocks)  # the ring's step: one WGMMA of N = 16 to 256 keys
+RING_PAGES_PER_STEP = (1, 2, 4, 8, 16)  # the ring's step: one WGMMA of N = 16 to 256 keys
+MERGE_ITEMS_PER_CHUNK = 8  # merge="folded": partial states loaded at once (fewer for big blocks)
 H200_SMEM_PER_PROGRAM_BYTES = 227 * 1024  # the most one block may allocate (sm_90)
 H200_SMEM_PER_SM_BYTES = 228 * 1024
 

@@ -754,9 +754,9 @@ def with_empty_item(plan, request):
 
 # (lens, group, head_dim, q_len, split, soft cap, pipeline, pages_per_step): B = 1 in nine
 # one-page splits and an empty split inserted among them (ten items: two chunks of the merge's
-# eight; G = 1 at head_dim 64: P_fold = 2 > P = 1); B = 4 ragged, one-page splits, with an empty request (its one item has no key) and
-# three new tokens a request, causal (the 3-token request's first queries see no key; P_fold
-# = P = 8), soft cap, the ring.
+# eight; G = 1 at head_dim 64: P_fold = 2 > P = 1); B = 4 ragged, one-page splits, with an
+# empty request (its one item has no key) and three new tokens a request, causal (the 3-token
+# request's first queries see no key; P_fold = P = 8), soft cap, the ring.
 FOLDED_CASES = [
     ((130,), 1, 64, 1, "empty_split", None, "emit", 1),
     ((3, 40, 0, 21), 2, 64, 3, "fixed1", 5.0, "ring", 2),
