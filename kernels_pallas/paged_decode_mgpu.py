@@ -601,10 +601,12 @@ def _merge_if_last_to_arrive(
     The merge (``proofs/merge_states.md``, as ``merge_partial_states``): per row, the largest
     LSE over the items, each item's weight ``2^(lse2_i - max)`` in base 2 (``lse2 = lse x
     log2 e``), empty items (``lse = -inf``) weight 0, a row that saw no key in any item gets o =
-    0 and lse = -inf; the LSE written is natural-log. Two passes over the items: the maxima
-    (``R`` scalar loads an item), then the weighted sum of the items' ``[P_fold, D]`` blocks in
-    a strided register layout (each thread a few elements of the block; a row's weight is
-    spread over the block by one select a row on the row index).
+    0 and lse = -inf; the LSE written is natural-log. One pass over the items in chunks of up
+    to ``MERGE_ITEMS_PER_CHUNK`` (their ``R`` LSE scalars and ``[P_fold, D]`` blocks loaded
+    together, then one online-softmax rescale a chunk), the blocks in a strided register
+    layout (each thread a few elements of a block; a row's weight is spread over the block by
+    one select a row on the row index). Items past the request's last in a chunk reread its
+    first item's block (in bounds) with weight 0.
 
     Interpreted, there are no semaphores, but Mosaic GPU's interpreter runs the grid one program
     at a time in grid order (work items innermost), so a request's items arrive in index order
