@@ -9,6 +9,8 @@
 #   timeout -s KILL 560 bash bench/run_on_gpu.sh speculative-quick engine-bf16 serving-single; \
 #     bash bench/run_on_gpu.sh pack
 #   SAMPLING_BATCH=1 DECODELAB_SAMPLING_CASES=gumbel,top_p bash bench/run_on_gpu.sh sampling-part
+#   bash bench/run_on_gpu.sh mgpu-tests; bash bench/run_on_gpu.sh mgpu-sweep  # issue 16, one each
+#   bash bench/run_on_gpu.sh mgpu-merge-fold  # issue 16: the merge folded into the decode launch
 # (merge a suite's parts into one report with python -m bench.harness.merge_reports)
 # Issue 18 (the engine's step, version 2): serving-batch, serving-single, serving-load-a and -b,
 # engine-overlap, engine-dispatch (where a step's host time goes); one device command each.
@@ -121,6 +123,28 @@ for stage in "$@"; do
     gumbel-variants)  # issue 4: where the Gumbel kernel's time goes (about 3 min)
       timeout 300 python3 -m bench.probes.gumbel_variants --set "${GUMBEL_PROBE_SET:-internals}" 2>&1 \
         | tee "$out/gumbel_variants_probe.log" | grep -E '^B=|FAILED' ;;
+    mgpu-tests)  # issue 16: the Mosaic GPU decode kernel compiled, its gpu-marked benchmark
+      # shapes, then its interpret-mode tests on both p paths (about 5 min, estimated)
+      timeout 560 bash -c "python3 -m pytest -q -p no:cacheprovider -m gpu \
+          tests/test_paged_decode_mgpu.py && python3 -m pytest -q -p no:cacheprovider \
+          -m 'not gpu' tests/test_paged_decode_mgpu.py" 2>&1 | tee "$out/mgpu_tests.log" \
+        | grep -E 'passed|failed|Error' ;;
+    mgpu-sweep)  # issue 16: the kernel's variants beside Triton on the standard grid, within a
+      # 480 s budget (about 8 min; MGPU_SWEEP_CASES=1x4096,4x1024 for a part)
+      timeout 570 python3 -m bench.probes.mgpu_decode --sweep \
+          ${MGPU_SWEEP_CASES:+--cases "$MGPU_SWEEP_CASES"} --out "$out" 2>&1 \
+        | tee "$out/mgpu_sweep.log" | awk '!/^ +B=/ || /FAILED|MISMATCH|skipped/' ;;
+    mgpu-merge-fold)  # issue 16: the folded merge's tests compiled (gpu-marked and the small
+      # ragged ones), then the probe's merge arms, separate vs folded at B=1 and 4 (about 4 min,
+      # estimated); the probe runs even if a test fails (it checks each arm before timing it)
+      timeout 560 bash -c "python3 -m pytest -q -p no:cacheprovider -k 'folded or folds' \
+          tests/test_paged_decode_mgpu.py; python3 -m bench.probes.mgpu_decode --merge-fold \
+          --out '$out/mgpu-merge-fold'" 2>&1 | tee "$out/mgpu_merge_fold.log" \
+        | awk '!/^ +B=/ || /FAILED|MISMATCH|skipped/' ;;
+    mgpu-memcheck)  # issue 16: the Mosaic GPU decode kernel under compute-sanitizer, both pipelines
+      XLA_PYTHON_CLIENT_ALLOCATOR=platform XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 300 \
+        compute-sanitizer --tool memcheck python3 -m bench.probes.mgpu_decode --memcheck 2>&1 \
+        | tee "$out/mgpu_memcheck.log" | tail -n 12 ;;
     pack)  # the device tool brings back at most 8 files: one archive of everything so far
       (cd "$out" && tar czf ../decodelab-gpu.tgz . && rm -rf ./* && mv ../decodelab-gpu.tgz .) ;;
     serving-a)

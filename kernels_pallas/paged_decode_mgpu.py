@@ -4,13 +4,16 @@ Same contract as ``kernels_pallas/paged_decode.py`` (the Triton kernel) in the H
 (the layout whose page of one KV head is one contiguous tile, one TMA box; NHD would need a
 strided box per page and is left out): the work items of ``paged.plan_decode``, the CSR page
 table, one new token a request or ``q_len`` of them (causal among themselves, as there), final
-``(o, lse)`` when ``write_final`` or partial states that ``merge_states.py`` merges unchanged.
-Not yet wired into ``paged.decode_attention``. First compiled run on the H200 (2026-12-01,
-``bench/probes/mgpu_decode.py``, two cases only; ``docs/benchmark_results/archive/
+``(o, lse)`` when ``write_final`` or partial states that ``merge_states.py`` merges unchanged
+(or, with ``merge="folded"``, merges in the same launch: see below).
+``paged.decode_attention`` runs it when asked by name (``backend="pallas_mgpu"``); ``"auto"``
+keeps the Triton kernel until this one is measured faster. First compiled run on the H200
+(2026-12-01, ``bench/probes/mgpu_decode.py``, two cases only; ``docs/benchmark_results/archive/
 2026-12-01-mgpu-decode-probe.md``): it agrees with the Triton kernel (largest difference of o
 4.9e-4 in bfloat16) and is not yet faster: 171.6 against 165.1 us at B=32 x 4096 (3.13 TB/s;
 the issue asks 3.6), 21.8 against 21.5 us at B=1 x 4096, with the register path, two pages a
-step, three stages. The whole grid, tuning and memcheck are still to run.
+step, three stages. The whole grid, tuning and memcheck are still to run, and the ring
+pipeline below has not yet run compiled (``bench/probes/mgpu_decode.py --sweep`` times it).
 
 What it optimizes. Decode attention is memory bound (each K/V byte serves only the ``G`` query
 heads of its KV head), so the kernel's job is to keep enough page copies in flight to stream K
@@ -47,6 +50,34 @@ The pipeline, for one program (one work item, one KV head; one warpgroup of 128 
   partial state's block) through shared memory by TMA, and the LSE rows as scalars (a TMA row
   must be 16 bytes; ``q_len x G`` scalar stores a program, to be measured).
 
+Two pipelines (the static ``pipeline``):
+
+- ``"emit"``: ``plgpu.emit_pipeline`` as above. Its BlockSpecs give each page its own slot, so
+  a step of ``pages_per_step`` pages is that many small WGMMA pairs (``q @ K_page^T`` of N = 16,
+  ``p @ V_page`` of K = 16), each a latency on the step's critical path (one softmax update a
+  step over all of them).
+- ``"ring"``: a hand-written ring of ``num_stages`` slots, each ``[pages_per_step x 16, D]``
+  for K and for V, and two barriers a slot (K's and V's; ``pages_per_step`` copies arrive on
+  each, K's issued first). A step's pages land side by side in one slot, so the step is ONE
+  ``q @ K^T`` of N = ``16 x pages_per_step`` keys, ONE softmax update, and ONE ``p @ V`` of
+  K = ``16 x pages_per_step``: p and V take the swizzle of that K (32 bytes for one page, 64
+  for two, 128 from four pages up; tiles 8 rows by the swizzle's width), q and K the 128-byte
+  swizzle of ``head_dim``. A page's 16 rows are two whole 8-row tiles, so each page's TMA
+  lands in a contiguous part of the slot. One loop runs over all the item's steps: step ``i``
+  waits for its K, computes the logits and the softmax, waits for its V, computes ``p @ V``,
+  then (its WGMMAs done reading the slot) issues the copies of step ``i + num_stages`` into
+  it. The index windows are fetched ahead inside the issue: the first step of window ``k``
+  waits for it and starts window ``k + 1``'s copy into the other buffer (whose entries were
+  all issued by then), so the ring never drains between windows. ``pages_per_step`` 1 to 16
+  (N at most 256).
+
+Shared memory a program (``smem_bytes_per_program``): the query tile (16 KiB at ``D = 128``),
+``2 x num_stages x pages_per_step`` page slots (4 KiB each at ``D = 128``; both pipelines),
+p when it goes through shared memory, two index windows, the barriers; a configuration above
+the H200's 227 KiB is refused (ValueError naming ``num_stages`` and ``pages_per_step``). It
+sets the programs an SM can hold (``programs_per_sm``: 3 at 67 KiB, 2 at 83 KiB, 1 above 113
+KiB), traded against pages in flight a program.
+
 GQA padding. A WGMMA tile has 64 rows (one warpgroup), so the ``G`` (1 to 8) query heads of a KV
 head fill ``G`` of 64 rows (``q_len x G`` with several new tokens; they must fit,
 ``max_query_len``). The tile starts on the 8-row boundary at or before the head's first row of
@@ -71,6 +102,31 @@ page range is cut to ``page_indices`` by one unsigned minimum each end; each pag
 to the pool by one unsigned minimum; copies that run past the end of ``q`` or ``page_indices``
 are filled with zeros by the TMA unit.
 
+The merge folded in (``merge="folded"``, issue 16; default ``"separate"``). A split plan's
+partial states are otherwise merged by ``merge_states.py`` in a second launch; at B = 1 and 4
+(every request split, 8 to 33 items) that launch and the partials' round trip are a visible
+share of a 10-25 us call. Folded, each program stores its partial state as before, then counts
+its arrival on its (request, KV head) counter, and the program that completes the count merges
+the request's items into the final rows (``_merge_if_last_to_arrive``; same rule as
+``merge_partial_states``). What Mosaic GPU Pallas (jax 0.11.2) offers for coordinating programs:
+``plgpu.atomic_add`` (and max, min, and, or, xor) are store-only reductions (no old value comes
+back, so no program learns it was last); ``pl.get_global(plgpu.SemaphoreType.REGULAR((n,)))``
+gives global semaphores that Pallas zeroes before every launch (an aliased zero operand, one
+small memset), ``plgpu.semaphore_signal`` adds to one after a warpgroup barrier
+(``red.release.gpu``), ``pl.semaphore_read`` reads it (``ld.acquire``) and
+``plgpu.semaphore_wait`` spins on it (not used: a program that waits for others deadlocks when
+they are not all resident); ``plgpu.inline_mgpu`` reaches the NVVM dialect (the
+``fence.proxy.async.global`` that orders a TMA store before the release); there is no grid-wide
+barrier (cluster barriers only). Signal-then-read is the atomic "last one merges": the last
+signal's own read sees the full count. Mosaic GPU's interpreter runs none of these (global
+semaphores fail to trace, atomics fail on their effects, ``inline_mgpu`` is refused), but it
+runs the grid one program at a time in order, so interpreted the item's rank in its request
+stands in for the count; the semaphores are tested by lowering and compiled (``gpu``-marked
+tests). The persistent alternative (one program a request and KV head looping over its splits)
+would give up the split's parallelism, which is the reason to split. The partial states of a
+folded launch keep ``folded_partial_rows`` rows an item, so the merge loads each as one ``[rows,
+D]`` array over the 128 threads.
+
 Mosaic GPU's interpreter (``interpret=True`` here, ``plgpu.InterpretGPUParams()``) runs TMA
 copies, barriers, ``emit_pipeline`` and WGMMA with both operands in shared memory; it cannot run
 a WGMMA whose left operand is in registers, nor ``pl.run_state`` accumulators, so the default
@@ -88,6 +144,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
+from jaxlib.mlir.dialects import nvvm  # the NVVM dialect Mosaic GPU lowers to
 
 from kernels_pallas.online_softmax import LN_2, LOG2_E, MASKED_LOGIT
 from kernels_pallas.paged_decode import head_major, partial_rows, token_major, unsigned_min
@@ -99,13 +156,26 @@ MAX_INDEX_WINDOW = 256  # a TMA box has at most 256 elements a dimension
 PAGE_SIZE = 16  # the WGMMA K dimension of p @ V is one page
 SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16)
 SUPPORTED_HEAD_DIMS = (64, 128)
+MERGES = ("separate", "folded")  # split plans: merge_partial_states after, or in this launch
+PIPELINES = ("emit", "ring")  # emit_pipeline (one WGMMA pair a page) or the hand-written ring
+RING_PAGES_PER_STEP = (1, 2, 4, 8, 16)  # the ring's step: one WGMMA of N = 16 to 256 keys
+MERGE_ITEMS_PER_CHUNK = 8  # merge="folded": partial states loaded at once (fewer for big blocks)
+H200_SMEM_PER_PROGRAM_BYTES = 227 * 1024  # the most one block may allocate (sm_90)
+H200_SMEM_PER_SM_BYTES = 228 * 1024
+
+
+def _swizzle_bytes(minor_elements: int, dtype) -> int:
+    """The widest shared-memory swizzle (32, 64 or 128 bytes) for a minor dimension of
+    ``minor_elements``: 128 for q and K (head_dim), and for ``p @ V`` the bytes of its K
+    dimension (the step's keys): 32 for one 16-token page, 64 for two, 128 from four up (both
+    operands of one WGMMA share the swizzle)."""
+    return min(128, minor_elements * jnp.dtype(dtype).itemsize)
 
 
 def _transforms(minor_elements: int, dtype) -> tuple:
     """Shared-memory tiling and swizzle for a WGMMA operand whose minor dimension has
-    ``minor_elements``: 8-row tiles as wide as the swizzle (128 bytes for q and K, whose minor
-    dimension is head_dim; 32 bytes for p and V of a 16-token page, the K of ``p @ V``)."""
-    swizzle = min(128, minor_elements * jnp.dtype(dtype).itemsize)
+    ``minor_elements``: 8-row tiles as wide as the swizzle (``_swizzle_bytes``)."""
+    swizzle = _swizzle_bytes(minor_elements, dtype)
     return (
         plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)),
         plgpu.SwizzleTransform(swizzle),
@@ -134,6 +204,12 @@ def paged_decode_mgpu_kernel(
     # head, P = R padded to a power of two):
     #   o_ref,  # [batch * KVH * R, head_dim] q.dtype | [num_work * KVH * P, head_dim] float32
     #   lse_ref,  # [batch * KVH * R] | [num_work * KVH * P] float32
+    # With merge="folded" (partials merged in this launch) the table's merge_indptr comes after
+    # page_indices (and the causal table), the partials are the first two outputs (blocks of
+    # P_fold = folded_partial_rows rows) and the final (o, lse) the last two:
+    #   merge_indptr_ref,  # [batch + 1] int32, GMEM
+    #   final_o_ref,  # [batch * KVH * R, head_dim] q.dtype
+    #   final_lse_ref,  # [batch * KVH * R] float32
     *refs,
     q_len: int,
     group_size: int,
@@ -147,10 +223,18 @@ def paged_decode_mgpu_kernel(
     sm_scale: float,
     write_final: bool,
     probs_in_smem: bool,
+    pipeline: str,
+    merge: str = "separate",
+    folded_interpret: bool = False,
 ):
     if q_len > 1:
         page_indptr_ref, request_last_page_len_ref, *refs = refs
-    q_ref, k_pages_ref, v_pages_ref, o_ref, lse_ref = refs
+    folded = merge == "folded" and not write_final
+    if folded:
+        merge_indptr_ref, *refs = refs
+        q_ref, k_pages_ref, v_pages_ref, o_ref, lse_ref, final_o_ref, final_lse_ref = refs
+    else:
+        q_ref, k_pages_ref, v_pages_ref, o_ref, lse_ref = refs
     work = lax.axis_index("work")
     kv_head = lax.axis_index("kv_head")
     num_pages, _, page_size, head_dim = k_pages_ref.shape
@@ -191,8 +275,12 @@ def paged_decode_mgpu_kernel(
             group_size=group_size,
         )
 
+    ring = pipeline == "ring"
+    # Keys of one WGMMA pair: a page (emit_pipeline: one pair a page), or the step's pages side
+    # by side (the ring: one pair a step).
+    pair_tokens = pages_per_step * page_size if ring else page_size
     k_transforms = _transforms(head_dim, dtype)
-    v_transforms = _transforms(page_size, dtype)
+    v_transforms = _transforms(pair_tokens, dtype)
 
     def copy_index_window(window, buffers, barriers):
         slot = lax.rem(window, 2)
@@ -202,7 +290,83 @@ def paged_decode_mgpu_kernel(
             barriers.at[slot],
         )
 
-    def scoped(q_smem, probs_smem, index_buffers, q_barrier, index_barriers):
+    def stream_ring(state, q_smem, probs_smem, index_buffers, index_barriers, rings):
+        """The item's pages through the hand-written ring: ``num_stages`` slots, each the K (and
+        the V) of one step's ``pages_per_step`` pages side by side, ``[pair_tokens, D]``, one
+        barrier a slot for K and one for V (``pages_per_step`` copies arrive on each): a step's
+        ``q @ K^T`` and softmax start when its K has landed, while its V may still be in
+        flight (K is issued first). One loop over all the item's steps: the index windows are
+        fetched ahead inside it, so nothing drains between windows."""
+        k_ring, v_ring, k_ready, v_ready = rings
+        num_steps = pl.cdiv(num_item_pages, pages_per_step)
+
+        def issue(step):
+            # Step `step`'s page numbers: entries offset .. of window `window`, held in buffer
+            # window % 2. The first step of a window waits for that window's copy, then starts
+            # the next window's into the other buffer, whose entries were all issued by then
+            # (steps are issued in order).
+            window = lax.div(step, steps_per_window)
+            offset = (step - window * steps_per_window) * pages_per_step
+            buffer = lax.rem(window, 2)
+
+            @pl.when(offset == 0)
+            def _():
+                plgpu.barrier_wait(index_barriers.at[buffer])
+
+                @pl.when(window + 1 < num_windows)
+                def _():
+                    copy_index_window(window + 1, index_buffers, index_barriers)
+
+            slot = lax.rem(step, num_stages)
+            # A bad index reads a wrong page, never past the pool (one unsigned minimum).
+            numbers = [
+                unsigned_min(index_buffers[buffer, offset + page], num_pages - 1)
+                for page in range(pages_per_step)
+            ]
+            for pages_ref, ring_ref, ready in (
+                (k_pages_ref, k_ring, k_ready),
+                (v_pages_ref, v_ring, v_ready),
+            ):
+                for page, number in enumerate(numbers):
+                    plgpu.copy_gmem_to_smem(
+                        pages_ref.at[number, kv_head],
+                        ring_ref.at[slot, pl.ds(page * page_size, page_size)],
+                        ready.at[slot],
+                    )
+
+        lax.fori_loop(0, jnp.minimum(num_steps, num_stages), lambda step, _: issue(step), None)
+
+        def step_body(step, state):
+            slot = lax.rem(step, num_stages)
+            plgpu.barrier_wait(k_ready.at[slot])
+            state = _attend_step(
+                state,
+                q_smem,
+                probs_smem,
+                [k_ring.at[slot]],
+                [v_ring.at[slot]],
+                first_key=step * pair_tokens,
+                num_tokens=num_tokens,
+                causal=causal,
+                logit_scale_log2=logit_scale_log2,
+                logits_soft_cap=logits_soft_cap,
+                sm_scale=sm_scale,
+                probs_in_smem=probs_in_smem,
+                dtype=dtype,
+                wait_for_values=lambda: plgpu.barrier_wait(v_ready.at[slot]),
+            )
+
+            # The step's WGMMAs have finished reading the slot (their results are in
+            # registers): refill it with the step num_stages ahead.
+            @pl.when(step + num_stages < num_steps)
+            def _():
+                issue(step + num_stages)
+
+            return state
+
+        return lax.fori_loop(0, num_steps, step_body, state)
+
+    def scoped(q_smem, probs_smem, index_buffers, q_barrier, index_barriers, *rings):
         # The query tile: 64 rows from the 8-row tile boundary at or before this KV head's first
         # row (a tiled copy starts on a tile), so the head's R = q_len x G rows are rows
         # row_offset .. row_offset + R - 1; the others belong to other heads (or lie past q's
@@ -285,13 +449,24 @@ def paged_decode_mgpu_kernel(
             ),
             plgpu.layout_cast(jnp.zeros((TILE_ROWS,), jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
         )
+        if ring:
+            return stream_ring(state, q_smem, probs_smem, index_buffers, index_barriers, rings)
         return lax.fori_loop(0, num_windows, window_body, state)
 
+    pairs_per_step = 1 if ring else pages_per_step
     probs_scratch = (
-        plgpu.SMEM((pages_per_step, TILE_ROWS, page_size), dtype, transforms=v_transforms)
+        plgpu.SMEM((pairs_per_step, TILE_ROWS, pair_tokens), dtype, transforms=v_transforms)
         if probs_in_smem
         else None
     )
+    ring_scratch = ()
+    if ring:
+        ring_scratch = (
+            plgpu.SMEM((num_stages, pair_tokens, head_dim), dtype, transforms=k_transforms),
+            plgpu.SMEM((num_stages, pair_tokens, head_dim), dtype, transforms=v_transforms),
+            plgpu.Barrier(num_arrivals=pages_per_step, num_barriers=num_stages),
+            plgpu.Barrier(num_arrivals=pages_per_step, num_barriers=num_stages),
+        )
     acc, running_max, running_sum = pl.run_scoped(
         scoped,
         plgpu.SMEM((TILE_ROWS, head_dim), dtype, transforms=k_transforms),
@@ -299,6 +474,7 @@ def paged_decode_mgpu_kernel(
         plgpu.SMEM((2, index_window), jnp.int32),
         plgpu.Barrier(num_barriers=1),
         plgpu.Barrier(num_barriers=2),
+        *ring_scratch,
     )
 
     # finish: the normalized output and the natural-log LSE; a row that saw no key gets o = 0
@@ -312,6 +488,7 @@ def paged_decode_mgpu_kernel(
     else:
         first_out = (work * num_kv_heads + kv_head) * partial_block
         store = None  # every item's partial rows are its own; a padding item's stay empty
+    # (partial_block is folded_partial_rows(R, D) with merge="folded": the merge's load width)
 
     def write(o_smem, lse_smem):
         o_smem[...] = out.astype(o_ref.dtype)
@@ -339,6 +516,208 @@ def paged_decode_mgpu_kernel(
         plgpu.SMEM((TILE_ROWS, head_dim), o_ref.dtype),  # rows row_offset .. + R - 1 used
         plgpu.SMEM((TILE_ROWS,), jnp.float32),
     )
+    if folded:
+        _merge_if_last_to_arrive(
+            o_ref,
+            lse_ref,
+            merge_indptr_ref,
+            final_o_ref,
+            final_lse_ref,
+            work=work,
+            kv_head=kv_head,
+            request=request,
+            is_padding=is_padding,
+            first_row=first_row,
+            query_rows=query_rows,
+            partial_block=partial_block,
+            num_kv_heads=num_kv_heads,
+            interpret=folded_interpret,
+        )
+
+
+def folded_partial_rows(query_rows: int, head_dim: int) -> int:
+    """Rows a (work item, KV head) partial state keeps with ``merge="folded"``: ``partial_rows``
+    (``q_len x G`` padded to a power of two), at least ``128 / head_dim``, so that the merge
+    loads one block as a ``[rows, head_dim]`` array spread over the warpgroup's 128 threads
+    (a strided register layout needs a multiple of 128 elements).
+
+    Example:
+      >>> folded_partial_rows(1, 64), folded_partial_rows(1, 128), folded_partial_rows(3, 64)
+      (2, 1, 4)
+    """
+    return max(partial_rows(query_rows), 128 // head_dim)
+
+
+def _fence_async_proxy_global():
+    """``fence.proxy.async.global``: orders this thread's TMA (async proxy) writes to global
+    memory, completed by ``wait_smem_to_gmem``, before its later generic accesses (the release
+    of the arrival counter), so that the program that merges, with generic loads, sees them.
+    Compiled only (the interpreter has no proxies)."""
+
+    @plgpu.inline_mgpu()
+    def fence(ctx):
+        del ctx
+        nvvm.fence_proxy(nvvm.ProxyKind.async_global)
+
+    fence()
+
+
+def _strided_layout(rows: int, head_dim: int):
+    """The merge's register layout of a ``[rows, head_dim]`` float32 block: consecutive
+    elements over the 128 threads, two at a time (8-byte loads) where the block allows."""
+    return plgpu.Layout.WG_STRIDED((rows, head_dim), vec_size=min(2, rows * head_dim // 128))
+
+
+def _merge_if_last_to_arrive(
+    partial_o_ref,  # [num_work * KVH * P_fold, head_dim] float32, GMEM
+    partial_lse_ref,  # [num_work * KVH * P_fold] float32, GMEM
+    merge_indptr_ref,  # [batch + 1] int32, GMEM
+    final_o_ref,  # [batch * KVH * R, head_dim] q.dtype, GMEM
+    final_lse_ref,  # [batch * KVH * R] float32, GMEM
+    *,
+    work,
+    kv_head,
+    request,
+    is_padding,
+    first_row,
+    query_rows: int,
+    partial_block: int,
+    num_kv_heads: int,
+    interpret: bool,
+):
+    """``merge="folded"``: after this program's partial state is in global memory, count its
+    arrival on its (request, KV head); the program that brings the count to the request's
+    number of items merges all of them into the final rows.
+
+    The counter: one of ``batch x KVH`` global semaphores (``pl.get_global``; Pallas zeroes
+    them before every launch, so no program resets them). A program signals its counter
+    (``red.release.gpu`` after a warpgroup barrier, so the partial rows written before it are
+    released) and reads it back (``ld.acquire``): a count equal to the request's items means
+    every item's partial state is visible. At least one program sees the full count (the last
+    signal is followed by its own read); more than one may, when the last signals land before
+    earlier readers read, and then each writes the same final rows from the same partials
+    (same bits), which is harmless.
+
+    The merge (``proofs/merge_states.md``, as ``merge_partial_states``): per row, the largest
+    LSE over the items, each item's weight ``2^(lse2_i - max)`` in base 2 (``lse2 = lse x
+    log2 e``), empty items (``lse = -inf``) weight 0, a row that saw no key in any item gets o =
+    0 and lse = -inf; the LSE written is natural-log. One pass over the items in chunks of up
+    to ``MERGE_ITEMS_PER_CHUNK`` (their ``R`` LSE scalars and ``[P_fold, D]`` blocks loaded
+    together, then one online-softmax rescale a chunk), the blocks in a strided register
+    layout (each thread a few elements of a block; a row's weight is spread over the block by
+    one select a row on the row index). Items past the request's last in a chunk reread its
+    first item's block (in bounds) with weight 0.
+
+    Interpreted, there are no semaphores, but Mosaic GPU's interpreter runs the grid one program
+    at a time in grid order (work items innermost), so a request's items arrive in index order
+    and the count after item ``w`` is ``w - first + 1``, which stands in for the counter."""
+    num_work = partial_lse_ref.shape[0] // (num_kv_heads * partial_block)
+    head_dim = partial_o_ref.shape[1]
+    batch = merge_indptr_ref.shape[0] - 1
+    first = jnp.clip(merge_indptr_ref[request], 0, num_work)
+    last = jnp.clip(merge_indptr_ref[request + 1], first, num_work)
+    if interpret:
+        arrived = work - first + 1
+    else:
+        counters = pl.get_global(plgpu.SemaphoreType.REGULAR((batch * num_kv_heads,)))
+        counter = counters.at[request * num_kv_heads + kv_head]
+        _fence_async_proxy_global()
+
+        @pl.when(jnp.logical_not(is_padding))
+        def _():
+            plgpu.semaphore_signal(counter, 1, memory_scope="gpu")
+
+        arrived = pl.semaphore_read(counter)
+    layout = _strided_layout(partial_block, head_dim)
+    row = plgpu.broadcasted_iota(jnp.int32, (partial_block, head_dim), 0, layout=layout)
+
+    def spread(per_row):
+        """``R`` scalars -> ``[P_fold, D]``: row ``r`` holds scalar ``r``, padding rows 0."""
+        block = jnp.zeros((partial_block, head_dim), jnp.float32)
+        for r, value in enumerate(per_row):
+            block = jnp.where(row == r, value, block)
+        return block
+
+    def block_row(item):
+        return (item * num_kv_heads + kv_head) * partial_block
+
+    # Items a chunk: their loads are independent straight-line code, issued together (one
+    # memory latency a chunk, not one an item), as many as ~32 float32 registers a thread hold.
+    elements_per_thread = partial_block * head_dim // 128
+    items_per_chunk = max(1, min(MERGE_ITEMS_PER_CHUNK, 32 // elements_per_thread))
+
+    @pl.when(jnp.logical_and(jnp.logical_not(is_padding), arrived == last - first))
+    def _():
+        def merge_chunk(chunk, carry):
+            # One online-softmax step over the chunk's items (base 2): rescale what was
+            # merged so far to the new per-row maximum, add the chunk's weighted blocks.
+            acc, maxima, sums = carry
+            items = [first + chunk * items_per_chunk + u for u in range(items_per_chunk)]
+            real = [item < last for item in items]
+            # Past the request's last item: a real item's block again (in bounds), weight 0.
+            bases = [
+                block_row(jnp.where(ok, item, first)) for item, ok in zip(items, real, strict=True)
+            ]
+            lse2 = [
+                [
+                    jnp.where(ok, partial_lse_ref[base + r] * LOG2_E, -jnp.inf)
+                    for r in range(query_rows)
+                ]
+                for base, ok in zip(bases, real, strict=True)
+            ]
+            blocks = [
+                plgpu.load(
+                    partial_o_ref.at[pl.ds(base, partial_block)], layout=layout, optimized=False
+                )
+                for base in bases
+            ]
+            new_maxima = [
+                functools.reduce(jnp.maximum, [item_lse2[r] for item_lse2 in lse2], maxima[r])
+                for r in range(query_rows)
+            ]
+            # Where every item so far is empty (-inf), shift by 0: the weights stay 0, not NaN.
+            shifts = [jnp.where(m == -jnp.inf, jnp.float32(0.0), m) for m in new_maxima]
+            scales = [jnp.exp2(m - shift) for m, shift in zip(maxima, shifts, strict=True)]
+            weights = [
+                [jnp.exp2(x - shift) for x, shift in zip(item_lse2, shifts, strict=True)]
+                for item_lse2 in lse2
+            ]
+            acc = acc * spread(scales)
+            for item_weights, block in zip(weights, blocks, strict=True):
+                acc = acc + spread(item_weights) * block
+            sums = tuple(
+                sums[r] * scales[r] + sum(item_weights[r] for item_weights in weights)
+                for r in range(query_rows)
+            )
+            return acc, tuple(new_maxima), sums
+
+        acc = plgpu.layout_cast(jnp.zeros((partial_block, head_dim), jnp.float32), layout)
+        rows_init = (jnp.float32(-jnp.inf),) * query_rows, (jnp.float32(0.0),) * query_rows
+        num_chunks = pl.cdiv(last - first, items_per_chunk)
+        acc, maxima, sums = lax.fori_loop(0, num_chunks, merge_chunk, (acc, *rows_init))
+        shifts = [jnp.where(m == -jnp.inf, jnp.float32(0.0), m) for m in maxima]
+        nonempty = [s > 0 for s in sums]
+        inverse = [
+            jnp.where(n, 1.0 / jnp.where(n, s, 1.0), 0.0)
+            for n, s in zip(nonempty, sums, strict=True)
+        ]
+        out = acc * spread(inverse)
+        for r in range(query_rows):
+            final_lse_ref[first_row + r] = jnp.where(
+                nonempty[r],
+                (shifts[r] + jnp.log2(jnp.where(nonempty[r], sums[r], 1.0))) * LN_2,
+                -jnp.inf,
+            )
+
+        def store(out_smem):
+            out_smem[...] = out.astype(out_smem.dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(
+                out_smem.at[pl.ds(0, query_rows)], final_o_ref.at[pl.ds(first_row, query_rows)]
+            )
+            plgpu.wait_smem_to_gmem(0)
+
+        pl.run_scoped(store, plgpu.SMEM((partial_block, head_dim), final_o_ref.dtype))
 
 
 def _attend_step(
@@ -356,15 +735,21 @@ def _attend_step(
     sm_scale,
     probs_in_smem,
     dtype,
+    wait_for_values=None,
 ):
-    """One pipeline step: the online-softmax update over ``len(k_slots)`` pages in SMEM.
+    """One pipeline step: the online-softmax update over ``len(k_slots)`` key blocks in SMEM,
+    one ``q @ K^T`` and one ``p @ V`` WGMMA a block: each block a page (``emit_pipeline``, one
+    slot a page) or the step's pages side by side (the ring, one ``[pages_per_step x
+    page_size, D]`` slot a step, so one block and larger matmuls). One running max a step.
 
     ``causal`` (several new tokens) holds ``base``, ``row_offset`` and ``group_size``: tile row
     ``r`` is token ``(r - row_offset) // group_size`` and sees the item's keys below ``base``
-    plus its token; None for one new token (every key of the item is visible)."""
+    plus its token; None for one new token (every key of the item is visible).
+    ``wait_for_values``, when given, is called before V is first touched (the ring's V
+    barrier); the K slots must have landed before the call."""
     acc, running_max, running_sum = state
-    pages_per_step = len(k_slots)
-    page_size = k_slots[0].shape[0]
+    num_blocks = len(k_slots)
+    block_tokens = k_slots[0].shape[0]
     head_dim = acc.shape[1]
 
     def qk(*accumulators):
@@ -372,31 +757,33 @@ def _attend_step(
             plgpu.wgmma(accumulator, q_smem, k_slot.T)
         return [accumulator[...] for accumulator in accumulators]
 
-    logits = pl.run_scoped(qk, *[plgpu.ACC((TILE_ROWS, page_size), jnp.float32)] * pages_per_step)
-    column = plgpu.broadcasted_iota(jnp.int32, (TILE_ROWS, page_size), 1, layout=plgpu.Layout.WGMMA)
+    logits = pl.run_scoped(qk, *[plgpu.ACC((TILE_ROWS, block_tokens), jnp.float32)] * num_blocks)
+    column = plgpu.broadcasted_iota(
+        jnp.int32, (TILE_ROWS, block_tokens), 1, layout=plgpu.Layout.WGMMA
+    )
     visible_keys = num_tokens
     if causal is not None:
         row = plgpu.broadcasted_iota(
-            jnp.int32, (TILE_ROWS, page_size), 0, layout=plgpu.Layout.WGMMA
+            jnp.int32, (TILE_ROWS, block_tokens), 0, layout=plgpu.Layout.WGMMA
         )
         group = causal["group_size"]
         # (r - row_offset) // G with a non-negative numerator (truncating division = floor).
         token = lax.div(row + (8 * group - causal["row_offset"]), jnp.int32(group)) - 8
-        visible_keys = jnp.minimum(causal["base"] + token, num_tokens)  # [64, page_size]
+        visible_keys = jnp.minimum(causal["base"] + token, num_tokens)  # [64, block_tokens]
     masked_logits, visible = [], []
-    for page, page_logits in enumerate(logits):
+    for block, block_logits in enumerate(logits):
         if logits_soft_cap is None:
-            page_logits = page_logits * logit_scale_log2
+            block_logits = block_logits * logit_scale_log2
         else:
-            page_logits = (
-                logits_soft_cap * jnp.tanh(page_logits * (sm_scale / logits_soft_cap)) * LOG2_E
+            block_logits = (
+                logits_soft_cap * jnp.tanh(block_logits * (sm_scale / logits_soft_cap)) * LOG2_E
             )
-        key = column + (first_key + page * page_size)
+        key = column + (first_key + block * block_tokens)
         visible.append(key < visible_keys)
-        masked_logits.append(jnp.where(visible[-1], page_logits, MASKED_LOGIT))
+        masked_logits.append(jnp.where(visible[-1], block_logits, MASKED_LOGIT))
     new_max = running_max
-    for page_logits in masked_logits:
-        new_max = jnp.maximum(new_max, page_logits.max(axis=1))
+    for block_logits in masked_logits:
+        new_max = jnp.maximum(new_max, block_logits.max(axis=1))
     correction = jnp.exp2(running_max - new_max)
     probs = [jnp.exp2(x - _row_broadcast(new_max, x.shape)) for x in masked_logits]
     if causal is not None:
@@ -405,40 +792,44 @@ def _attend_step(
         # only ever follows a real one in the item (online_softmax.py's argument), so no select.
         probs = [jnp.where(v, p, 0.0) for v, p in zip(visible, probs, strict=True)]
     running_sum = running_sum * correction
-    for page_probs in probs:
-        running_sum = running_sum + page_probs.sum(axis=1)
+    for block_probs in probs:
+        running_sum = running_sum + block_probs.sum(axis=1)
 
+    if wait_for_values is not None:
+        wait_for_values()
     # A zero weight times a NaN in an unused slot is still NaN: zero the V rows of keys past the
     # item's end (the last page's tail, slots past the last page) before p @ V. Only the item's
     # last step has any.
-    for page, v_slot in enumerate(v_slots):
-        valid_rows = num_tokens - (first_key + page * page_size)
+    for block, v_slot in enumerate(v_slots):
+        valid_rows = num_tokens - (first_key + block * block_tokens)
 
-        @pl.when(valid_rows < page_size)
+        @pl.when(valid_rows < block_tokens)
         def _(v_slot=v_slot, valid_rows=valid_rows):
-            layout = plgpu.Layout.SMEM_GMEM_COPY((page_size, head_dim), dtype, 32)
+            layout = plgpu.Layout.SMEM_GMEM_COPY(
+                (block_tokens, head_dim), dtype, _swizzle_bytes(block_tokens, dtype)
+            )
             values = plgpu.load(v_slot, layout=layout)
-            row = plgpu.broadcasted_iota(jnp.int32, (page_size, head_dim), 0, layout=layout)
+            row = plgpu.broadcasted_iota(jnp.int32, (block_tokens, head_dim), 0, layout=layout)
             v_slot[...] = jnp.where(row < valid_rows, values, jnp.zeros_like(values))
             plgpu.commit_smem()
 
     acc = acc * _row_broadcast(correction, acc.shape)
     if probs_in_smem:
-        for page, page_probs in enumerate(probs):
-            probs_smem[page] = page_probs.astype(dtype)
+        for block, block_probs in enumerate(probs):
+            probs_smem[block] = block_probs.astype(dtype)
         plgpu.commit_smem()
 
         def pv(accumulator):
-            for page, v_slot in enumerate(v_slots):
-                plgpu.wgmma(accumulator, probs_smem.at[page], v_slot)
+            for block, v_slot in enumerate(v_slots):
+                plgpu.wgmma(accumulator, probs_smem.at[block], v_slot)
             return accumulator[...]
 
         acc = acc + pl.run_scoped(pv, plgpu.ACC((TILE_ROWS, head_dim), jnp.float32))
     else:
 
         def pv_from_registers(accumulator):
-            for page_probs, v_slot in zip(probs, v_slots, strict=True):
-                plgpu.wgmma(accumulator, page_probs.astype(dtype), v_slot)
+            for block_probs, v_slot in zip(probs, v_slots, strict=True):
+                plgpu.wgmma(accumulator, block_probs.astype(dtype), v_slot)
 
         acc = pl.run_state(pv_from_registers)(plgpu.ACC.init(acc))
     return acc, new_max, running_sum
@@ -473,6 +864,8 @@ def _runs_in_32_bits_also_interpreted(jitted):
         "num_stages",
         "index_window",
         "probs_in_smem",
+        "pipeline",
+        "merge",
         "interpret",
     ),
 )
@@ -488,6 +881,7 @@ def paged_decode_mgpu(
     *,
     page_indptr: jax.Array | None = None,
     last_page_len: jax.Array | None = None,
+    merge_indptr: jax.Array | None = None,
     sm_scale: float,
     logits_soft_cap: float | None,
     write_final: bool,
@@ -495,6 +889,8 @@ def paged_decode_mgpu(
     num_stages: int = 4,
     index_window: int = MAX_INDEX_WINDOW,
     probs_in_smem: bool = False,
+    pipeline: str = "emit",
+    merge: str = "separate",
     interpret: bool | plgpu.InterpretGPUParams = False,
 ):
     """Runs the Mosaic GPU decode kernel over a list of work items (HND layout).
@@ -520,24 +916,52 @@ def paged_decode_mgpu(
         G + g`` token ``l``, head ``g``, as the Triton kernel writes them for
         ``merge_partial_states(..., num_q_heads=L * H)`` (rows past ``L * G`` are padding and
         are left unwritten here).
-      pages_per_step: pages of K and of V a pipeline step copies and computes (static).
-      num_stages: pipeline steps in flight (``emit_pipeline``'s ``max_concurrent_steps``).
+      pages_per_step: pages of K and of V a pipeline step copies and computes (static); with
+        ``pipeline="ring"`` 1, 2, 4, 8 or 16 (one WGMMA over the step's keys: N of ``q @ K^T``
+        at most 256).
+      num_stages: pipeline steps in flight (``emit_pipeline``'s ``max_concurrent_steps``, or
+        the ring's slots). The K and V slots of ``num_stages x pages_per_step`` pages must fit
+        the H200's shared memory with the rest (``smem_bytes_per_program``).
       index_window: page numbers copied to shared memory at once (a multiple of 4 and of
         ``pages_per_step``, at most 256).
       probs_in_smem: store the softmax weights to shared memory before ``p @ V`` (runs in
         interpret mode); False feeds them from registers (compiled only).
+      pipeline: how pages reach shared memory. ``"emit"``: ``plgpu.emit_pipeline``, one slot
+        and one ``q @ K^T``, ``p @ V`` WGMMA pair a page (one softmax update a step), restarted
+        every ``index_window`` pages. ``"ring"``: a hand-written ring of ``num_stages`` slots,
+        each holding a step's pages side by side (``[pages_per_step x page_size, D]``), so one
+        WGMMA pair over ``pages_per_step x 16`` keys and one softmax update a step, and one
+        loop over the item's steps that fetches the next index window ahead (no drain).
+      merge_indptr: the plan's int32 ``[B + 1]`` (request ``b``'s items are ``merge_indptr[b]
+        .. merge_indptr[b + 1] - 1``); needed with ``merge="folded"`` and partial states.
+      merge: for partial states (``write_final=False``): ``"separate"`` returns them, for
+        ``merge_partial_states`` to merge in a second launch; ``"folded"`` merges them in
+        this launch (the last item of a request to finish merges, through a global arrival
+        counter, ``_merge_if_last_to_arrive``) and returns the final ``(o, lse)`` as
+        ``write_final`` does. Ignored for final plans (nothing to merge).
       interpret: run in Mosaic GPU's interpret mode (CPU); needs ``probs_in_smem=True``. A
         ``plgpu.InterpretGPUParams`` sets the interpreter's options (its race detector).
 
     Returns:
-      The final or partial ``(o, lse)`` described above.
+      The final (``write_final`` or ``merge="folded"``) or partial ``(o, lse)`` described
+      above.
 
     Raises:
       ValueError: for shapes, dtypes or static parameters the kernel does not take, and a
         missing table for ``L > 1`` (naming the argument and its value).
     """
     validate_mgpu_decode_arguments(
-        q, k_pages, v_pages, pages_per_step, num_stages, index_window, probs_in_smem, interpret
+        q,
+        k_pages,
+        v_pages,
+        pages_per_step,
+        num_stages,
+        index_window,
+        probs_in_smem,
+        interpret,
+        pipeline=pipeline,
+        write_final=write_final,
+        merge=merge,
     )
     q_len = 1 if q.ndim == 3 else q.shape[1]
     batch, num_q_heads, head_dim = q.shape[0], q.shape[-2], q.shape[-1]
@@ -552,25 +976,34 @@ def paged_decode_mgpu(
                 f"of {batch} (the kernel reads them at a request's index), got "
                 f"{page_indptr.shape} and {last_page_len.shape}"
             )
+    folded = merge == "folded" and not write_final
+    if folded and (merge_indptr is None or merge_indptr.shape != (batch + 1,)):
+        raise ValueError(
+            f"merge='folded' needs the plan's merge_indptr, [{batch + 1}] for q's batch of "
+            f"{batch}, got {None if merge_indptr is None else merge_indptr.shape}"
+        )
     num_kv_heads = k_pages.shape[1]
     group_size = num_q_heads // num_kv_heads
     query_rows = q_len * group_size
-    partial_block = partial_rows(query_rows)
+    partial_block = (
+        folded_partial_rows(query_rows, head_dim) if folded else partial_rows(query_rows)
+    )
     num_work = work_request.shape[0]
     total_rows = batch * num_q_heads * q_len
-    if write_final:
-        out_type = (
-            jax.ShapeDtypeStruct((total_rows, head_dim), q.dtype),
-            jax.ShapeDtypeStruct((total_rows,), jnp.float32),
-        )
-    else:
-        count = num_work * num_kv_heads * partial_block
-        out_type = (
-            jax.ShapeDtypeStruct((count, head_dim), jnp.float32),
-            jax.ShapeDtypeStruct((count,), jnp.float32),
-        )
+    final_type = (
+        jax.ShapeDtypeStruct((total_rows, head_dim), q.dtype),
+        jax.ShapeDtypeStruct((total_rows,), jnp.float32),
+    )
+    count = num_work * num_kv_heads * partial_block
+    partial_type = (
+        jax.ShapeDtypeStruct((count, head_dim), jnp.float32),
+        jax.ShapeDtypeStruct((count,), jnp.float32),
+    )
+    out_type = final_type if write_final else partial_type + (final_type if folded else ())
     if num_work == 0 or batch == 0:  # no program to launch
-        o, lse = (jnp.zeros(t.shape, t.dtype) for t in out_type)
+        outs = [jnp.zeros(t.shape, t.dtype) for t in out_type]
+        if folded:  # the merge of no item: no key, o = 0 and lse = -inf
+            outs[3] = jnp.full(outs[3].shape, -jnp.inf, jnp.float32)
     else:
         kernel = functools.partial(
             paged_decode_mgpu_kernel,
@@ -586,12 +1019,17 @@ def paged_decode_mgpu(
             sm_scale=sm_scale,
             write_final=write_final,
             probs_in_smem=probs_in_smem,
+            pipeline=pipeline,
+            merge=merge,
+            folded_interpret=bool(interpret),
         )
         # Rows grouped by (request, KV head), token-major inside: q's own order for one token,
         # a small copy of q otherwise (the Triton kernel's row order).
         q_rows = head_major(q.reshape(batch, q_len, num_q_heads, head_dim), num_kv_heads)
         table = (page_indptr, last_page_len) if q_len > 1 else ()
-        o, lse = plgpu.kernel(
+        if folded:
+            table += (merge_indptr,)
+        outs = plgpu.kernel(
             kernel,
             out_type=out_type,
             # Mosaic GPU maps the last grid axis to CUDA's x (up to 2^31 - 1 blocks; y and z
@@ -600,10 +1038,10 @@ def paged_decode_mgpu(
             grid=(num_kv_heads, num_work),
             grid_names=("kv_head", "work"),
             interpret=_interpret_params(interpret),
-            kernel_name=f"paged_decode_mgpu_p{pages_per_step}_s{num_stages}"
+            kernel_name=f"paged_decode_mgpu_{pipeline}_p{pages_per_step}_s{num_stages}"
             + ("_psmem" if probs_in_smem else "_preg")
             + (f"_q{q_len}" if q_len > 1 else "")
-            + ("_final" if write_final else "_partial"),
+            + ("_final" if write_final else "_folded" if folded else "_partial"),
         )(
             work_request,
             work_page_start,
@@ -615,10 +1053,12 @@ def paged_decode_mgpu(
             k_pages,
             v_pages,
         )
-    if write_final:
+    if write_final or folded:
+        o, lse = outs[-2:]
         o = token_major(o.reshape(batch, num_q_heads * q_len, head_dim), q_len, num_kv_heads)
         lse = token_major(lse.reshape(batch, num_q_heads * q_len), q_len, num_kv_heads)
         return o.reshape(q.shape), lse.reshape(q.shape[:-1])
+    o, lse = outs
     return (
         o.reshape(num_work, num_kv_heads, partial_block, head_dim),
         lse.reshape(num_work, num_kv_heads, partial_block),
@@ -651,8 +1091,71 @@ def max_query_len(group_size: int) -> int:
     return max(fits, default=0)
 
 
+def smem_bytes_per_program(
+    head_dim: int,
+    dtype,
+    *,
+    pages_per_step: int,
+    num_stages: int,
+    index_window: int = MAX_INDEX_WINDOW,
+    probs_in_smem: bool = False,
+    pipeline: str = "emit",
+    write_final: bool = False,
+    page_size: int = PAGE_SIZE,
+) -> int:
+    """Shared memory one program allocates, in bytes, at its peak (the main loop; the epilogue's
+    buffers replace the loop's). Each buffer is counted rounded up to 1 KiB, the alignment a
+    128-byte swizzle needs; barriers 8 bytes each, rounded up likewise.
+
+    The loop holds the query tile ``[64, D]``, the K and V slots of ``num_stages x
+    pages_per_step`` pages (both pipelines allocate the same), ``p`` when it goes through
+    shared memory, the two index windows, and the barriers. The epilogue holds ``o``'s 64 rows
+    (float32 for partial states) and 64 LSE values.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> smem_bytes_per_program(128, jnp.bfloat16, pages_per_step=4, num_stages=3) // 1024
+      115
+    """
+    itemsize = jnp.dtype(dtype).itemsize
+
+    def rounded(n: int) -> int:
+        return -(-n // 1024) * 1024
+
+    pair_tokens = pages_per_step * page_size if pipeline == "ring" else page_size
+    pairs_per_step = 1 if pipeline == "ring" else pages_per_step
+    kv_slot = rounded(pages_per_step * page_size * head_dim * itemsize)
+    loop = (
+        rounded(TILE_ROWS * head_dim * itemsize)
+        + 2 * num_stages * kv_slot
+        + (rounded(pairs_per_step * TILE_ROWS * pair_tokens * itemsize) if probs_in_smem else 0)
+        + rounded(2 * index_window * 4)
+        + rounded(8 * (3 + (2 if pipeline == "ring" else 1) * num_stages))
+    )
+    out_itemsize = itemsize if write_final else 4
+    epilogue = rounded(TILE_ROWS * head_dim * out_itemsize) + rounded(TILE_ROWS * 4)
+    return max(loop, epilogue)
+
+
+def programs_per_sm(smem_bytes: int) -> int:
+    """Programs of ``smem_bytes`` that fit one H200 SM's shared memory at once (its 228 KiB,
+    1 KiB of which CUDA reserves per block); registers may allow fewer."""
+    return H200_SMEM_PER_SM_BYTES // (smem_bytes + 1024)
+
+
 def validate_mgpu_decode_arguments(
-    q, k_pages, v_pages, pages_per_step, num_stages, index_window, probs_in_smem, interpret
+    q,
+    k_pages,
+    v_pages,
+    pages_per_step,
+    num_stages,
+    index_window,
+    probs_in_smem,
+    interpret,
+    *,
+    pipeline="emit",
+    write_final=False,
+    merge="separate",
 ) -> None:
     """Raises ValueError for what ``paged_decode_mgpu`` cannot run, naming the value."""
     if q.ndim not in (3, 4):
@@ -703,6 +1206,33 @@ def validate_mgpu_decode_arguments(
         raise ValueError(
             f"index_window must be a multiple of 4 and of pages_per_step={pages_per_step}, at "
             f"most {MAX_INDEX_WINDOW}, got {index_window}"
+        )
+    if merge not in MERGES:
+        raise ValueError(f"merge must be one of {MERGES}, got {merge!r}")
+    if pipeline not in PIPELINES:
+        raise ValueError(f"pipeline must be one of {PIPELINES}, got {pipeline!r}")
+    if pipeline == "ring" and pages_per_step not in RING_PAGES_PER_STEP:
+        raise ValueError(
+            f"pages_per_step must be one of {RING_PAGES_PER_STEP} with pipeline='ring' (one "
+            f"WGMMA over the step's keys: a power of two, at most 256 keys), got {pages_per_step}"
+        )
+    smem_bytes = smem_bytes_per_program(
+        head_dim,
+        q.dtype,
+        pages_per_step=pages_per_step,
+        num_stages=num_stages,
+        index_window=index_window,
+        probs_in_smem=probs_in_smem,
+        pipeline=pipeline,
+        write_final=write_final,
+        page_size=page_size,
+    )
+    if smem_bytes > H200_SMEM_PER_PROGRAM_BYTES:
+        raise ValueError(
+            f"num_stages={num_stages} with pages_per_step={pages_per_step} needs "
+            f"{smem_bytes / 1024:.0f} KiB of shared memory a program (head_dim={head_dim}), over "
+            f"the H200's {H200_SMEM_PER_PROGRAM_BYTES // 1024} KiB: lower num_stages or "
+            "pages_per_step"
         )
     if interpret and not probs_in_smem:
         raise ValueError(

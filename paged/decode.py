@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kernels_pallas import paged_decode_mgpu as mgpu
 from kernels_pallas import paged_decode_tuning as tuning
 from kernels_pallas.merge_states import merge_partial_states
 from kernels_pallas.paged_decode import paged_decode, token_major
@@ -31,6 +32,20 @@ def _is_power_of_two(n: int) -> bool:
 MAX_KERNEL_Q_LEN = 16
 # The smallest head_dim the kernels take: the inner dimension of a Triton dot is at least 16.
 MIN_KERNEL_HEAD_DIM = 16
+# backend="pallas_mgpu": the Mosaic GPU decode kernel (kernels_pallas/paged_decode_mgpu.py),
+# asked for by name only, for measurement through this public path; "auto" keeps the Triton
+# kernel until the Mosaic GPU one is measured faster on the H200 (issue 16).
+MOSAIC_GPU_BACKEND = "pallas_mgpu"
+# Its pipeline where this path calls it: the shape of the first compiled probe's fastest arm
+# (docs/benchmark_results/archive/2026-12-01-mgpu-decode-probe.md: emit_pipeline, two pages a
+# step, three stages; 171.6 us at B=32 x 4096). The ring's shapes are not yet timed:
+# bench/probes/mgpu_decode.py --sweep is to pick the pipeline this dictionary names.
+MGPU_LAUNCH_PARAMETERS = dict(pipeline="emit", pages_per_step=2, num_stages=3)
+# How a split plan's partial states are merged on this path: "separate" (merge_partial_states,
+# a second launch) or "folded" (in the decode launch: the last item of a request to finish
+# merges, paged_decode_mgpu's merge="folded"). "separate" until bench/probes/mgpu_decode.py's
+# merge arms (run_on_gpu.sh mgpu-merge-fold) measure the folded merge faster at B=1 and B=4.
+MGPU_MERGE = "separate"
 
 
 def kernel_name_for(q: jax.Array) -> str:
@@ -58,6 +73,43 @@ def kernel_supports(q: jax.Array, cache: KVCache) -> str | None:
     if not _is_power_of_two(cache.page_size):
         return f"page_size={cache.page_size} is not a power of two"
     return None
+
+
+def mgpu_kernel_supports(q: jax.Array, cache: KVCache) -> str | None:
+    """Why the Mosaic GPU decode kernel (``backend="pallas_mgpu"``) cannot run these shapes, or
+    None if it can: the HND layout (a page of one KV head is one TMA box), pages of 16 tokens,
+    bfloat16 or float16, ``head_dim`` 64 or 128, at most 8 query heads a KV head, and the
+    ``q_len x G`` rows of a KV head in one 64-row tile, ``q_len`` at most
+    ``MAX_KERNEL_Q_LEN`` (longer runs are prompt chunks, the Triton prefill kernel's)."""
+    if cache.layout != "HND":
+        return f"layout {cache.layout}: the Mosaic GPU kernel reads HND pages (one TMA box a page)"
+    if cache.page_size != mgpu.PAGE_SIZE:
+        return f"page_size={cache.page_size}: the Mosaic GPU kernel takes {mgpu.PAGE_SIZE}"
+    if not any(q.dtype == d for d in mgpu.SUPPORTED_DTYPES):
+        return f"dtype {q.dtype}: the Mosaic GPU kernel takes bfloat16 or float16"
+    if q.shape[-1] not in mgpu.SUPPORTED_HEAD_DIMS:
+        return f"head_dim={q.shape[-1]}: the Mosaic GPU kernel takes {mgpu.SUPPORTED_HEAD_DIMS}"
+    group_size = q.shape[-2] // cache.num_kv_heads
+    if group_size > mgpu.MAX_GROUP:
+        return f"{group_size} query heads a KV head: the Mosaic GPU kernel takes {mgpu.MAX_GROUP}"
+    q_len = q.shape[1] if q.ndim == 4 else 1
+    longest = min(MAX_KERNEL_Q_LEN, mgpu.max_query_len(group_size))
+    if q_len > longest:
+        return f"q_len={q_len}: the Mosaic GPU kernel takes {longest} at a group of {group_size}"
+    return None
+
+
+def mgpu_decode_launch_parameters(interpret: bool) -> dict:
+    """The Mosaic GPU kernel's static parameters where ``decode_attention`` calls it:
+    ``MGPU_LAUNCH_PARAMETERS``, with the softmax weights fed to ``p @ V`` from registers when
+    compiled and through shared memory when interpreted (the only path Mosaic GPU's
+    interpreter runs).
+
+    Example:
+      >>> mgpu_decode_launch_parameters(interpret=False)
+      {'pipeline': 'emit', 'pages_per_step': 2, 'num_stages': 3, 'probs_in_smem': False}
+    """
+    return dict(MGPU_LAUNCH_PARAMETERS, probs_in_smem=interpret)
 
 
 def _static_float(name: str, value) -> float | None:
@@ -170,7 +222,12 @@ def decode_attention(
       return_lse: also return the log-sum-exp.
       plan: the step's ``DecodePlan`` (Pallas decode kernel only; ignored by the reference, and
         for ``L > MAX_KERNEL_Q_LEN`` only validated).
-      backend: ``"auto"``, ``"reference"`` or ``"pallas"``.
+      backend: ``"auto"``, ``"reference"``, ``"pallas"``, or ``"pallas_mgpu"``: the Mosaic GPU
+        decode kernel (``kernels_pallas/paged_decode_mgpu.py``, interpreted on a CPU) in place
+        of the Triton one, asked for by name only (``"auto"`` never picks it until it is
+        measured faster), for HND pages of 16 tokens, bfloat16 or float16, ``head_dim`` 64
+        or 128, groups up to 8 and ``L <= 16`` (``mgpu_kernel_supports``); same plan, same
+        merge, its pipeline ``MGPU_LAUNCH_PARAMETERS``.
 
     Returns:
       ``o`` shaped like ``q`` (``[B, H, D]`` or ``[B, L, H, D]``) in q's dtype, and with
@@ -182,11 +239,11 @@ def decode_attention(
 
     Raises:
       ValueError: for mismatched shapes or dtypes, head counts that do not divide, ``L < 1``, a
-        traced ``sm_scale`` or cap, shapes the kernel cannot run with ``backend="pallas"``, a
-        plan made for another batch, and (concrete inputs) page-table invariants (indices
-        outside the pool, ``page_indptr`` not starting at 0 or decreasing, ``last_page_len`` out
-        of range), a non-empty request shorter than ``L``, and a plan that does not match the
-        table (a stale plan).
+        traced ``sm_scale`` or cap, shapes the kernel cannot run with ``backend="pallas"`` (or
+        ``"pallas_mgpu"``), a plan made for another batch, and (concrete inputs) page-table
+        invariants (indices outside the pool, ``page_indptr`` not starting at 0 or decreasing,
+        ``last_page_len`` out of range), a non-empty request shorter than ``L``, and a plan
+        that does not match the table (a stale plan).
 
     Example:
       >>> from paged import new_kv_cache
@@ -204,12 +261,21 @@ def decode_attention(
     validate_decode_inputs(q, cache, page_table, logits_soft_cap)
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(q.shape[-1])
-    chosen = choose_backend(
-        "decode_attention",
-        backend,
-        unsupported=kernel_supports(q, cache),
-        kernel=kernel_name_for(q),
-    ).backend
+    mosaic_gpu = backend == MOSAIC_GPU_BACKEND
+    if mosaic_gpu:  # asked for by name: the kernel, or an error saying why it cannot run
+        unsupported = mgpu_kernel_supports(q, cache)
+        if unsupported:
+            raise ValueError(
+                f"backend={MOSAIC_GPU_BACKEND!r} cannot run decode_attention here: {unsupported}"
+            )
+        chosen = choose_backend("decode_attention", "pallas", kernel="paged_decode_mgpu").backend
+    else:
+        chosen = choose_backend(
+            "decode_attention",
+            backend,
+            unsupported=kernel_supports(q, cache),
+            kernel=kernel_name_for(q),
+        ).backend
     if chosen == "reference":
         o, lse = decode_attention_reference(
             q, cache, page_table, sm_scale=sm_scale, logits_soft_cap=logits_soft_cap
@@ -219,7 +285,9 @@ def decode_attention(
             validate_plan(plan, page_table)
         o, lse = _prefill_attention_pallas(q, cache, page_table, sm_scale, logits_soft_cap)
     else:
-        o, lse = _decode_attention_pallas(q, cache, page_table, sm_scale, logits_soft_cap, plan)
+        o, lse = _decode_attention_pallas(
+            q, cache, page_table, sm_scale, logits_soft_cap, plan, mosaic_gpu=mosaic_gpu
+        )
     o = o.astype(q.dtype)
     lse = lse.astype(jnp.float32)
     return (o, lse) if return_lse else o
@@ -272,7 +340,11 @@ def decode_launch_parameters(
     return params
 
 
-def _decode_attention_pallas(q, cache, page_table, sm_scale, logits_soft_cap, plan):
+def _decode_attention_pallas(
+    q, cache, page_table, sm_scale, logits_soft_cap, plan, *, mosaic_gpu=False
+):
+    """The split-KV decode kernel (Triton, or Mosaic GPU with ``mosaic_gpu``) over the plan's
+    work items, then the merge of a split plan's partial states; ``(o, lse)`` shaped like q."""
     batch, num_q_heads, head_dim = q.shape[0], q.shape[-2], q.shape[-1]
     q_len = q.shape[1] if q.ndim == 4 else 1
     num_kv_heads = cache.num_kv_heads
@@ -284,10 +356,33 @@ def _decode_attention_pallas(q, cache, page_table, sm_scale, logits_soft_cap, pl
         else:
             plan = traced_default_plan(page_table, num_q_heads, num_kv_heads, head_dim)
     validate_plan(plan, page_table)
+    interpret = interpret_mode()
+    if mosaic_gpu:
+        o, lse = mgpu.paged_decode_mgpu(
+            q,
+            cache.k_pages,
+            cache.v_pages,
+            page_table.page_indices,
+            plan.work_request,
+            plan.work_page_start,
+            plan.work_page_end,
+            plan.work_last_page_len,
+            page_indptr=page_table.page_indptr if q_len > 1 else None,
+            last_page_len=page_table.last_page_len if q_len > 1 else None,
+            sm_scale=sm_scale,
+            logits_soft_cap=logits_soft_cap,
+            write_final=plan.write_final,
+            merge=MGPU_MERGE,
+            merge_indptr=plan.merge_indptr if MGPU_MERGE == "folded" else None,
+            interpret=interpret,
+            **mgpu_decode_launch_parameters(interpret),
+        )
+        if MGPU_MERGE == "folded":  # merged in the launch: final (o, lse) in q's shape
+            return o, lse
+        return _merge_split(o, lse, plan, q, num_kv_heads, interpret)
     params = decode_launch_parameters(
         plan, num_q_heads, num_kv_heads, head_dim, cache.page_size, q_len=q_len
     )
-    interpret = interpret_mode()
     o, lse = paged_decode(
         q,
         cache.k_pages,
@@ -306,6 +401,14 @@ def _decode_attention_pallas(q, cache, page_table, sm_scale, logits_soft_cap, pl
         interpret=interpret,
         **params,
     )
+    return _merge_split(o, lse, plan, q, num_kv_heads, interpret)
+
+
+def _merge_split(o, lse, plan, q, num_kv_heads, interpret):
+    """A final plan's kernel outputs as they are; a split plan's partial states merged, in q's
+    shape (both decode kernels write the same partial-state layout)."""
+    q_len = q.shape[1] if q.ndim == 4 else 1
+    num_q_heads = q.shape[-2]
     if plan.write_final:
         return o, lse
     # The merge sees each KV head's q_len x G rows as one group of "heads" (the kernel's row

@@ -1042,19 +1042,65 @@ def test_decode_clamps_probe_builds_its_variants_and_runs_a_smoke_case(tmp_path,
 def test_mgpu_decode_probe_runs_a_smoke_case(tmp_path, capsys):
     """``bench/probes/mgpu_decode.py`` (issue 16): one tiny case in Mosaic GPU's interpret mode
     through the check, timing and report code; the interpretable arms agree with the Triton
-    kernel, and an arm that cannot run (the register path, interpreted) is reported, not fatal."""
+    kernel, and an arm that cannot run (the register path, interpreted) is reported, not fatal.
+    The public path's arms (``--api``) too, its Mosaic GPU one on the ring."""
     from bench.probes import mgpu_decode
+    from paged import decode as decode_module
 
-    assert mgpu_decode.main(["--smoke", "--out", str(tmp_path)]) == 0
+    launch = dict(decode_module.MGPU_LAUNCH_PARAMETERS)
+    try:
+        arguments = ["--smoke", "--variants", "smem.p1.s4,reg.p1.s4", "--api"]
+        arguments += ["--api-variant", "ring.smem.p2.s2", "--out", str(tmp_path)]
+        assert mgpu_decode.main(arguments) == 0
+    finally:  # the probe sets the public path's pipeline for its process
+        decode_module.MGPU_LAUNCH_PARAMETERS = launch
     printed = capsys.readouterr().out
     document = json.loads((tmp_path / "mgpu_decode_probe.json").read_text())
     by_arm = {row["arm"]: row for row in document["rows"]}
     assert by_arm["mgpu:reg.p1.s4"]["status"] == "failed"
     assert "needs probs_in_smem=True" in by_arm["mgpu:reg.p1.s4"]["error"]
-    for arm in ("mgpu:smem.p1.s4", "mgpu:smem.p2.s3"):
+    assert by_arm["mgpu:smem.p1.s4"]["programs_per_sm"] >= 1
+    for arm in ("mgpu:smem.p1.s4", "api:pallas", "api:pallas_mgpu"):
         assert by_arm[arm]["status"] == "ok"
         assert by_arm[arm]["max_abs_diff_o"] <= mgpu_decode.MAX_DIFFERENCE
+    assert by_arm["api:pallas"]["max_abs_diff_o"] == 0  # the Triton arm, through the API
+    assert document["api_launch_parameters"]["pipeline"] == "ring"
     assert "smoke run, no figures" in printed
+
+
+def test_mgpu_decode_sweep_reports_refused_and_skipped_arms(tmp_path, capsys):
+    """The probe's ``--sweep`` (issue 16), its smoke form: the ring arm runs and agrees with the
+    Triton kernel; a ring over the shared-memory limit is reported with the refusal, not fatal;
+    with no time budget left every arm is reported as skipped, its case listed for a rerun."""
+    from bench.probes import mgpu_decode
+
+    assert mgpu_decode.main(["--sweep", "--smoke", "--out", str(tmp_path)]) == 0
+    document = json.loads((tmp_path / "mgpu_decode_probe.json").read_text())
+    assert document["sweep"] and document["repeats"] == 3
+    by_arm = {row["arm"]: row for row in document["rows"]}
+    assert by_arm["mgpu:ring.smem.p4.s2"]["status"] == "ok"
+    assert by_arm["mgpu:ring.smem.p4.s2"]["max_abs_diff_o"] <= mgpu_decode.MAX_DIFFERENCE
+    assert by_arm["mgpu:ring.smem.p4.s2"]["smem_bytes"] < 227 * 1024
+    assert by_arm["mgpu:ring.smem.p4.s2"]["waves"] > 0
+    assert by_arm["mgpu:ring.smem.p8.s8"]["status"] == "failed"
+    assert "KiB of shared memory a program" in by_arm["mgpu:ring.smem.p8.s8"]["error"]
+    capsys.readouterr()
+
+    assert mgpu_decode.main(["--sweep", "--smoke", "--budget-s", "0"]) == 0
+    printed = capsys.readouterr().out
+    assert "skipped (time budget)" in printed and "skipped: ['B=2" in printed
+
+
+def test_mgpu_decode_variant_names_round_trip():
+    """Sweep variant names parse back to their configuration; a malformed one is refused with
+    its text."""
+    from bench.probes import mgpu_decode
+
+    for variant in mgpu_decode.SWEEP_VARIANTS + mgpu_decode.VARIANTS:
+        assert mgpu_decode.parse_variant(variant.name) == variant
+    assert mgpu_decode.parse_variant("ring.reg.p4.s3").pipeline == "ring"
+    with pytest.raises(ValueError, match=r"'ring\.p4\.s3' is not"):
+        mgpu_decode.parse_variant("ring.p4.s3")
 
 
 def test_mgpu_decode_probe_memcheck_workload_runs_interpreted(capsys):
@@ -1066,6 +1112,7 @@ def test_mgpu_decode_probe_memcheck_workload_runs_interpreted(capsys):
     assert mgpu_decode.main(["--memcheck", "--smoke"]) == 0
     printed = capsys.readouterr().out
     assert "q_len=5" in printed and "finite output True" in printed
+    assert "ring.smem.p4" in printed
 
 
 def test_engine_dispatch_probe_runs_a_smoke_case(tmp_path, capsys):

@@ -19,7 +19,12 @@ import pytest
 import paged
 from kernels_pallas.merge_states import merge_partial_states
 from kernels_pallas.paged_decode import paged_decode, partial_rows, token_major
-from kernels_pallas.paged_decode_mgpu import paged_decode_mgpu
+from kernels_pallas.paged_decode_mgpu import (
+    H200_SMEM_PER_PROGRAM_BYTES,
+    paged_decode_mgpu,
+    programs_per_sm,
+    smem_bytes_per_program,
+)
 from paged.attention_reference import decode_attention_reference
 from tests.conftest import ON_GPU
 from tests.test_paged_decode_kernel import make_inputs, reference64, relative_error
@@ -103,8 +108,11 @@ def check_against_reference(o, lse, q, cache, table, lens, soft_cap=None):
 
 
 def make_plan(table, num_q_heads, head_dim, split):
-    if split == "fixed2":  # partial states: 2-page chunks, merged
-        return paged.plan_decode(table, num_q_heads, NUM_KV_HEADS, head_dim, fixed_split_pages=2)
+    if split in ("fixed2", "fixed8"):  # partial states: 2- or 8-page chunks, merged
+        pages = int(split.removeprefix("fixed"))
+        return paged.plan_decode(
+            table, num_q_heads, NUM_KV_HEADS, head_dim, fixed_split_pages=pages
+        )
     if split == "planner":
         return paged.plan_decode(table, num_q_heads, NUM_KV_HEADS, head_dim)
     plan = paged.plan_decode(table, num_q_heads, NUM_KV_HEADS, head_dim, max_grid=1)
@@ -162,6 +170,45 @@ def test_kernel_matches_reference_and_triton(
         np.testing.assert_allclose(ours_lse, theirs_lse, atol=1e-4)
 
 
+# The ring (pipeline="ring") on RAGGED_LENS and a 300-token request (19 pages: more steps than
+# slots, so slots are refilled): (group, dtype, split, soft cap, pages_per_step, num_stages,
+# index_window). Partial outputs of 8-page chunks (four steps on two slots); one step a 4-entry
+# window with more slots than a window's steps (the next window is fetched while the ring
+# still holds the last one's pages); one page a step across five windows; eight pages a step
+# (one 128-key WGMMA; the 100-token request in one step, its tail and the slots past it masked).
+RING_LENS = (*RAGGED_LENS, 300)
+RING_CONFIGS = [
+    (1, jnp.bfloat16, "fixed8", None, 2, 2, 256),
+    (4, jnp.float16, "no_split", 5.0, 4, 3, 4),
+    (3, jnp.bfloat16, "no_split", None, 1, 3, 4),
+    (8, jnp.bfloat16, "planner", None, 8, 2, 256),
+]
+
+
+@pytest.mark.parametrize("probs_in_smem", PROBS_PATHS)
+@pytest.mark.parametrize(
+    "group,dtype,split,soft_cap,pages_per_step,num_stages,window", RING_CONFIGS
+)
+def test_ring_pipeline_matches_reference(
+    group, dtype, split, soft_cap, pages_per_step, num_stages, window, probs_in_smem
+):
+    q, cache, table = make_inputs(group, RING_LENS, "HND", group, 64, dtype, num_pool_pages=48)
+    plan = make_plan(table, q.shape[1], 64, split)
+    (o, lse), _ = run_mgpu(
+        q,
+        cache,
+        table,
+        plan,
+        soft_cap=soft_cap,
+        probs_in_smem=probs_in_smem,
+        pages_per_step=pages_per_step,
+        num_stages=num_stages,
+        index_window=window,
+        pipeline="ring",
+    )
+    check_against_reference(o, lse, q, cache, table, RING_LENS, soft_cap)
+
+
 @pytest.mark.parametrize("probs_in_smem", PROBS_PATHS)
 def test_unused_slots_holding_nan_never_reach_the_output(probs_in_smem):
     """Stale data in page tails and in unlisted pages (NaN here) is masked and its V rows are
@@ -180,6 +227,12 @@ def test_unused_slots_holding_nan_never_reach_the_output(probs_in_smem):
     poisoned = paged.KVCache(jnp.asarray(k, q.dtype), jnp.asarray(v, q.dtype), "HND")
     plan = paged.plan_decode(table, q.shape[1], NUM_KV_HEADS, 64, max_grid=1)
     (o, lse), _ = run_mgpu(q, poisoned, table, plan, probs_in_smem=probs_in_smem, pages_per_step=2)
+    check_against_reference(o, lse, q, cache, table, lens)
+    # The ring's step of four pages: the 17- and 40-token requests end inside their one step,
+    # the rest of its 64 rows of V stale or NaN.
+    (o, lse), _ = run_mgpu(
+        q, poisoned, table, plan, probs_in_smem=probs_in_smem, pages_per_step=4, pipeline="ring"
+    )
     check_against_reference(o, lse, q, cache, table, lens)
 
 
@@ -256,6 +309,15 @@ def test_padding_items_store_nothing():
         (dict(index_window=6, pages_per_step=4), "index_window must be a multiple of 4"),
         (dict(index_window=512), "at most 256, got 512"),
         (dict(probs_in_smem=False), "interpret=True needs probs_in_smem=True"),
+        (dict(pipeline="warp_specialized"), "pipeline must be one of \\('emit', 'ring'\\)"),
+        (
+            dict(pipeline="ring", pages_per_step=3, index_window=12),
+            "pages_per_step must be one of \\(1, 2, 4, 8, 16\\) with pipeline='ring'",
+        ),
+        (
+            dict(head_dim=128, pages_per_step=8, num_stages=4),
+            "num_stages=4 with pages_per_step=8 needs 291 KiB of shared memory",
+        ),
     ],
 )
 def test_bad_arguments_are_rejected_with_their_values(change, message):
@@ -267,7 +329,7 @@ def test_bad_arguments_are_rejected_with_their_values(change, message):
     work = jnp.zeros((4,), jnp.int32)
     launch = {
         k: change[k]
-        for k in ("pages_per_step", "num_stages", "index_window", "probs_in_smem")
+        for k in ("pages_per_step", "num_stages", "index_window", "probs_in_smem", "pipeline")
         if k in change
     }
     launch.setdefault("probs_in_smem", True)
@@ -297,17 +359,28 @@ def test_bad_arguments_are_rejected_with_their_values(change, message):
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_every_variant_lowers_for_an_h200(head_dim):
     """As far as a CPU can follow the GPU path: at the benchmark's head shape (32/8 heads,
-    bfloat16), both p paths, final and partial, pages_per_step 1 and 2, one and nine new tokens,
-    lower through Mosaic GPU's layout inference to its dialect for CUDA (the PTX stage and the
-    shared-memory limit are checked only when compiling on the GPU)."""
+    bfloat16), both p paths, final and partial, both pipelines, pages_per_step 1 to 16 (the
+    ring's WGMMAs over 32 to 256 keys, their 64- and 128-byte swizzles), one and nine new
+    tokens, lower through Mosaic GPU's layout inference to its dialect for CUDA (the PTX stage
+    and the hardware's shared-memory limit are checked only when compiling on the GPU)."""
 
     def int32(n):
         return jax.ShapeDtypeStruct((n,), jnp.int32)
 
     pool = jax.ShapeDtypeStruct((1024, 8, PAGE_SIZE, head_dim), jnp.bfloat16)
     table = dict(page_indptr=int32(5), last_page_len=int32(4))
+    # (pipeline, write_final, pages_per_step, num_stages, q_len)
+    variants = (
+        ("emit", True, 1, 4, 1),
+        ("emit", False, 2, 4, 1),
+        ("emit", False, 1, 4, 9),
+        ("ring", True, 4, 3, 1),
+        ("ring", False, 2, 4, 1),
+        ("ring", False, 8, 2, 9),
+        ("ring", True, 16, 1, 1),
+    )
     for probs_in_smem in (True, False):
-        for write_final, pages_per_step, q_len in ((True, 1, 1), (False, 2, 1), (False, 1, 9)):
+        for pipeline, write_final, pages_per_step, num_stages, q_len in variants:
             q_shape = (4, 32, head_dim) if q_len == 1 else (4, q_len, 32, head_dim)
             traced = paged_decode_mgpu.trace(
                 jax.ShapeDtypeStruct(q_shape, jnp.bfloat16),
@@ -320,11 +393,32 @@ def test_every_variant_lowers_for_an_h200(head_dim):
                 logits_soft_cap=30.0 if pages_per_step == 2 else None,
                 write_final=write_final,
                 pages_per_step=pages_per_step,
-                num_stages=4,
+                num_stages=num_stages,
                 probs_in_smem=probs_in_smem,
+                pipeline=pipeline,
             )
             text = traced.lower(lowering_platforms=("cuda",)).as_text()
-            assert "mosaic_gpu" in text, (probs_in_smem, write_final, q_len)
+            assert "mosaic_gpu" in text, (probs_in_smem, pipeline, write_final, q_len)
+
+
+def test_shared_memory_per_program_counts_every_buffer():
+    """The loop's buffers at head_dim 128, bfloat16, ring of 4 pages x 3 slots: q 16 KiB, K and
+    V slots 2 x 3 x 16 KiB, p through shared memory 8 KiB, two 256-entry index windows 2 KiB,
+    barriers 1 KiB; the H200 fits one such program an SM. The same slots under emit_pipeline
+    cost the same bytes (p: four 2 KiB pages). The epilogue's float32 rows replace the loop's
+    buffers when they are larger (a one-slot emit pipeline, head_dim 128, partial output)."""
+    ring = dict(pages_per_step=4, num_stages=3, probs_in_smem=True)
+    assert smem_bytes_per_program(128, jnp.bfloat16, pipeline="ring", **ring) == 123 * 1024
+    assert smem_bytes_per_program(128, jnp.bfloat16, pipeline="emit", **ring) == 123 * 1024
+    assert programs_per_sm(123 * 1024) == 1
+    two_slots = dict(ring, num_stages=2, probs_in_smem=False)  # 83 KiB: two programs an SM
+    assert programs_per_sm(smem_bytes_per_program(128, jnp.bfloat16, **two_slots)) == 2
+    small = smem_bytes_per_program(
+        64, jnp.bfloat16, pages_per_step=1, num_stages=1, index_window=4, write_final=False
+    )
+    assert small == 64 * 64 * 4 + 1024  # o's 64 float32 rows and the 64 LSE values
+    largest = smem_bytes_per_program(128, jnp.bfloat16, pages_per_step=8, num_stages=3)
+    assert largest <= H200_SMEM_PER_PROGRAM_BYTES
 
 
 def test_partial_rows_match_the_merge_layout():
@@ -337,23 +431,33 @@ def test_partial_rows_match_the_merge_layout():
     check_against_reference(o, lse, q, cache, table, lens)
 
 
-# (batch, context, probs_in_smem, pages_per_step, num_stages): every case on the register path
-# at the default pipeline, two with p in shared memory, two with two pages a step.
+# (batch, context, probs_in_smem, pages_per_step, num_stages, pipeline): every case on the
+# register path at the default pipeline, two with p in shared memory, two with two pages a
+# step; the ring at two, four and eight pages a step (32-, 64-, 128-key WGMMAs, their 64- and
+# 128-byte swizzles), both p paths.
 GPU_CASES = [
-    (1, 4096, False, 1, 4),
-    (1, 32768, False, 1, 4),
-    (32, 4096, False, 1, 4),
-    (256, 512, False, 1, 4),
-    (1, 4096, True, 1, 4),
-    (32, 4096, True, 2, 3),
-    (1, 32768, False, 2, 3),
-    (256, 512, False, 2, 4),
+    (1, 4096, False, 1, 4, "emit"),
+    (1, 32768, False, 1, 4, "emit"),
+    (32, 4096, False, 1, 4, "emit"),
+    (256, 512, False, 1, 4, "emit"),
+    (1, 4096, True, 1, 4, "emit"),
+    (32, 4096, True, 2, 3, "emit"),
+    (1, 32768, False, 2, 3, "emit"),
+    (256, 512, False, 2, 4, "emit"),
+    (32, 4096, False, 4, 3, "ring"),
+    (1, 32768, False, 8, 2, "ring"),
+    (256, 512, False, 2, 4, "ring"),
+    (1, 4096, True, 4, 4, "ring"),
 ]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("batch,context,probs_in_smem,pages_per_step,num_stages", GPU_CASES)
-def test_benchmark_shapes_on_gpu(batch, context, probs_in_smem, pages_per_step, num_stages):
+@pytest.mark.parametrize(
+    "batch,context,probs_in_smem,pages_per_step,num_stages,pipeline", GPU_CASES
+)
+def test_benchmark_shapes_on_gpu(
+    batch, context, probs_in_smem, pages_per_step, num_stages, pipeline
+):
     """Compiled, at the benchmark's shapes: 32 query heads, 8 KV heads, head_dim 128, bf16, the
     planner's split; against the reference in float32 and the Triton kernel."""
     assert ON_GPU
@@ -372,6 +476,7 @@ def test_benchmark_shapes_on_gpu(batch, context, probs_in_smem, pages_per_step, 
         probs_in_smem=probs_in_smem,
         pages_per_step=pages_per_step,
         num_stages=num_stages,
+        pipeline=pipeline,
     )
     ref_o, ref_lse = decode_attention_reference(
         q.astype(jnp.float32),
@@ -422,21 +527,26 @@ def run_mgpu_multi_token(q, cache, table, plan, *, soft_cap=None, probs_in_smem=
     return o.reshape(q.shape), lse.reshape(q.shape[:-1])
 
 
-# (q_len, group, split, pages_per_step): q_len 2, 5, 9 (and one as 4-D) with groups 1, 3, 4, 8;
-# one-page chunks put the causal cut in the chunk before the last too.
+# (q_len, group, split, pages_per_step, pipeline): q_len 2, 5, 9 (and one as 4-D) with groups
+# 1, 3, 4, 8; one-page chunks put the causal cut in the chunk before the last too. On the ring:
+# one-page items in a four-page step, and the causal cut inside a 32-key step.
 MULTI_TOKEN_CONFIGS = [
-    (1, 4, "fixed1", 1),
-    (2, 8, "no_split", 2),
-    (5, 4, "fixed1", 1),
-    (5, 3, "no_split", 1),
-    (9, 1, "fixed1", 2),
-    (16, 4, "no_split", 1),
+    (1, 4, "fixed1", 1, "emit"),
+    (2, 8, "no_split", 2, "emit"),
+    (5, 4, "fixed1", 1, "emit"),
+    (5, 3, "no_split", 1, "emit"),
+    (9, 1, "fixed1", 2, "emit"),
+    (16, 4, "no_split", 1, "emit"),
+    (5, 4, "fixed1", 4, "ring"),
+    (9, 2, "no_split", 2, "ring"),
 ]
 
 
 @pytest.mark.parametrize("probs_in_smem", PROBS_PATHS)
-@pytest.mark.parametrize("q_len,group,split,pages_per_step", MULTI_TOKEN_CONFIGS)
-def test_multi_token_matches_reference(q_len, group, split, pages_per_step, probs_in_smem):
+@pytest.mark.parametrize("q_len,group,split,pages_per_step,pipeline", MULTI_TOKEN_CONFIGS)
+def test_multi_token_matches_reference(
+    q_len, group, split, pages_per_step, pipeline, probs_in_smem
+):
     """Ragged lengths from exactly q_len up, an empty request; a query that sees no key gets
     exactly 0 and -inf."""
     lens = [q_len, 0, max(17, q_len), 33, 70]
@@ -451,7 +561,13 @@ def test_multi_token_matches_reference(q_len, group, split, pages_per_step, prob
         plan = paged.plan_decode(table, q.shape[2], NUM_KV_HEADS, 64, max_grid=1)
         assert plan.write_final
     o, lse = run_mgpu_multi_token(
-        q, cache, table, plan, probs_in_smem=probs_in_smem, pages_per_step=pages_per_step
+        q,
+        cache,
+        table,
+        plan,
+        probs_in_smem=probs_in_smem,
+        pages_per_step=pages_per_step,
+        pipeline=pipeline,
     )
     ref_o, ref_lse = reference64(q, cache, table)
     assert o.shape == q.shape and lse.shape == q.shape[:-1]
@@ -495,12 +611,18 @@ def test_x64_mode_gives_the_32_bit_result():
 
 
 @pytest.mark.skipif(ON_GPU, reason="the interpreter's race detector runs on the CPU")
-def test_interpreter_race_detector_finds_no_race():
+@pytest.mark.parametrize("pipeline", ["emit", "ring"])
+def test_interpreter_race_detector_finds_no_race(pipeline):
     """Mosaic GPU's interpreter with its happens-before race detector: the double-buffered
     index windows (items of 7 pages in 4-entry windows), the pipeline's slots, the V rows
     zeroed in place and p in shared memory are read and written in order. (It does find one:
     without the wait on an index window's barrier it reports the window's copy racing the
-    reads of its page numbers.)"""
+    reads of its page numbers; on the ring too, whose issue loop fetches the next window while
+    the ring still streams the current one's pages.) The ring's refill of a slot only after the
+    step that read it is checked by test_ring_pipeline_matches_reference's results instead: the
+    detector does not report a copy into a slot issued before the step reads it, the results
+    go wrong. A missing wait on the ring's V barrier the interpreter refuses in every test: a
+    barrier phase completes that no thread observed."""
     # Private JAX module: if a JAX version moves it, the test skips rather than fails.
     gpu_callbacks = pytest.importorskip("jax._src.pallas.mosaic_gpu.interpret.gpu_callbacks")
     from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -522,6 +644,297 @@ def test_interpreter_race_detector_finds_no_race():
         num_stages=3,
         index_window=4,
         probs_in_smem=True,
+        pipeline=pipeline,
         interpret=plgpu.InterpretGPUParams(detect_races=True),
     )[0].block_until_ready()
     assert not gpu_callbacks.get_races().races_found
+
+
+# --------------------------------------------------------------------------------------------
+# The public path: paged.decode_attention(backend="pallas_mgpu")
+
+
+@pytest.mark.parametrize(
+    "q_len,split",
+    [(1, "no_split"), (3, "fixed2")],
+)
+def test_public_path_runs_the_mosaic_gpu_kernel(q_len, split):
+    """``decode_attention(backend="pallas_mgpu")`` runs this kernel (recorded as
+    ``paged_decode_mgpu``; interpreted here, compiled on a GPU) with the step's plan: final
+    outputs (one new token), partial states merged (three); it equals the float64 reference."""
+    from kernels_pallas.platform import record_backends
+
+    lens = (max(1, q_len), 17, 0, 45, 100)  # a request holds at least its new tokens
+    _, cache, table = make_inputs(30 + q_len, lens, "HND", 4, 64, jnp.bfloat16, 32)
+    rng = np.random.default_rng(q_len)
+    shape = (len(lens), *((q_len,) if q_len > 1 else ()), NUM_KV_HEADS * 4, 64)
+    q = jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
+    plan = make_plan(table, NUM_KV_HEADS * 4, 64, split)
+    with record_backends() as records:
+        o, lse = paged.decode_attention(
+            q, cache, table, plan=plan, return_lse=True, backend="pallas_mgpu"
+        )
+    assert [(r.kernel, r.backend) for r in records] == [("paged_decode_mgpu", "pallas")]
+    ref_o, ref_lse = reference64(q, cache, table)
+    assert o.shape == q.shape and o.dtype == q.dtype and lse.shape == q.shape[:-1]
+    assert relative_error(o, ref_o) < TOLERANCE
+    lse, empty = np.asarray(lse), np.isneginf(ref_lse)
+    assert np.all(np.asarray(o)[empty] == 0) and np.all(np.isneginf(lse[empty]))
+    np.testing.assert_allclose(lse[~empty], ref_lse[~empty], rtol=1e-5, atol=1e-5)
+
+
+def test_public_path_refuses_shapes_the_mosaic_gpu_kernel_cannot_run(monkeypatch):
+    """``backend="pallas_mgpu"`` names why it cannot run (NHD pages, another page size, more
+    new tokens than its tile holds); ``"auto"`` on a GPU still picks the Triton kernel."""
+    from kernels_pallas import platform
+    from kernels_pallas.platform import record_backends
+
+    lens = (20, 33)
+    q, cache, table = make_inputs(40, lens, "NHD", 4, 64, jnp.bfloat16, num_pool_pages=8)
+    with pytest.raises(ValueError, match=r"backend='pallas_mgpu' cannot run .*layout NHD"):
+        paged.decode_attention(q, cache, table, backend="pallas_mgpu")
+    q, cache, table = make_inputs(40, lens, "HND", 4, 64, jnp.bfloat16, num_pool_pages=8)
+    long_run = jnp.zeros((2, 17, *q.shape[1:]), q.dtype)
+    with pytest.raises(ValueError, match="q_len=17: the Mosaic GPU kernel takes 16"):
+        paged.decode_attention(long_run, cache, table, backend="pallas_mgpu")
+    small_pages = paged.KVCache(cache.k_pages[:, :, :8], cache.v_pages[:, :, :8], "HND")
+    small_table = paged.PageTable.from_seq_lens([5, 7], page_size=8)
+    with pytest.raises(ValueError, match="page_size=8: the Mosaic GPU kernel takes 16"):
+        paged.decode_attention(q, small_pages, small_table, backend="pallas_mgpu")
+
+    monkeypatch.setattr(platform, "on_gpu", lambda: True)
+    with record_backends() as records:
+        jax.eval_shape(lambda q: paged.decode_attention(q, cache, table), q)
+    assert [(r.kernel, r.backend) for r in records] == [("paged_decode", "pallas")]
+
+
+# --------------------------------------------------------------------------------------------
+# merge="folded": a split plan's partial states merged in the decode launch (the last item of
+# a request to finish merges). Interpreted, the arrival counter is replaced by the item's rank
+# in its request (the interpreter runs programs one at a time, in order); the semaphores run
+# compiled only (the lowering test below and the gpu-marked test).
+
+
+def run_folded(q, cache, table, arrays, merge_indptr, *, soft_cap=None, merge="folded", **launch):
+    """The kernel with ``merge="folded"`` over raw plan arrays: final ``(o, lse)`` in q's
+    shape. p through shared memory unless asked (the path the interpreter runs)."""
+    multi_token = q.ndim == 4
+    launch = {"probs_in_smem": True, **launch}
+    return paged_decode_mgpu(
+        q,
+        cache.k_pages,
+        cache.v_pages,
+        table.page_indices,
+        *arrays,
+        page_indptr=table.page_indptr if multi_token else None,
+        last_page_len=table.last_page_len if multi_token else None,
+        merge_indptr=jnp.asarray(merge_indptr),
+        sm_scale=1.0 / np.sqrt(q.shape[-1]),
+        logits_soft_cap=soft_cap,
+        write_final=False,
+        merge=merge,
+        interpret=not ON_GPU,
+        **launch,
+    )
+
+
+def with_empty_item(plan, request):
+    """The plan's real items plus one more item of ``request`` with no page (an empty split:
+    o = 0, lse = -inf), placed among the request's items: ``(arrays, merge_indptr)``."""
+    count = int(plan.num_work_items)
+    items = [list(np.asarray(a)[:count]) for a in plan_arrays(plan)]
+    merge_indptr = np.asarray(plan.merge_indptr).copy()
+    at = int(merge_indptr[request]) + 1  # after the request's first item
+    end = items[2][at - 1]
+    for column, value in zip(items, (request, end, end, 0), strict=True):
+        column.insert(at, value)
+    merge_indptr[request + 1 :] += 1
+    return tuple(jnp.asarray(c, jnp.int32) for c in items), merge_indptr
+
+
+# (lens, group, head_dim, q_len, split, soft cap, pipeline, pages_per_step): B = 1 in nine
+# one-page splits and an empty split inserted among them (ten items: two chunks of the merge's
+# eight; G = 1 at head_dim 64: P_fold = 2 > P = 1); B = 4 ragged, one-page splits, with an
+# empty request (its one item has no key) and three new tokens a request, causal (the 3-token
+# request's first queries see no key; P_fold = P = 8), soft cap, the ring.
+FOLDED_CASES = [
+    ((130,), 1, 64, 1, "empty_split", None, "emit", 1),
+    ((3, 40, 0, 21), 2, 64, 3, "fixed1", 5.0, "ring", 2),
+]
+
+
+@pytest.mark.parametrize(
+    "lens,group,head_dim,q_len,split,soft_cap,pipeline,pages_per_step", FOLDED_CASES
+)
+def test_folded_merge_matches_separate_merge_and_reference(
+    lens, group, head_dim, q_len, split, soft_cap, pipeline, pages_per_step
+):
+    """merge="folded" gives the separate merge's result (same float32 math, base 2 inside:
+    equal to rounding) and the float64 reference's; a row that saw no key (empty request, a
+    query before position 0) gets exactly o = 0 and lse = -inf; an empty split adds nothing."""
+    q, cache, table = make_inputs(
+        50 + group,
+        lens,
+        "HND",
+        group,
+        head_dim,
+        jnp.bfloat16,
+        num_pool_pages=24,
+        q_len=q_len if q_len > 1 else None,
+    )
+    num_q_heads = q.shape[-2]
+    pages = 2 if split == "fixed2" else 1
+    plan = paged.plan_decode(table, num_q_heads, NUM_KV_HEADS, head_dim, fixed_split_pages=pages)
+    assert not plan.write_final
+    if split == "empty_split":
+        arrays, merge_indptr = with_empty_item(plan, request=0)
+        plan = dataclasses.replace(
+            plan,
+            work_request=np.asarray(arrays[0]),
+            work_page_start=np.asarray(arrays[1]),
+            work_page_end=np.asarray(arrays[2]),
+            work_last_page_len=np.asarray(arrays[3]),
+            merge_indptr=merge_indptr,
+            num_work_items=np.int32(arrays[0].shape[0]),
+        )
+    else:
+        arrays, merge_indptr = plan_arrays(plan), plan.merge_indptr
+    assert np.diff(merge_indptr).max() >= 3  # several splits in one request
+    launch = dict(pipeline=pipeline, pages_per_step=pages_per_step)
+    o, lse = run_folded(q, cache, table, arrays, merge_indptr, soft_cap=soft_cap, **launch)
+    if q_len > 1:
+        separate = run_mgpu_multi_token(q, cache, table, plan, soft_cap=soft_cap, **launch)
+    else:
+        separate, _ = run_mgpu(q, cache, table, plan, soft_cap=soft_cap, **launch)
+    assert o.shape == q.shape and o.dtype == q.dtype and lse.shape == q.shape[:-1]
+    np.testing.assert_allclose(
+        np.asarray(o, np.float32), np.asarray(separate[0], np.float32), atol=1e-2, rtol=0
+    )
+    ref_o, ref_lse = reference64(q, cache, table, soft_cap)
+    assert relative_error(o, ref_o) < TOLERANCE
+    lse, sees_nothing = np.asarray(lse), np.isneginf(ref_lse)
+    np.testing.assert_array_equal(np.isneginf(np.asarray(separate[1])), sees_nothing)
+    assert np.all(np.asarray(o)[sees_nothing] == 0)
+    assert np.all(np.isneginf(lse[sees_nothing]))
+    np.testing.assert_allclose(lse[~sees_nothing], ref_lse[~sees_nothing], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        lse[~sees_nothing], np.asarray(separate[1])[~sees_nothing], rtol=1e-6, atol=1e-6
+    )
+
+
+def test_folded_merge_keyword_is_checked():
+    """A merge other than "separate" or "folded" is refused, naming it; "folded" needs the
+    plan's merge_indptr for q's batch; a final plan has nothing to merge and ignores it."""
+    lens = (20, 33)
+    q, cache, table = make_inputs(41, lens, "HND", 4, 64, jnp.bfloat16, num_pool_pages=8)
+    plan = paged.plan_decode(table, q.shape[1], NUM_KV_HEADS, 64, fixed_split_pages=1)
+    with pytest.raises(ValueError, match=r"merge must be one of .*got 'fused'"):
+        run_folded(q, cache, table, plan_arrays(plan), plan.merge_indptr, merge="fused")
+    with pytest.raises(ValueError, match=r"needs the plan's merge_indptr, \[3\] .* got \(2,\)"):
+        run_folded(q, cache, table, plan_arrays(plan), plan.merge_indptr[:2])
+
+
+def test_folded_merge_lowers_for_an_h200_with_its_arrival_counter():
+    """Compiled, the folded merge counts arrivals on global semaphores: after its partial
+    state's TMA store, each program fences the async proxy, signals its (request, KV head)
+    counter with a release (red.release.gpu) and reads it with an acquire; Pallas zeroes the
+    counters before the launch (an aliased zero buffer). Both pipelines, one and nine new
+    tokens, head_dim 128 and 64, p from registers."""
+
+    def int32(n):
+        return jax.ShapeDtypeStruct((n,), jnp.int32)
+
+    for head_dim, q_len, pipeline, pages_per_step in ((128, 1, "emit", 2), (64, 9, "ring", 4)):
+        pool = jax.ShapeDtypeStruct((1024, 8, PAGE_SIZE, head_dim), jnp.bfloat16)
+        q_shape = (4, 32, head_dim) if q_len == 1 else (4, q_len, 32, head_dim)
+        text = (
+            paged_decode_mgpu.trace(
+                jax.ShapeDtypeStruct(q_shape, jnp.bfloat16),
+                pool,
+                pool,
+                int32(1024),
+                *[int32(64)] * 4,
+                page_indptr=int32(5),
+                last_page_len=int32(4),
+                merge_indptr=int32(5),
+                sm_scale=0.088,
+                logits_soft_cap=None,
+                write_final=False,
+                pages_per_step=pages_per_step,
+                num_stages=3,
+                probs_in_smem=False,
+                pipeline=pipeline,
+                merge="folded",
+            )
+            .lower(lowering_platforms=("cuda",))
+            .as_text()
+        )
+        # The fence is an NVVM op (nvvm.fence.proxy, kind async.global), the rest inline PTX.
+        for ptx in ("async.global", "red.release.gpu", "ld.acquire"):
+            assert ptx in text, (ptx, head_dim, q_len, pipeline)
+        assert "output_operand_aliases" in text  # the zeroed counters
+
+
+def test_public_path_folds_the_merge_when_asked(monkeypatch):
+    """``paged.decode.MGPU_MERGE = "folded"`` makes ``backend="pallas_mgpu"`` merge a split
+    plan in the decode launch (one kernel recorded, no merge launch); same result as the
+    reference."""
+    from kernels_pallas.platform import record_backends
+    from paged import decode
+
+    monkeypatch.setattr(decode, "MGPU_MERGE", "folded")
+    lens = (0, 45)
+    q, cache, table = make_inputs(42, lens, "HND", 4, 64, jnp.bfloat16, num_pool_pages=16)
+    plan = paged.plan_decode(table, q.shape[1], NUM_KV_HEADS, 64, fixed_split_pages=1)
+    with record_backends() as records:
+        o, lse = paged.decode_attention(
+            q, cache, table, plan=plan, return_lse=True, backend="pallas_mgpu"
+        )
+    assert [(r.kernel, r.backend) for r in records] == [("paged_decode_mgpu", "pallas")]
+    check_against_reference(o, lse, q, cache, table, lens)
+
+
+# (batch, context): the probe's merge arms.
+FOLDED_GPU_CASES = [(1, 4096), (1, 32768), (4, 4096), (4, 32768)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch,context", FOLDED_GPU_CASES)
+def test_folded_merge_on_gpu(batch, context):
+    """Compiled at the benchmark's shapes (32/8 heads, head_dim 128, bfloat16, the planner's
+    split, a ragged tail), the decode path's launch parameters: the folded merge equals the
+    separate one and the float32 reference, and three launches give the same bits (the
+    counters start from zero every launch; a duplicate merge writes the same values)."""
+    from paged.decode import MGPU_LAUNCH_PARAMETERS
+
+    assert ON_GPU
+    lens = [context] * batch
+    lens[0] = context - 5
+    pages_needed = sum(-(-n // PAGE_SIZE) for n in lens)
+    q, cache, table = make_inputs(
+        8, lens, "HND", 4, 128, jnp.bfloat16, num_pool_pages=pages_needed + 64, num_kv_heads=8
+    )
+    plan = paged.plan_decode(table, 32, 8, 128)
+    assert not plan.write_final
+    launch = dict(MGPU_LAUNCH_PARAMETERS, probs_in_smem=False)
+    runs = [
+        run_folded(q, cache, table, plan_arrays(plan), plan.merge_indptr, **launch)
+        for _ in range(3)
+    ]
+    for o, lse in runs[1:]:
+        np.testing.assert_array_equal(np.asarray(o), np.asarray(runs[0][0]))
+        np.testing.assert_array_equal(np.asarray(lse), np.asarray(runs[0][1]))
+    o, lse = runs[0]
+    (separate_o, separate_lse), _ = run_mgpu(q, cache, table, plan, **launch)
+    np.testing.assert_allclose(
+        np.asarray(o, np.float32), np.asarray(separate_o, np.float32), atol=1e-2
+    )
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(separate_lse), rtol=1e-6, atol=1e-5)
+    ref_o, ref_lse = decode_attention_reference(
+        q.astype(jnp.float32),
+        paged.KVCache(cache.k_pages.astype(jnp.float32), cache.v_pages.astype(jnp.float32), "HND"),
+        table,
+        sm_scale=1.0 / np.sqrt(128),
+    )
+    assert relative_error(o, np.asarray(ref_o, np.float64)) < 1e-2
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), rtol=1e-4, atol=1e-3)
