@@ -18,7 +18,7 @@ pages side by side in one shared-memory slot, one ``q @ K^T`` and one ``p @ V`` 
 index windows fetched ahead) or ``emit_pipeline``, its online softmax in base 2 with masked
 tails and zeroed unused V rows, its clamps (a page number past the pool reads the pool's last
 page; a range past ``page_indices`` is cut), and its partial states (normalized ``o`` float32
-and natural-log LSE, ``[work, KVH, 64, D]``) that ``merge_partial_states`` folds.
+and natural-log LSE, ``[work, KVH, 64, D]``).
 
 What this file adds, all plain JAX around the launch:
 
@@ -28,8 +28,10 @@ What this file adds, all plain JAX around the launch:
   the group's last request (their results are never read);
 - the work items: each tile's range of group pages cut into ``num_splits`` chunks (a multiple
   of ``pages_per_step`` pages each) when the tiles alone are too few to fill the 132 SMs
-  (``choose_num_splits``), ordered tile-major, so ``merge_partial_states`` (the decode path's
-  merge kernel) folds a tile's chunks in key order;
+  (``choose_num_splits``), ordered tile-major; a tile's chunk states are then merged exactly
+  by ``paged.merge_states`` (``proofs/merge_states.md``), which XLA fuses into one pass over
+  the partials (the Triton ``merge_partial_states`` would fold them too, item-ordered, but
+  cannot be lowered without a GPU, and its 64-row partials are large for its registers);
 - the gather back: request ``b``'s ``L x H`` rows from its group's tiles, as ``(o [B, L, H, D]
   float32, lse [B, L, H])``, the return of ``paged.cascade.shared_level_state_reference``, so the
   state merges with the request's own level (``paged.merge_states``) exactly; a request in no
@@ -55,14 +57,12 @@ the register path is compiled only (``tests/test_cascade_shared_mgpu.py`` lowers
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from kernels_pallas.merge_states import merge_partial_states
 from kernels_pallas.online_softmax import LOG2_E
 from kernels_pallas.paged_decode_mgpu import (
     H200_SMEM_PER_PROGRAM_BYTES,
@@ -73,12 +73,14 @@ from kernels_pallas.paged_decode_mgpu import (
     SUPPORTED_HEAD_DIMS,
     TILE_ROWS,
     _interpret_params,
+    _runs_in_32_bits_also_interpreted,
     paged_decode_mgpu_kernel,
     programs_per_sm,
     smem_bytes_per_program,
 )
 from kernels_pallas.paged_decode_tuning import H200_NUM_SMS
 from kernels_pallas.platform import is_concrete
+from paged.attention_reference import merge_states
 from paged.cascade import CascadeLevels, SharedLevel, validate_cascade_levels
 from paged.kv_cache import KVCache
 from paged.page_table import PageTable
@@ -88,6 +90,10 @@ from paged.page_table import PageTable
 # its stream.
 MIN_CHUNK_PAGES = 16
 MAX_SPLITS = 64
+# A program's fixed cost (query tile, pipeline fill, 64 LSE stores, one more partial to merge)
+# in pages streamed: an estimate, not measured; it keeps the split from adding waves for a few
+# pages less a chunk.
+PROGRAM_OVERHEAD_PAGES = 4
 
 
 def num_query_tiles(group_indptr: np.ndarray, rows_per_request: int) -> int:
@@ -106,9 +112,10 @@ def choose_num_splits(
 ) -> int:
     """Chunks to cut each tile's prefix into, so that the launch fills the GPU.
 
-    ``num_tiles x num_kv_heads x s`` programs take ``ceil(programs / programs_per_wave)`` waves
-    of ``1 / s`` of the prefix each; the ``s`` that minimizes that (waves over ``s``) is chosen,
-    the smallest on a tie, with chunks of at least ``MIN_CHUNK_PAGES`` pages.
+    ``num_tiles x num_kv_heads x s`` programs take ``ceil(programs / programs_per_wave)`` waves,
+    each as long as a chunk (``ceil(max_group_pages / s)`` pages) plus a program's fixed cost
+    (``PROGRAM_OVERHEAD_PAGES``, a guess until measured); the ``s`` of the shortest estimate is
+    chosen, the smallest on a tie, with chunks of at least ``MIN_CHUNK_PAGES`` pages.
 
     Example:
       >>> choose_num_splits(2, 8, 256, programs_per_wave=132)  # B=32, G=4: 16 programs
@@ -120,12 +127,12 @@ def choose_num_splits(
     """
     base = max(num_tiles * num_kv_heads, 1)
     most = max(1, min(MAX_SPLITS, max_group_pages // MIN_CHUNK_PAGES))
-    best, best_time = 1, float("inf")
-    for splits in range(1, most + 1):
-        time = math.ceil(base * splits / programs_per_wave) / splits
-        if time < best_time - 1e-12:
-            best, best_time = splits, time
-    return best
+
+    def estimate(splits):
+        waves = -(-base * splits // programs_per_wave)
+        return waves * (-(-max_group_pages // splits) + PROGRAM_OVERHEAD_PAGES)
+
+    return min(range(1, most + 1), key=estimate)
 
 
 def _cdiv(a, b):
@@ -206,6 +213,7 @@ def _work_items(page_indptr, last_page_len, tile_group, *, num_splits, pages_per
     return tuple(x.reshape(-1).astype(jnp.int32) for x in (request, start, end, last))
 
 
+@_runs_in_32_bits_also_interpreted  # x64 mode: as paged_decode_mgpu
 @functools.partial(
     jax.jit,
     static_argnames=(
@@ -218,7 +226,6 @@ def _work_items(page_indptr, last_page_len, tile_group, *, num_splits, pages_per
         "index_window",
         "probs_in_smem",
         "pipeline",
-        "merge_items_per_step",
         "interpret",
     ),
 )
@@ -241,7 +248,6 @@ def cascade_shared_mgpu(
     index_window: int = 256,
     probs_in_smem: bool = False,
     pipeline: str = "ring",
-    merge_items_per_step: int = 2,
     interpret: bool | plgpu.InterpretGPUParams = False,
 ):
     """The shared level's states on raw arrays (HND pages); ``shared_level_states_mgpu`` is
@@ -257,7 +263,6 @@ def cascade_shared_mgpu(
       num_tiles: static count of 64-row query tiles, at least ``num_query_tiles`` (tiles past
         the level's are padding items that store nothing read).
       num_splits: static chunks a tile's pages are cut into.
-      merge_items_per_step: ``merge_partial_states``'s partials loaded at once (64 rows each).
       The rest: as ``paged_decode_mgpu``.
 
     Returns:
@@ -326,14 +331,12 @@ def cascade_shared_mgpu(
     if num_splits == 1:
         tile_o, tile_lse = partial_o, partial_lse
     else:
-        tile_o, tile_lse = merge_partial_states(
-            partial_o,
-            partial_lse,
-            jnp.arange(num_tiles + 1, dtype=jnp.int32) * num_splits,
-            num_q_heads=num_kv_heads * TILE_ROWS,
-            out_dtype=jnp.float32,
-            items_per_step=merge_items_per_step,
-            interpret=bool(interpret),
+        # A tile's chunks (adjacent, in key order) by the exact merge with the maximum
+        # subtracted (paged.merge_states; XLA fuses it, one read of T x S x KVH x 64 x D
+        # float32 partials, small next to the prefix).
+        chunks = (num_tiles, num_splits, num_kv_heads * TILE_ROWS)
+        tile_o, tile_lse = merge_states(
+            partial_o.reshape(*chunks, head_dim), partial_lse.reshape(chunks)
         )
         tile_o = tile_o.reshape(num_tiles, num_kv_heads, TILE_ROWS, head_dim)
         tile_lse = tile_lse.reshape(num_tiles, num_kv_heads, TILE_ROWS)

@@ -1,0 +1,500 @@
+"""The Mosaic GPU shared-level kernel of cascade attention against the float64 reference.
+
+On a CPU it runs in Mosaic GPU's interpret mode with the softmax weights in shared memory (the
+only path the interpreter runs), on small shapes; the register path lowers for CUDA here and
+runs compiled, at the benchmark's shapes, in the ``gpu``-marked test. Error measure and bounds
+as in ``test_paged_decode_kernel.py``: ``||out - ref|| / ||ref||`` against the reference in
+float64 on the same rounded inputs, below 1e-2 for 16-bit inputs; LSE to 1e-5.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import paged
+from kernels_pallas.cascade_shared_mgpu import (
+    MIN_CHUNK_PAGES,
+    cascade_shared_mgpu,
+    choose_num_splits,
+    num_query_tiles,
+    shared_level_states_mgpu,
+)
+from paged.attention_reference import decode_attention_reference, merge_states
+from paged.cascade import (
+    SharedLevel,
+    cascade_levels_from_shared_prefix,
+    shared_level_state_reference,
+)
+from tests.conftest import ON_GPU
+from tests.test_paged_decode_kernel import relative_error
+
+PAGE_SIZE = 16
+NUM_KV_HEADS = 2
+TOLERANCE = 1e-2  # 16-bit inputs (testing.md)
+PROBS_PATHS = (True, False) if ON_GPU else (True,)
+
+
+def make_level(
+    seed,
+    group_sizes,
+    prefix_lens,
+    *,
+    batch,
+    num_pool_pages=24,
+    head_dim=64,
+    group=4,
+    q_len=1,
+    dtype=jnp.bfloat16,
+    num_kv_heads=NUM_KV_HEADS,
+):
+    """Random queries and pool (never zeros) and a shared level whose groups list scattered
+    pages; the groups' requests are drawn from the batch in random order (requests left over
+    are in no group). ``prefix_lens[g]`` tokens a group (0: a group without pages)."""
+    rng = np.random.default_rng(seed)
+    pool_order = rng.permutation(num_pool_pages).tolist()
+    page_lists = []
+    for length in prefix_lens:
+        count = -(-length // PAGE_SIZE)
+        page_lists.append([pool_order.pop() for _ in range(count)])
+    members = rng.permutation(batch)[: sum(group_sizes)]
+    level = SharedLevel(
+        group_pages=paged.PageTable.from_page_lists(page_lists, list(prefix_lens), PAGE_SIZE),
+        group_indptr=np.concatenate([[0], np.cumsum(group_sizes)]).astype(np.int32),
+        group_requests=members.astype(np.int32),
+    )
+    shape = (num_pool_pages, num_kv_heads, PAGE_SIZE, head_dim)
+    cache = paged.KVCache(
+        jnp.asarray(rng.standard_normal(shape), dtype),
+        jnp.asarray(rng.standard_normal(shape), dtype),
+        "HND",
+    )
+    queries = jnp.asarray(
+        rng.standard_normal((batch, q_len, num_kv_heads * group, head_dim)), dtype
+    )
+    return queries, cache, level
+
+
+def reference64(queries, cache, level, soft_cap=None):
+    with jax.enable_x64(True):
+        cache64 = paged.KVCache(
+            cache.k_pages.astype(jnp.float64), cache.v_pages.astype(jnp.float64), "HND"
+        )
+        o, lse = shared_level_state_reference(
+            queries.astype(jnp.float64),
+            cache64,
+            level,
+            sm_scale=1.0 / np.sqrt(queries.shape[-1]),
+            logits_soft_cap=soft_cap,
+        )
+        return np.asarray(o), np.asarray(lse)
+
+
+def run_kernel(queries, cache, level, soft_cap=None, probs_in_smem=True, **launch):
+    return shared_level_states_mgpu(
+        queries,
+        cache,
+        level,
+        sm_scale=1.0 / np.sqrt(queries.shape[-1]),
+        logits_soft_cap=soft_cap,
+        probs_in_smem=probs_in_smem,
+        interpret=not ON_GPU,
+        **launch,
+    )
+
+
+def check(o, lse, ref_o, ref_lse):
+    assert o.dtype == jnp.float32 and lse.dtype == jnp.float32
+    assert o.shape == ref_o.shape and lse.shape == ref_lse.shape
+    assert relative_error(o, ref_o) < TOLERANCE
+    lse = np.asarray(lse)
+    empty = np.isneginf(ref_lse)
+    assert np.array_equal(np.isneginf(lse), empty), "a row's emptiness differs"
+    assert np.all(np.asarray(o)[empty] == 0)
+    np.testing.assert_allclose(lse[~empty], ref_lse[~empty], rtol=1e-5, atol=1e-5)
+
+
+# (group sizes, prefix tokens a group, batch, q_len, G, dtype, soft cap, splits, pipeline,
+# pages a step, stages). Groups of one; ragged groups, one of 20 requests x G = 4 (80 rows: two
+# tiles), prefixes ending mid-page (40, 33, 9 tokens), a group with no pages, requests in no
+# group; q_len 1 and 3 (a request's 6 rows crossing a tile boundary at 64); soft cap; 1, 2 and
+# 3 splits (3 chunks of a 3-page prefix: the last empty), the ring at 1 and 2 pages a step and
+# emit_pipeline.
+CASES = [
+    ((1, 1, 1), (40, 16, 17), 4, 1, 4, jnp.bfloat16, None, 1, "ring", 2, 2),
+    ((3, 1, 6), (40, 0, 33), 12, 3, 2, jnp.float16, 5.0, 2, "ring", 1, 2),
+    ((20, 2), (100, 9), 24, 1, 4, jnp.bfloat16, None, 3, "emit", 2, 2),
+    ((11,), (45,), 12, 3, 2, jnp.bfloat16, 30.0, 3, "ring", 2, 3),
+]
+
+
+@pytest.mark.parametrize("probs_in_smem", PROBS_PATHS)
+@pytest.mark.parametrize(
+    "sizes,prefix_lens,batch,q_len,group,dtype,soft_cap,splits,pipeline,pages,stages", CASES
+)
+def test_kernel_matches_float64_reference(
+    sizes,
+    prefix_lens,
+    batch,
+    q_len,
+    group,
+    dtype,
+    soft_cap,
+    splits,
+    pipeline,
+    pages,
+    stages,
+    probs_in_smem,
+):
+    queries, cache, level = make_level(
+        sum(sizes) + q_len,
+        sizes,
+        prefix_lens,
+        batch=batch,
+        group=group,
+        q_len=q_len,
+        dtype=dtype,
+    )
+    o, lse = run_kernel(
+        queries,
+        cache,
+        level,
+        soft_cap,
+        probs_in_smem,
+        num_splits=splits,
+        pipeline=pipeline,
+        pages_per_step=pages,
+        num_stages=stages,
+    )
+    check(o, lse, *reference64(queries, cache, level, soft_cap))
+
+
+def test_merged_with_own_level_equals_plain_decode():
+    """Cascade, kernel for the shared level: the kernel's state merged (``paged.merge_states``)
+    with each request's own level (the reference, float32) equals plain decode over the whole
+    sequences in float64. The prefix (37 tokens) ends mid-page, so its last 5 tokens lie on
+    each request's own copy; three new tokens a request; one request in no group."""
+    rng = np.random.default_rng(3)
+    # Pages 0 and 1 are the shared prefix's whole pages; pages 3, 5, 6 each request's copy of
+    # the partly filled third page (the prefix's last 5 tokens, then its own); request 3 has
+    # its own prompt.
+    rows = [[0, 1, 3, 4], [0, 1, 5], [0, 1, 6, 7], [8, 9, 10]]
+    table = paged.PageTable.from_page_lists(rows, [57, 46, 60, 44], PAGE_SIZE)
+    levels = cascade_levels_from_shared_prefix(table, [[0, 1, 2]], prefix_lens=[37])
+    shape = (16, NUM_KV_HEADS, PAGE_SIZE, 64)
+    cache = paged.KVCache(
+        jnp.asarray(rng.standard_normal(shape), jnp.bfloat16),
+        jnp.asarray(rng.standard_normal(shape), jnp.bfloat16),
+        "HND",
+    )
+    queries = jnp.asarray(rng.standard_normal((4, 3, 8, 64)), jnp.bfloat16)
+    sm_scale = 1.0 / 8.0
+    shared = run_kernel(queries, cache, levels.shared[0], num_splits=2, pages_per_step=1)
+    f32 = paged.KVCache(cache.k_pages.astype(jnp.float32), cache.v_pages.astype(jnp.float32), "HND")
+    own = decode_attention_reference(
+        queries.astype(jnp.float32), f32, levels.own, sm_scale=sm_scale
+    )
+    o = jnp.stack([shared[0], own[0]], axis=2)
+    lse = jnp.stack([shared[1], own[1]], axis=2)
+    merged_o, merged_lse = merge_states(o, lse)
+    with jax.enable_x64(True):
+        f64 = paged.KVCache(
+            cache.k_pages.astype(jnp.float64), cache.v_pages.astype(jnp.float64), "HND"
+        )
+        plain_o, plain_lse = decode_attention_reference(
+            queries.astype(jnp.float64), f64, table, sm_scale=sm_scale
+        )
+    assert relative_error(merged_o, np.asarray(plain_o)) < TOLERANCE
+    np.testing.assert_allclose(np.asarray(merged_lse), np.asarray(plain_lse), rtol=1e-5)
+
+
+def test_traced_level_takes_the_static_bounds_and_agrees():
+    """Under jit the level's values are unknown: the tiles and the split come from its arrays'
+    static sizes (padding tiles, empty chunks), and the result is the concrete call's."""
+    queries, cache, level = make_level(5, (2, 5), (50, 20), batch=8)
+    expected = run_kernel(queries, cache, level)
+    traced = jax.jit(lambda lv: run_kernel(queries, cache, lv))(level)
+    for a, b in zip(expected, traced, strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
+
+
+def test_invalid_values_under_jit_stay_inside_the_arrays():
+    """Values the public entry refuses when concrete, through the raw entry: a page number past
+    the pool reads the pool's last page (as the reference's gather does), a member outside the
+    batch is dropped, and a group's page range past ``page_indices`` is cut to it."""
+    queries, cache, level = make_level(6, (2, 2), (40, 20), batch=5)
+    bad_pages = np.asarray(level.group_pages.page_indices).copy()
+    bad_pages[1] = 1000  # past the 24-page pool
+    members = np.asarray(level.group_requests).copy()
+    members[3] = 77  # outside the batch of 5
+    raw = dict(
+        sm_scale=0.125,
+        logits_soft_cap=None,
+        num_tiles=3,
+        num_splits=2,
+        pages_per_step=1,
+        num_stages=2,
+        probs_in_smem=True,
+        interpret=not ON_GPU,
+    )
+    o, lse = cascade_shared_mgpu(
+        queries,
+        cache.k_pages,
+        cache.v_pages,
+        jnp.asarray(level.group_pages.page_indptr),
+        jnp.asarray(bad_pages),
+        jnp.asarray(level.group_pages.last_page_len),
+        jnp.asarray(level.group_indptr),
+        jnp.asarray(members),
+        **raw,
+    )
+    clamped = SharedLevel(
+        group_pages=paged.PageTable(
+            level.group_pages.page_indptr,
+            np.minimum(bad_pages, 23),
+            level.group_pages.last_page_len,
+            PAGE_SIZE,
+        ),
+        group_indptr=level.group_indptr,
+        group_requests=members,
+    )
+    check(o, lse, *reference64(queries, cache, clamped))
+    # A range past page_indices (indptr end 99 of 5 entries) reads only what is there.
+    past = np.asarray(level.group_pages.page_indptr).copy()
+    past[-1] = 99
+    o, lse = cascade_shared_mgpu(
+        queries,
+        cache.k_pages,
+        cache.v_pages,
+        jnp.asarray(past),
+        jnp.asarray(level.group_pages.page_indices),
+        jnp.asarray(level.group_pages.last_page_len),
+        jnp.asarray(level.group_indptr),
+        jnp.asarray(level.group_requests),
+        **raw,
+    )
+    assert np.all(np.isfinite(np.asarray(o)))
+
+
+def test_empty_batch_and_empty_level():
+    """A level with no groups gives every request the empty state; a batch of 0 its shapes."""
+    queries, cache, _ = make_level(7, (2,), (20,), batch=3)
+    empty_level = SharedLevel(
+        group_pages=paged.PageTable.from_page_lists([], [], PAGE_SIZE),
+        group_indptr=np.zeros((1,), np.int32),
+        group_requests=np.zeros((0,), np.int32),
+    )
+    o, lse = run_kernel(queries, cache, empty_level)
+    assert np.all(np.asarray(o) == 0) and np.all(np.isneginf(np.asarray(lse)))
+    o, lse = run_kernel(queries[:0], cache, empty_level)
+    assert o.shape == (0, 1, 8, 64) and lse.shape == (0, 1, 8)
+
+
+def test_x64_mode_gives_the_32_bit_result():
+    queries, cache, level = make_level(8, (3,), (30,), batch=3)
+    expected = run_kernel(queries, cache, level)
+    with jax.enable_x64(True):
+        got = run_kernel(queries, cache, level)
+    for a, b in zip(expected, got, strict=True):
+        assert b.dtype == jnp.float32
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_tiles_and_splits():
+    """A group's rows fill 64-row tiles (a request's rows may cross a tile boundary); the split
+    minimizes waves over chunks, with chunks of at least MIN_CHUNK_PAGES pages."""
+    assert num_query_tiles(np.array([0, 1, 17, 49]), 4) == 1 + 1 + 2
+    assert num_query_tiles(np.array([0, 11]), 6) == 2  # 66 rows
+    assert num_query_tiles(np.array([0, 0]), 4) == 0
+    # The issue's grid at G = 4, L = 1, 8 KV heads, one program an SM.
+    assert choose_num_splits(2, 8, 256, programs_per_wave=132) == 8  # 32 requests, 4K
+    assert choose_num_splits(8, 8, 2048, programs_per_wave=132) == 2  # 128 requests, 32K
+    assert choose_num_splits(4, 8, 2048, programs_per_wave=132) == 4  # 64 requests
+    assert choose_num_splits(2, 8, MIN_CHUNK_PAGES - 1, programs_per_wave=132) == 1
+
+
+BAD_ARGUMENTS = [
+    (dict(layout="NHD"), "cache.layout must be 'HND'"),
+    (dict(dtype=jnp.float32), "bfloat16 or float16"),
+    (dict(queries_3d=True), "queries must be \\[batch, q_len"),
+    (dict(head_dim_q=32), "head_dim must be one of"),
+    (dict(num_q_heads=3), "num_q_heads=3 must be a multiple of num_kv_heads=2"),
+    (dict(launch=dict(num_splits=0)), "num_splits must be an int >= 1"),
+    (dict(launch=dict(pipeline="tma")), "pipeline must be one of"),
+    (dict(launch=dict(pages_per_step=3)), "pages_per_step must be one of"),
+    (dict(launch=dict(pages_per_step=8, num_stages=8)), "KiB of shared memory"),
+    (dict(launch=dict(index_window=6)), "index_window must be a multiple of 4"),
+    (dict(compiled_on_cpu=True), "interpret=True needs probs_in_smem=True"),
+    (dict(bad_page=99), "page_indices"),
+    (dict(member_outside=9), "outside the batch"),
+]
+
+
+@pytest.mark.parametrize("change,message", BAD_ARGUMENTS)
+def test_bad_arguments_are_rejected_with_their_values(change, message):
+    queries, cache, level = make_level(9, (2,), (20,), batch=3)
+    launch = dict(probs_in_smem=True, interpret=True, **change.get("launch", {}))
+    if "layout" in change:
+        cache = paged.KVCache(
+            cache.k_pages.transpose(0, 2, 1, 3), cache.v_pages.transpose(0, 2, 1, 3), "NHD"
+        )
+    if "dtype" in change:
+        queries = queries.astype(change["dtype"])
+    if change.get("queries_3d"):
+        queries = queries[:, 0]
+    if "head_dim_q" in change:
+        queries = queries[..., : change["head_dim_q"]]
+    if "num_q_heads" in change:
+        queries = queries[:, :, : change["num_q_heads"]]
+    if change.get("compiled_on_cpu"):
+        launch["probs_in_smem"] = False
+    if "bad_page" in change:
+        pages = np.asarray(level.group_pages.page_indices).copy()
+        pages[0] = change["bad_page"]
+        level = SharedLevel(
+            paged.PageTable(
+                level.group_pages.page_indptr, pages, level.group_pages.last_page_len, PAGE_SIZE
+            ),
+            level.group_indptr,
+            level.group_requests,
+        )
+    if "member_outside" in change:
+        members = np.asarray(level.group_requests).copy()
+        members[0] = change["member_outside"]
+        level = SharedLevel(level.group_pages, level.group_indptr, members)
+    with pytest.raises(ValueError, match=message):
+        shared_level_states_mgpu(queries, cache, level, sm_scale=0.125, **launch)
+
+
+def test_wrong_types_are_rejected():
+    queries, cache, level = make_level(10, (2,), (20,), batch=3)
+    with pytest.raises(TypeError, match="level must be a SharedLevel"):
+        shared_level_states_mgpu(queries, cache, level.group_pages, sm_scale=0.1)
+    with pytest.raises(TypeError, match="cache must be a KVCache"):
+        shared_level_states_mgpu(queries, cache.k_pages, level, sm_scale=0.1)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_every_variant_lowers_for_an_h200(head_dim):
+    """As far as a CPU can follow the GPU path: at the benchmark's head shape (32/8 heads,
+    bfloat16), both p paths, the ring at 4 and 8 pages a step and emit_pipeline, split and not,
+    one and three new tokens, soft cap, lower through Mosaic GPU's layout inference to its
+    dialect for CUDA (PTX and the shared-memory limit are checked when compiling on the GPU)."""
+
+    def int32(n):
+        return jax.ShapeDtypeStruct((n,), jnp.int32)
+
+    pool = jax.ShapeDtypeStruct((1024, 8, PAGE_SIZE, head_dim), jnp.bfloat16)
+    # (pipeline, pages_per_step, num_stages, num_splits, q_len, soft cap)
+    variants = (
+        ("ring", 4, 3, 1, 1, None),
+        ("ring", 8, 2, 4, 1, 30.0),
+        ("ring", 4, 3, 2, 3, None),
+        ("emit", 2, 3, 2, 1, None),
+    )
+    for probs_in_smem in (True, False):
+        for pipeline, pages, stages, splits, q_len, soft_cap in variants:
+            traced = cascade_shared_mgpu.trace(
+                jax.ShapeDtypeStruct((64, q_len, 32, head_dim), jnp.bfloat16),
+                pool,
+                pool,
+                int32(3),
+                int32(512),
+                int32(2),
+                int32(3),
+                int32(64),
+                sm_scale=0.088,
+                logits_soft_cap=soft_cap,
+                num_tiles=4 * q_len + 2,
+                num_splits=splits,
+                pages_per_step=pages,
+                num_stages=stages,
+                probs_in_smem=probs_in_smem,
+                pipeline=pipeline,
+            )
+            text = traced.lower(lowering_platforms=("cuda",)).as_text()
+            assert "mosaic_gpu" in text, (probs_in_smem, pipeline, pages, q_len)
+
+
+@pytest.mark.skipif(ON_GPU, reason="the interpreter's race detector runs on the CPU")
+def test_interpreter_race_detector_finds_no_race():
+    """The decode kernel's race-free ring, driven with this file's tiles and work items: a
+    group's 7 pages in 4-entry index windows, split in two, p in shared memory."""
+    gpu_callbacks = pytest.importorskip("jax._src.pallas.mosaic_gpu.interpret.gpu_callbacks")
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    queries, cache, level = make_level(11, (3,), (100,), batch=3)
+    run_kernel(
+        queries,
+        cache,
+        level,
+        num_splits=1,
+        pages_per_step=2,
+        num_stages=3,
+        index_window=4,
+    )
+    shared_level_states_mgpu(
+        queries,
+        cache,
+        level,
+        sm_scale=0.125,
+        probs_in_smem=True,
+        num_splits=1,
+        pages_per_step=2,
+        num_stages=3,
+        index_window=4,
+        interpret=plgpu.InterpretGPUParams(detect_races=True),
+    )[0].block_until_ready()
+    assert not gpu_callbacks.get_races().races_found
+
+
+# (requests a group, prefix tokens, q_len, pipeline, pages a step, stages): the issue's groups
+# with a ragged prefix end, and a verification step.
+GPU_CASES = [
+    (32, 4096 - 5, 1, "ring", 4, 3),
+    (128, 16384, 1, "ring", 8, 2),
+    (64, 4096, 3, "ring", 4, 3),
+    (32, 4096, 1, "emit", 2, 3),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("probs_in_smem", PROBS_PATHS)
+@pytest.mark.parametrize("members,prefix,q_len,pipeline,pages,stages", GPU_CASES)
+def test_benchmark_shapes_on_gpu(members, prefix, q_len, pipeline, pages, stages, probs_in_smem):
+    """Compiled, at the benchmark's head shape (32 query heads, 8 KV heads, head_dim 128, bf16),
+    two groups (the issue's group and a group of 3) against the reference in float32."""
+    assert ON_GPU
+    num_pages = -(-prefix // PAGE_SIZE) + -(-1000 // PAGE_SIZE)
+    queries, cache, level = make_level(
+        12,
+        (members, 3),
+        (prefix, 1000),
+        batch=members + 5,
+        num_pool_pages=num_pages + 8,
+        head_dim=128,
+        q_len=q_len,
+        num_kv_heads=8,
+    )
+    o, lse = run_kernel(
+        queries,
+        cache,
+        level,
+        None,
+        probs_in_smem,
+        pipeline=pipeline,
+        pages_per_step=pages,
+        num_stages=stages,
+    )
+    f32 = paged.KVCache(cache.k_pages.astype(jnp.float32), cache.v_pages.astype(jnp.float32), "HND")
+    ref_o, ref_lse = shared_level_state_reference(
+        queries.astype(jnp.float32), f32, level, sm_scale=1.0 / np.sqrt(128)
+    )
+    assert relative_error(o, np.asarray(ref_o, np.float64)) < TOLERANCE
+    finite = np.isfinite(np.asarray(ref_lse))
+    np.testing.assert_array_equal(np.isfinite(np.asarray(lse)), finite)
+    np.testing.assert_allclose(
+        np.asarray(lse)[finite], np.asarray(ref_lse)[finite], rtol=1e-4, atol=1e-3
+    )
