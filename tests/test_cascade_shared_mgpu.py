@@ -117,7 +117,7 @@ def check(o, lse, ref_o, ref_lse):
 
 
 # (group sizes, prefix tokens a group, batch, q_len, G, dtype, soft cap, splits, pipeline,
-# pages a step, stages). Groups of one; ragged groups, one of 20 requests x G = 4 (80 rows: two
+# pages a step, stages). Groups of one; ragged groups, one of 17 requests x G = 4 (68 rows: two
 # tiles), prefixes ending mid-page (40, 33, 9 tokens), a group with no pages, requests in no
 # group; q_len 1 and 3 (a request's 6 rows crossing a tile boundary at 64); soft cap; 1, 2 and
 # 3 splits (3 chunks of a 3-page prefix: the last empty), the ring at 1 and 2 pages a step and
@@ -125,7 +125,7 @@ def check(o, lse, ref_o, ref_lse):
 CASES = [
     ((1, 1, 1), (40, 16, 17), 4, 1, 4, jnp.bfloat16, None, 1, "ring", 2, 2),
     ((3, 1, 6), (40, 0, 33), 12, 3, 2, jnp.float16, 5.0, 2, "ring", 1, 2),
-    ((20, 2), (100, 9), 24, 1, 4, jnp.bfloat16, None, 3, "emit", 2, 2),
+    ((17, 2), (60, 9), 20, 1, 4, jnp.bfloat16, None, 3, "emit", 2, 2),
     ((11,), (45,), 12, 3, 2, jnp.bfloat16, 30.0, 3, "ring", 2, 3),
 ]
 
@@ -376,8 +376,7 @@ def test_wrong_types_are_rejected():
         shared_level_states_mgpu(queries, cache.k_pages, level, sm_scale=0.1)
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_every_variant_lowers_for_an_h200(head_dim):
+def test_every_variant_lowers_for_an_h200():
     """As far as a CPU can follow the GPU path: at the benchmark's head shape (32/8 heads,
     bfloat16), both p paths, the ring at 4 and 8 pages a step and emit_pipeline, split and not,
     one and three new tokens, soft cap, lower through Mosaic GPU's layout inference to its
@@ -386,6 +385,7 @@ def test_every_variant_lowers_for_an_h200(head_dim):
     def int32(n):
         return jax.ShapeDtypeStruct((n,), jnp.int32)
 
+    head_dim = 128
     pool = jax.ShapeDtypeStruct((1024, 8, PAGE_SIZE, head_dim), jnp.bfloat16)
     # (pipeline, pages_per_step, num_stages, num_splits, q_len, soft cap)
     variants = (
