@@ -378,8 +378,8 @@ def test_wrong_types_are_rejected():
 
 def test_every_variant_lowers_for_an_h200():
     """As far as a CPU can follow the GPU path: at the benchmark's head shape (32/8 heads,
-    bfloat16), both p paths, the ring at 4 and 8 pages a step and emit_pipeline, split and not,
-    one and three new tokens, soft cap, lower through Mosaic GPU's layout inference to its
+    bfloat16), p from registers (one variant also through shared memory), the ring at 4 and 8
+    pages a step and emit_pipeline, split and not, one and three new tokens, soft cap, lower through Mosaic GPU's layout inference to its
     dialect for CUDA (PTX and the shared-memory limit are checked when compiling on the GPU)."""
 
     def int32(n):
@@ -394,47 +394,65 @@ def test_every_variant_lowers_for_an_h200():
         ("ring", 4, 3, 2, 3, None),
         ("emit", 2, 3, 2, 1, None),
     )
-    for probs_in_smem in (True, False):
-        for pipeline, pages, stages, splits, q_len, soft_cap in variants:
-            traced = cascade_shared_mgpu.trace(
-                jax.ShapeDtypeStruct((64, q_len, 32, head_dim), jnp.bfloat16),
-                pool,
-                pool,
-                int32(3),
-                int32(512),
-                int32(2),
-                int32(3),
-                int32(64),
-                sm_scale=0.088,
-                logits_soft_cap=soft_cap,
-                num_tiles=4 * q_len + 2,
-                num_splits=splits,
-                pages_per_step=pages,
-                num_stages=stages,
-                probs_in_smem=probs_in_smem,
-                pipeline=pipeline,
-            )
-            text = traced.lower(lowering_platforms=("cuda",)).as_text()
-            assert "mosaic_gpu" in text, (probs_in_smem, pipeline, pages, q_len)
+    # Every variant from registers (compiled only), one through shared memory (the path the
+    # interpreted tests run).
+    cases = [(False, *variant) for variant in variants] + [(True, *variants[0])]
+    for probs_in_smem, pipeline, pages, stages, splits, q_len, soft_cap in cases:
+        traced = cascade_shared_mgpu.trace(
+            jax.ShapeDtypeStruct((64, q_len, 32, head_dim), jnp.bfloat16),
+            pool,
+            pool,
+            int32(3),
+            int32(512),
+            int32(2),
+            int32(3),
+            int32(64),
+            sm_scale=0.088,
+            logits_soft_cap=soft_cap,
+            num_tiles=4 * q_len + 2,
+            num_splits=splits,
+            pages_per_step=pages,
+            num_stages=stages,
+            probs_in_smem=probs_in_smem,
+            pipeline=pipeline,
+        )
+        text = traced.lower(lowering_platforms=("cuda",)).as_text()
+        assert "mosaic_gpu" in text, (probs_in_smem, pipeline, pages, q_len)
+
+
+@pytest.mark.skipif(ON_GPU, reason="the GPU runs the probe itself (run_on_gpu.sh cascade-shared)")
+def test_probe_runs_a_smoke_case(tmp_path, capsys):
+    """bench/probes/cascade_shared.py --smoke: a tiny case interpreted, its checks (cascade
+    against plain decode, the shared state against the reference) and its timed loops."""
+    import json
+
+    from bench.probes import cascade_shared
+
+    arguments = ["--smoke", "--variants", "ring.smem.p2.s2", "--out", str(tmp_path)]
+    assert cascade_shared.main(arguments) == 0
+    printed = capsys.readouterr().out
+    assert "relative error" in printed and "MISMATCH" not in printed and "FAILED" not in printed
+    rows = json.loads((tmp_path / "cascade_shared_probe.json").read_text())["rows"]
+    assert {row["arm"] for row in rows} == {
+        "plain",
+        "cascade:ring.smem.p2.s2",
+        "shared:ring.smem.p2.s2",
+        "own",
+    }
+    assert all(row["status"] == "ok" for row in rows)
+    with pytest.raises(ValueError, match="must read"):
+        cascade_shared.main(["--smoke", "--variants", "ring.p2"])
 
 
 @pytest.mark.skipif(ON_GPU, reason="the interpreter's race detector runs on the CPU")
 def test_interpreter_race_detector_finds_no_race():
-    """The decode kernel's race-free ring, driven with this file's tiles and work items: a
-    group's 7 pages in 4-entry index windows, split in two, p in shared memory."""
+    """Mosaic GPU's interpreter with its race detector, on the decode kernel's ring as this
+    file drives it: one work item of a group's 7 pages, in two 4-entry index windows (the next
+    fetched while the ring streams the current one), p in shared memory."""
     gpu_callbacks = pytest.importorskip("jax._src.pallas.mosaic_gpu.interpret.gpu_callbacks")
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     queries, cache, level = make_level(11, (3,), (100,), batch=3)
-    run_kernel(
-        queries,
-        cache,
-        level,
-        num_splits=1,
-        pages_per_step=2,
-        num_stages=3,
-        index_window=4,
-    )
     shared_level_states_mgpu(
         queries,
         cache,

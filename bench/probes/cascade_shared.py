@@ -32,7 +32,7 @@ Usage (GPU): ``PYTHONPATH=. python3 -m bench.probes.cascade_shared --out DIR`` (
 32x4096,128x32768`` for a part; ``--variants ring.reg.p4.s3``; ``--crossover`` adds short
 prefixes, 256 to 2048 tokens, after the issue's grid, within ``--budget-s``, 460 s by default).
 ``--smoke`` runs one tiny case in Mosaic GPU's interpret mode on a CPU: the checks and the code
-paths, no figures.
+paths (one arm's timed loop), no figures.
 """
 
 from __future__ import annotations
@@ -62,11 +62,14 @@ CASES = tuple((group, prefix) for prefix in (4096, 16384, 32768) for group in (3
 CROSSOVER_CASES = tuple((group, prefix) for prefix in (256, 1024, 2048) for group in (32, 128))
 SUFFIX_TOKENS = 256
 SHAPE = dict(num_q_heads=32, num_kv_heads=8, head_dim=128)
-SMOKE_CASE = (5, 64)
-SMOKE_SUFFIX_TOKENS = 20
-SMOKE_SHAPE = dict(num_q_heads=8, num_kv_heads=2, head_dim=64)
+SMOKE_CASE = (3, 32)
+SMOKE_SUFFIX_TOKENS = 5
+SMOKE_SHAPE = dict(num_q_heads=4, num_kv_heads=2, head_dim=64)
 PAGE_SIZE = 16
-VARIANTS = ("ring.reg.p4.s3", "ring.reg.p8.s2", "emit.reg.p2.s3")
+# The ring at one program an SM (3 slots of 4 pages, 115 KiB) and at two (2 slots, 83 KiB: the
+# split doubles), and emit_pipeline at the decode path's launch (the one pipeline that has run
+# compiled, issue 16).
+VARIANTS = ("ring.reg.p4.s3", "ring.reg.p4.s2", "emit.reg.p2.s3")
 SMOKE_VARIANTS = ("ring.smem.p2.s2", "emit.smem.p1.s2")
 MAX_DIFFERENCE = 5e-2  # of o against plain decode's (bfloat16 outputs of order 1)
 BUDGET_SECONDS = 460.0
@@ -421,6 +424,9 @@ def main(argv=None) -> int:
             rows.append(row)
             if ok:
                 loops[arm] = (loop, row)
+        if args.smoke:  # the timed loop's code path once (each arm's loop is a compilation)
+            loops = {arm: entry for arm, entry in loops.items() if arm.startswith("cascade:")}
+            loops = dict(list(loops.items())[:1])
         for arm, (loop, row) in loops.items():
             if out_of_time():
                 row.update(status="skipped", error="time budget spent")
