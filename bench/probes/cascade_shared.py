@@ -194,19 +194,33 @@ def make_case(group, prefix, *, suffix, q_len, shape, num_sets=None, seed=0) -> 
     )
 
 
-def _set_tables(case: Case, set_index):
-    """The set's plain table, shared level and own level (page numbers of the set; offsets
-    concrete)."""
+def operands_of(case: Case) -> tuple:
+    """What a timed loop passes its steps as arguments (arrays a step closes over would be
+    embedded in its program as constants): queries, the pool, every set's page numbers."""
+    return (
+        case.queries,
+        case.k_pages,
+        case.v_pages,
+        case.plain.page_indices,
+        case.shared.group_pages.page_indices,
+        case.own.page_indices,
+    )
+
+
+def _set_tables(case: Case, set_index, operands):
+    """The set's plain table, shared level and own level: the set's page numbers (from
+    ``operands``, traced in a timed loop) and the case's offsets (concrete)."""
+    plain_indices, shared_indices, own_indices = operands[3:]
     plain = paged.PageTable(
         case.plain.page_indptr,
-        case.plain.page_indices[set_index],
+        plain_indices[set_index],
         case.plain.last_page_len,
         PAGE_SIZE,
     )
     shared = SharedLevel(
         group_pages=paged.PageTable(
             case.shared.group_pages.page_indptr,
-            case.shared.group_pages.page_indices[set_index],
+            shared_indices[set_index],
             case.shared.group_pages.last_page_len,
             PAGE_SIZE,
         ),
@@ -214,7 +228,7 @@ def _set_tables(case: Case, set_index):
         group_requests=case.shared.group_requests,
     )
     own = paged.PageTable(
-        case.own.page_indptr, case.own.page_indices[set_index], case.own.last_page_len, PAGE_SIZE
+        case.own.page_indptr, own_indices[set_index], case.own.last_page_len, PAGE_SIZE
     )
     return plain, shared, own
 
@@ -226,8 +240,8 @@ def arm_steps(case: Case, variants, interpret: bool) -> dict:
     decode = dict(sm_scale=sm_scale, return_lse=True, backend="pallas")
 
     def plain_step(set_index, operands):
-        queries, k_pages, v_pages = operands
-        plain, _, _ = _set_tables(case, set_index)
+        queries, k_pages, v_pages = operands[:3]
+        plain, _, _ = _set_tables(case, set_index, operands)
         return paged.decode_attention(
             queries[set_index],
             paged.KVCache(k_pages, v_pages, "HND"),
@@ -237,8 +251,8 @@ def arm_steps(case: Case, variants, interpret: bool) -> dict:
         )
 
     def own_step(set_index, operands):
-        queries, k_pages, v_pages = operands
-        _, _, own = _set_tables(case, set_index)
+        queries, k_pages, v_pages = operands[:3]
+        _, _, own = _set_tables(case, set_index, operands)
         return paged.decode_attention(
             queries[set_index],
             paged.KVCache(k_pages, v_pages, "HND"),
@@ -248,8 +262,8 @@ def arm_steps(case: Case, variants, interpret: bool) -> dict:
         )
 
     def shared_step(set_index, operands, variant):
-        queries, k_pages, v_pages = operands
-        _, shared, _ = _set_tables(case, set_index)
+        queries, k_pages, v_pages = operands[:3]
+        _, shared, _ = _set_tables(case, set_index, operands)
         return shared_level_states_mgpu(
             queries[set_index],
             paged.KVCache(k_pages, v_pages, "HND"),
@@ -283,7 +297,7 @@ def check_shared_against_reference(case: Case, variant: str, interpret: bool) ->
     0); raises if it is 1e-2 or more or not finite."""
     queries = case.queries[0]
     cache = paged.KVCache(case.k_pages, case.v_pages, "HND")
-    _, shared, _ = _set_tables(case, 0)
+    _, shared, _ = _set_tables(case, 0, operands_of(case))
     shared = SharedLevel(
         paged.PageTable(
             np.asarray(shared.group_pages.page_indptr),
@@ -392,7 +406,7 @@ def main(argv=None) -> int:
                     )
                 )
             reference_checked = True
-        operands = (case.queries, case.k_pages, case.v_pages)
+        operands = operands_of(case)
         loops, plain_out = {}, None
         for arm, step in arm_steps(case, variants, interpret).items():
             loop = TimedLoop(step, case.num_sets, operands)
