@@ -1,5 +1,5 @@
-"""Cascade attention's shared level on Mosaic GPU: a group's prefix pages read once for all of
-its requests' query rows.
+"""Cascade attention's shared level on Mosaic GPU: a group's prefix pages read once for every 64
+query rows of its requests (16 requests at G = 4), not once a request.
 
 At a shared level (``paged/cascade.py``) every request of a group attends to the same pages, and
 every one of its new tokens sees all of them (the prefix precedes the new tokens), so no mask
@@ -39,11 +39,11 @@ What this file adds, all plain JAX around the launch:
 
 What is read. A tile's programs (one per KV head and chunk) stream the chunk's K and V once; a
 group of ``T`` tiles reads its prefix ``T`` times from L2 or HBM, against ``m_g`` times for plain
-decode (16x fewer at ``G = 4``, ``L = 1``). The tiles of a group are adjacent work items, and a
-launch of at most ``programs_per_sm x 132`` programs runs in one wave, so a group's tiles stream
-the same pages at about the same time and the repeats mostly hit L2 (not measured; reading the
-prefix once per group outright needs one program holding several tiles against one slot of
-pages, two warpgroups, which the decode kernel's body does not do).
+decode (16x fewer at ``G = 4``, ``L = 1``). A group's tiles and chunks are neighbouring work
+items, and a launch of at most ``programs_per_sm x 132`` programs runs in one wave, so a group's
+tiles stream the same pages at about the same time and the repeats mostly hit L2 (not
+measured; reading the prefix once per group outright needs one program holding several tiles
+against one slot of pages, two warpgroups, which the decode kernel's body does not do).
 
 Costs this layout accepts: a group's last tile is partly empty (a group of one request at
 ``G = 4`` computes 64 rows for 4, as plain decode does); the query tiles are a gathered copy of
