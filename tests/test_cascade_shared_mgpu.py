@@ -171,6 +171,23 @@ def test_kernel_matches_float64_reference(
     check(o, lse, *reference64(queries, cache, level, soft_cap))
 
 
+def test_unused_slots_holding_nan_never_reach_the_output():
+    """The slots past a group's last token (its last page's tail, 7 and 5 slots here) hold NaN:
+    the kernel masks their logits and zeroes their V rows, so the result is the clean pool's."""
+    queries, cache, level = make_level(13, (3, 2), (41, 27), batch=6)
+    k_pages, v_pages = np.asarray(cache.k_pages, np.float32), np.asarray(cache.v_pages, np.float32)
+    pages = level.group_pages
+    for g in range(level.num_groups):
+        last_page = pages.page_indices[pages.page_indptr[g + 1] - 1]
+        k_pages[last_page, :, pages.last_page_len[g] :] = np.nan
+        v_pages[last_page, :, pages.last_page_len[g] :] = np.nan
+    poisoned = paged.KVCache(
+        jnp.asarray(k_pages, jnp.bfloat16), jnp.asarray(v_pages, jnp.bfloat16), "HND"
+    )
+    o, lse = run_kernel(queries, poisoned, level, num_splits=2, pages_per_step=2)
+    check(o, lse, *reference64(queries, cache, level))
+
+
 def test_merged_with_own_level_equals_plain_decode():
     """Cascade, kernel for the shared level: the kernel's state merged (``paged.merge_states``)
     with each request's own level (the reference, float32) equals plain decode over the whole
