@@ -32,12 +32,13 @@ Usage (GPU): ``PYTHONPATH=. python3 -m bench.probes.cascade_shared --out DIR`` (
 32x4096,128x32768`` for a part; ``--variants ring.reg.p4.s3``; ``--crossover`` adds short
 prefixes, 256 to 2048 tokens, after the issue's grid, within ``--budget-s``, 460 s by default).
 ``--smoke`` runs one tiny case in Mosaic GPU's interpret mode on a CPU: the checks and the code
-paths (one arm's timed loop), no figures.
+paths (the plain and cascade arms, one timed loop), no figures.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import pathlib
 import time
@@ -121,6 +122,18 @@ class Case(NamedTuple):
     own_plan: object
 
 
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _random_inputs(key, pool_shape, q_shape):
+    """Standard normal K and V pools and queries, bfloat16, generated on the device in one
+    program."""
+    key_k, key_v, key_q = jax.random.split(key, 3)
+    return (
+        jax.random.normal(key_k, pool_shape, jnp.bfloat16),
+        jax.random.normal(key_v, pool_shape, jnp.bfloat16),
+        jax.random.normal(key_q, q_shape, jnp.bfloat16),
+    )
+
+
 def make_case(group, prefix, *, suffix, q_len, shape, num_sets=None, seed=0) -> Case:
     num_q_heads, num_kv_heads, head_dim = (
         shape["num_q_heads"],
@@ -152,12 +165,8 @@ def make_case(group, prefix, *, suffix, q_len, shape, num_sets=None, seed=0) -> 
         own_indices.append(np.asarray(levels.own.page_indices))
     level = levels.shared[0]
     pool_shape = (num_sets * pages_per_set, num_kv_heads, PAGE_SIZE, head_dim)
-    key_k, key_v, key_q = jax.random.split(jax.random.key(seed), 3)
-    k_pages = jax.random.normal(key_k, pool_shape, jnp.bfloat16)
-    v_pages = jax.random.normal(key_v, pool_shape, jnp.bfloat16)
-    queries = jax.random.normal(
-        key_q, (num_sets, group, q_len, num_q_heads, head_dim), jnp.bfloat16
-    )
+    q_shape = (num_sets, group, q_len, num_q_heads, head_dim)
+    k_pages, v_pages, queries = _random_inputs(jax.random.key(seed), pool_shape, q_shape)
     plain = paged.PageTable(
         table.page_indptr, jnp.asarray(np.stack(plain_indices)), table.last_page_len, PAGE_SIZE
     )
@@ -233,9 +242,9 @@ def _set_tables(case: Case, set_index, operands):
     return plain, shared, own
 
 
-def arm_steps(case: Case, variants, interpret: bool) -> dict:
+def arm_steps(case: Case, variants, interpret: bool, *, parts: bool = True) -> dict:
     """name -> ``step(set_index, operands) -> (o [B, L, H, D], lse [B, L, H])`` (``shared:``
-    and ``own`` arms return their partial state)."""
+    and ``own`` arms, left out without ``parts``, return their partial state)."""
     sm_scale = 1.0 / np.sqrt(case.queries.shape[-1])
     decode = dict(sm_scale=sm_scale, return_lse=True, backend="pallas")
 
@@ -287,8 +296,9 @@ def arm_steps(case: Case, variants, interpret: bool) -> dict:
         variant = Variant.parse(name)
         arms[f"cascade:{name}"] = lambda i, ops, v=variant: cascade_step(i, ops, v)
     first = Variant.parse(variants[0])
-    arms[f"shared:{variants[0]}"] = lambda i, ops: shared_step(i, ops, first)
-    arms["own"] = own_step
+    if parts:
+        arms[f"shared:{variants[0]}"] = lambda i, ops: shared_step(i, ops, first)
+        arms["own"] = own_step
     return arms
 
 
@@ -408,7 +418,7 @@ def main(argv=None) -> int:
             reference_checked = True
         operands = operands_of(case)
         loops, plain_out = {}, None
-        for arm, step in arm_steps(case, variants, interpret).items():
+        for arm, step in arm_steps(case, variants, interpret, parts=not args.smoke).items():
             loop = TimedLoop(step, case.num_sets, operands)
             row = dict(case=case.name, group=group, prefix=prefix, suffix=suffix, arm=arm)
             try:
