@@ -426,7 +426,7 @@ def main(argv=None) -> int:
                 o, lse = np.asarray(o, np.float32), np.asarray(lse, np.float32)
             except Exception as error:
                 row.update(status="failed", error=first_line(error))
-                print(f"{case.name:>28} {arm:>24} FAILED {row['error']}", flush=True)
+                print(f"{case.name:>30} {arm:>24} FAILED {row['error']}", flush=True)
                 if args.verbose:
                     traceback.print_exc()
                 rows.append(row)
@@ -440,7 +440,7 @@ def main(argv=None) -> int:
                 ok = ok and o_diff <= MAX_DIFFERENCE and lse_diff <= MAX_DIFFERENCE
                 row.update(max_abs_diff_o=o_diff, max_abs_diff_lse=lse_diff)
                 print(
-                    f"{case.name:>28} {arm:>24} max|o - plain| = {o_diff:.3g}  "
+                    f"{case.name:>30} {arm:>24} max|o - plain| = {o_diff:.3g}  "
                     f"max|lse - plain| = {lse_diff:.3g}" + ("" if ok else "  MISMATCH"),
                     flush=True,
                 )
@@ -464,12 +464,12 @@ def main(argv=None) -> int:
                 )
             except Exception as error:
                 row.update(status="failed", error="timing: " + first_line(error))
-                print(f"{case.name:>28} {arm:>24} timing FAILED {row['error']}", flush=True)
+                print(f"{case.name:>30} {arm:>24} timing FAILED {row['error']}", flush=True)
                 continue
             if args.smoke:
                 continue
             row.update(median_us=timing.median_us, min_us=timing.min_us, max_us=timing.max_us)
-            print(f"{case.name:>28} {arm:>24} {timing.median_us:10.1f} us", flush=True)
+            print(f"{case.name:>30} {arm:>24} {timing.median_us:10.1f} us", flush=True)
         del case, operands, loops
     summary = summarize(rows)
     if args.out:
@@ -523,13 +523,13 @@ def print_summary(summary, *, smoke: bool) -> None:
         print("\n# smoke run, no figures")
         return
     print(
-        f"\n{'case':>28} {'plain us':>10} {'cascade us':>11} {'ratio':>7}  best arm"
+        f"\n{'case':>30} {'plain us':>10} {'cascade us':>11} {'ratio':>7}  best arm"
         f"  (shared us, own us)"
     )
     for entry in summary:
         ratio = entry.get("plain_over_cascade")
         print(
-            f"{entry['case']:>28} {entry['plain_us'] or float('nan'):10.1f} "
+            f"{entry['case']:>30} {entry['plain_us'] or float('nan'):10.1f} "
             f"{entry.get('cascade_us', float('nan')):11.1f} "
             f"{ratio if ratio else float('nan'):7.2f}  {entry.get('best_cascade', '-')}"
             f"  ({entry['shared_us'] or float('nan'):.1f}, {entry['own_us'] or float('nan'):.1f})"
