@@ -454,7 +454,10 @@ def shared_level_states_mgpu(
         last_page_len=np.zeros((batch,), np.int32),
         page_size=cache.page_size,
     )
-    validate_cascade_levels(CascadeLevels(shared=(level,), own=empty_own), cache.num_pages)
+    try:
+        validate_cascade_levels(CascadeLevels(shared=(level,), own=empty_own), cache.num_pages)
+    except ValueError as error:  # name the argument as the caller passed it
+        raise ValueError(str(error).replace("levels.shared[0]", "level")) from error
 
     pages = level.group_pages
     rows_per_request = q_len * (num_q_heads // num_kv_heads)

@@ -338,8 +338,8 @@ BAD_ARGUMENTS = [
     (dict(launch=dict(pages_per_step=8, num_stages=8)), "KiB of shared memory"),
     (dict(launch=dict(index_window=6)), "index_window must be a multiple of 4"),
     (dict(compiled_on_cpu=True), "interpret=True needs probs_in_smem=True"),
-    (dict(bad_page=99), "page_indices"),
-    (dict(member_outside=9), "outside the batch"),
+    (dict(bad_page=99), "^level.group_pages.page_indices.*99"),
+    (dict(member_outside=9), "^level.group_requests.*9 is outside the batch"),
 ]
 
 
