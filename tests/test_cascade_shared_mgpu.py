@@ -273,9 +273,12 @@ def test_invalid_values_under_jit_stay_inside_the_arrays():
         group_requests=members,
     )
     check(o, lse, *reference64(queries, cache, clamped))
-    # A range past page_indices (indptr end 99 of 5 entries) reads only what is there.
+    # A range past page_indices (group 1's pages end at 99, past its 16 entries) is cut to the
+    # entries there: group 1 reads entries 3 .. 15 (the padding ones page 0), all full pages,
+    # as no chunk ends at the group's end.
     past = np.asarray(level.group_pages.page_indptr).copy()
     past[-1] = 99
+    num_indices = level.group_pages.page_indices.shape[0]
     o, lse = cascade_shared_mgpu(
         queries,
         cache.k_pages,
@@ -287,7 +290,17 @@ def test_invalid_values_under_jit_stay_inside_the_arrays():
         jnp.asarray(level.group_requests),
         **raw,
     )
-    assert np.all(np.isfinite(np.asarray(o)))
+    cut = SharedLevel(
+        group_pages=paged.PageTable(
+            np.array([0, past[1], num_indices], np.int32),
+            level.group_pages.page_indices,
+            np.array([level.group_pages.last_page_len[0], PAGE_SIZE], np.int32),
+            PAGE_SIZE,
+        ),
+        group_indptr=level.group_indptr,
+        group_requests=level.group_requests,
+    )
+    check(o, lse, *reference64(queries, cache, cut))
 
 
 def test_empty_batch_and_empty_level():
