@@ -551,3 +551,49 @@ def test_benchmark_shapes_on_gpu(members, prefix, q_len, pipeline, pages, stages
     np.testing.assert_allclose(
         np.asarray(lse)[finite], np.asarray(ref_lse)[finite], rtol=1e-4, atol=1e-3
     )
+
+
+@pytest.mark.gpu
+def test_cascade_with_the_kernel_equals_plain_decode_on_gpu():
+    """Compiled, at the benchmark's head shape: 48 requests sharing a 2000-token prefix (ending
+    mid-page, so its last 0 .. 15 tokens lie on each request's own copy) with ragged suffixes
+    of 1 to 300 tokens; the kernel's shared state merged with the own level's decode
+    (``paged.decode_attention``) equals plain decode over the whole rows (float32 reference)."""
+    assert ON_GPU
+    rng = np.random.default_rng(21)
+    group, prefix = 48, 2000
+    shared_pages = prefix // PAGE_SIZE  # 125 whole pages; the 126th is each request's copy
+    suffixes = rng.integers(1, 301, size=group)
+    lens = [prefix + int(s) for s in suffixes]
+    next_page = shared_pages
+    rows = []
+    for length in lens:
+        own = -(-length // PAGE_SIZE) - shared_pages
+        rows.append(list(range(shared_pages)) + list(range(next_page, next_page + own)))
+        next_page += own
+    order = rng.permutation(next_page)  # scatter the pages over the pool
+    rows = [[int(order[p]) for p in row] for row in rows]
+    table = paged.PageTable.from_page_lists(rows, lens, PAGE_SIZE)
+    levels = cascade_levels_from_shared_prefix(table, [list(range(group))], [prefix])
+    shape = (next_page, 8, PAGE_SIZE, 128)
+    cache = paged.KVCache(
+        jnp.asarray(rng.standard_normal(shape), jnp.bfloat16),
+        jnp.asarray(rng.standard_normal(shape), jnp.bfloat16),
+        "HND",
+    )
+    queries = jnp.asarray(rng.standard_normal((group, 1, 32, 128)), jnp.bfloat16)
+    sm_scale = 1.0 / np.sqrt(128)
+    shared = run_kernel(queries, cache, levels.shared[0], probs_in_smem=False)
+    own = paged.decode_attention(
+        queries, cache, levels.own, sm_scale=sm_scale, return_lse=True, backend="pallas"
+    )
+    o, lse = merge_states(
+        jnp.stack([shared[0], own[0].astype(jnp.float32)], axis=2),
+        jnp.stack([shared[1], own[1]], axis=2),
+    )
+    f32 = paged.KVCache(cache.k_pages.astype(jnp.float32), cache.v_pages.astype(jnp.float32), "HND")
+    ref_o, ref_lse = decode_attention_reference(
+        queries.astype(jnp.float32), f32, table, sm_scale=sm_scale
+    )
+    assert relative_error(o, np.asarray(ref_o, np.float64)) < TOLERANCE
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), rtol=1e-4, atol=1e-3)
