@@ -406,8 +406,9 @@ def shared_level_states_mgpu(
       ValueError: naming the argument and its value, for queries that are not 4-D 16-bit
         arrays of the cache's dtype and head size, head counts that are not a multiple, an NHD
         cache, a page size other than 16, a level whose page size differs from the cache's, an
-        invalid level (concrete), ``num_splits < 1``, pipeline parameters the decode kernel
-        refuses, and ``interpret`` without ``probs_in_smem``.
+        invalid level (concrete), a traced or missing ``sm_scale``, a traced soft cap or one
+        that is not ``> 0``, ``num_splits < 1``, pipeline parameters the decode kernel refuses,
+        and ``interpret`` without ``probs_in_smem``.
 
     Example:
       >>> import paged
@@ -429,6 +430,14 @@ def shared_level_states_mgpu(
         raise TypeError(f"level must be a SharedLevel, got {type(level).__name__}")
     if not isinstance(cache, KVCache):
         raise TypeError(f"cache must be a KVCache, got {type(cache).__name__}")
+    sm_scale = _static_float("sm_scale", sm_scale)
+    if sm_scale is None:
+        raise ValueError("sm_scale must be a Python float, got None")
+    logits_soft_cap = _static_float("logits_soft_cap", logits_soft_cap)
+    if logits_soft_cap is not None and not logits_soft_cap > 0:
+        # 0 would fail as a ZeroDivisionError deep in the kernel trace; a negative cap equals
+        # its absolute value (c x tanh(s / c) is even in c) and is refused as decode refuses it.
+        raise ValueError(f"logits_soft_cap must be > 0 or None, got {logits_soft_cap}")
     _validate_arguments(
         queries,
         cache,
@@ -504,8 +513,8 @@ def shared_level_states_mgpu(
         jnp.asarray(pages.last_page_len),
         jnp.asarray(level.group_indptr),
         jnp.asarray(level.group_requests),
-        sm_scale=float(sm_scale),
-        logits_soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
+        sm_scale=sm_scale,
+        logits_soft_cap=logits_soft_cap,
         num_tiles=num_tiles,
         num_splits=num_splits,
         pages_per_step=pages_per_step,
@@ -515,6 +524,15 @@ def shared_level_states_mgpu(
         pipeline=pipeline,
         interpret=interpret,
     )
+
+
+def _static_float(name: str, value) -> float | None:
+    """A static float argument (it shapes the kernel's code), or a ValueError naming it."""
+    if value is None:
+        return None
+    if isinstance(value, jax.core.Tracer):
+        raise ValueError(f"{name} must be a Python float, not a traced value (it is static)")
+    return float(value)
 
 
 def _validate_arguments(

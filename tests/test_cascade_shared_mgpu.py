@@ -346,6 +346,8 @@ BAD_ARGUMENTS = [
     (dict(head_dim_q=32), "head_dim must be one of"),
     (dict(num_q_heads=3), "num_q_heads=3 must be a multiple of num_kv_heads=2"),
     (dict(launch=dict(num_splits=0)), "num_splits must be an int >= 1"),
+    (dict(launch=dict(logits_soft_cap=0.0)), "logits_soft_cap must be > 0 or None, got 0.0"),
+    (dict(launch=dict(logits_soft_cap=-30.0)), "logits_soft_cap must be > 0 or None, got -30.0"),
     (dict(launch=dict(pipeline="tma")), "pipeline must be one of"),
     (dict(launch=dict(pages_per_step=3)), "pages_per_step must be one of"),
     (dict(launch=dict(pages_per_step=8, num_stages=8)), "KiB of shared memory"),
@@ -390,6 +392,26 @@ def test_bad_arguments_are_rejected_with_their_values(change, message):
         level = SharedLevel(level.group_pages, level.group_indptr, members)
     with pytest.raises(ValueError, match=message):
         shared_level_states_mgpu(queries, cache, level, sm_scale=0.125, **launch)
+
+
+def test_traced_scale_is_rejected_with_its_name():
+    """sm_scale and the soft cap are static (they shape the kernel's code): a traced one (or
+    no sm_scale) is refused by name, as paged.decode_attention does, rather than failing
+    inside float()."""
+    queries, cache, level = make_level(9, (2,), (20,), batch=3)
+    launch = dict(probs_in_smem=True, interpret=True)
+    with pytest.raises(ValueError, match="sm_scale must be a Python float, got None"):
+        shared_level_states_mgpu(queries, cache, level, sm_scale=None, **launch)
+    with pytest.raises(ValueError, match="sm_scale must be a Python float, not a traced"):
+        jax.jit(lambda s: shared_level_states_mgpu(queries, cache, level, sm_scale=s, **launch))(
+            0.125
+        )
+    with pytest.raises(ValueError, match="logits_soft_cap must be a Python float"):
+        jax.jit(
+            lambda c: shared_level_states_mgpu(
+                queries, cache, level, sm_scale=0.125, logits_soft_cap=c, **launch
+            )
+        )(30.0)
 
 
 def test_wrong_types_are_rejected():
