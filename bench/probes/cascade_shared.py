@@ -22,8 +22,10 @@ attention for the batch:
 First every arm runs once: a cascade arm further than ``MAX_DIFFERENCE`` from the plain arm
 (largest absolute difference of ``o`` and of the LSE, printed) is a MISMATCH and is not timed,
 an arm that fails to compile or run is reported with its error, never stopping the probe; the
-first case's shared-level state is also checked against
-``paged.cascade.shared_level_state_reference`` in float32. Then every arm is timed with the
+first case's first passing cascade arm (that same output) is also checked against plain
+decode's float32 reference (``decode_attention_reference``; the shared level alone
+against its reference is ``tests/test_cascade_shared_mgpu.py``'s gpu-marked test, at these
+shapes and launches). Then every arm is timed with the
 suite's method (``bench.harness.timing.TimedLoop``: rotating input sets, each its own pages of
 one pool, for a cold L2 between visits; dispatch amortized in one jitted loop; median of
 repeats). No case starts after ``--budget-s`` (460 s by default), and the rows go to
@@ -55,10 +57,10 @@ import numpy as np
 import paged
 from bench.harness.timing import TimedLoop, num_rotating_sets
 from kernels_pallas.cascade_shared_mgpu import shared_level_states_mgpu
+from paged.attention_reference import decode_attention_reference
 from paged.cascade import (
     SharedLevel,
     cascade_levels_from_shared_prefix,
-    shared_level_state_reference,
 )
 
 # (requests in the group, prefix tokens): the issue's grid.
@@ -306,41 +308,25 @@ def arm_steps(case: Case, variants, interpret: bool, *, parts: bool = True) -> d
     return arms
 
 
-def check_shared_against_reference(case: Case, variant: str, interpret: bool) -> float:
-    """Relative error of the kernel's shared-level state against the float32 reference (set
-    0); raises if it is 1e-2 or more or not finite."""
-    queries = case.queries[0]
-    cache = paged.KVCache(case.k_pages, case.v_pages, "HND")
-    _, shared, _ = _set_tables(case, 0, operands_of(case))
-    shared = SharedLevel(
-        paged.PageTable(
-            np.asarray(shared.group_pages.page_indptr),
-            np.asarray(shared.group_pages.page_indices),
-            np.asarray(shared.group_pages.last_page_len),
-            PAGE_SIZE,
-        ),
-        shared.group_indptr,
-        shared.group_requests,
-    )
-    sm_scale = 1.0 / np.sqrt(queries.shape[-1])
-    o, lse = shared_level_states_mgpu(
-        queries,
-        cache,
-        shared,
-        sm_scale=sm_scale,
-        interpret=interpret,
-        **Variant.parse(variant).launch(),
-    )
+def check_against_reference(case: Case, o, lse) -> float:
+    """Relative error of a cascade arm's output on set 0 (``o [B, L, H, D]``, ``lse [B, L,
+    H]``, as ``check_arm`` ran it) against plain decode's float32 reference over the whole
+    rows (``decode_attention_reference``): the shared level, the own level and their merge
+    together, without running the kernel again. Raises if it is 1e-2 or more, or the LSE is
+    1e-2 or more off, or anything is not finite."""
+    plain, _, _ = _set_tables(case, 0, operands_of(case))
     f32 = paged.KVCache(case.k_pages.astype(jnp.float32), case.v_pages.astype(jnp.float32), "HND")
     ref_o, ref_lse = jax.jit(
-        lambda q, c: shared_level_state_reference(q, c, shared, sm_scale=sm_scale)
-    )(queries.astype(jnp.float32), f32)
+        lambda q, c, table: decode_attention_reference(
+            q, c, table, sm_scale=1.0 / np.sqrt(q.shape[-1])
+        )
+    )(case.queries[0].astype(jnp.float32), f32, plain)
     o, ref_o = np.asarray(o, np.float64), np.asarray(ref_o, np.float64)
     error = float(np.linalg.norm(o - ref_o) / np.linalg.norm(ref_o))
     lse_diff = float(np.max(np.abs(np.asarray(lse) - np.asarray(ref_lse))))
     if not (np.isfinite(o).all() and error < 1e-2 and lse_diff < 1e-2):
         raise AssertionError(
-            f"shared-level kernel off the reference: relative error {error:.3g}, "
+            f"cascade off the float32 reference: relative error {error:.3g}, "
             f"max|lse - ref| {lse_diff:.3g}"
         )
     return error
@@ -429,7 +415,7 @@ def main(argv=None) -> int:
             flush=True,
         )
         operands = operands_of(case)
-        checked = dict(plain_out=None, loops={})
+        checked = dict(plain_out=None, loops={}, outputs={})
 
         def check_arm(
             arm, step, group=group, prefix=prefix, case=case, operands=operands, checked=checked
@@ -440,7 +426,7 @@ def main(argv=None) -> int:
             row = dict(case=case.name, group=group, prefix=prefix, suffix=suffix, arm=arm)
             rows.append(row)
             try:
-                o, lse = jax.jit(lambda ops: loop._call_step(0, ops))(operands)
+                o, lse = loop.output(0)
                 o, lse = np.asarray(o, np.float32), np.asarray(lse, np.float32)
             except Exception as failure:
                 row.update(status="failed", error=first_line(failure))
@@ -465,6 +451,7 @@ def main(argv=None) -> int:
             row.update(status="ok" if ok else "mismatch")
             if ok:
                 checked["loops"][arm] = (loop, row)
+                checked["outputs"][arm] = (o, lse)
 
         for arm, step in arm_steps(case, variants, interpret, parts=args.parts).items():
             check_arm(arm, step)
@@ -476,12 +463,11 @@ def main(argv=None) -> int:
             check_arm(f"cascade:{FALLBACK_VARIANT}", fallback[f"cascade:{FALLBACK_VARIANT}"])
             passed = [arm for arm in checked["loops"] if arm.startswith("cascade:")]
         if not reference_checked and passed:
-            variant = passed[0].removeprefix("cascade:")
             try:
-                relative = check_shared_against_reference(case, variant, interpret)
-                print(f"# {variant}: shared level vs float32 reference: {relative:.2e} relative")
+                relative = check_against_reference(case, *checked["outputs"][passed[0]])
+                print(f"# {passed[0]} vs float32 reference: {relative:.2e} relative", flush=True)
             except Exception as error:
-                print(f"# shared level vs reference FAILED: {first_line(error)}", flush=True)
+                print(f"# {passed[0]} vs reference FAILED: {first_line(error)}", flush=True)
                 if args.verbose:
                     traceback.print_exc()
                 rows.append(
