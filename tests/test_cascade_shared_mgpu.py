@@ -77,16 +77,22 @@ def make_level(
     return queries, cache, level
 
 
+# Jitted: run eagerly, the reference's lax.map body is traced and compiled again every call.
+_shared_level_state_reference = jax.jit(
+    shared_level_state_reference, static_argnames=("sm_scale", "logits_soft_cap")
+)
+
+
 def reference64(queries, cache, level, soft_cap=None):
     with jax.enable_x64(True):
         cache64 = paged.KVCache(
             cache.k_pages.astype(jnp.float64), cache.v_pages.astype(jnp.float64), "HND"
         )
-        o, lse = shared_level_state_reference(
+        o, lse = _shared_level_state_reference(
             queries.astype(jnp.float64),
             cache64,
             level,
-            sm_scale=1.0 / np.sqrt(queries.shape[-1]),
+            sm_scale=float(1.0 / np.sqrt(queries.shape[-1])),
             logits_soft_cap=soft_cap,
         )
         return np.asarray(o), np.asarray(lse)
@@ -130,38 +136,25 @@ def check(o, lse, ref_o, ref_lse):
     np.testing.assert_allclose(lse[~empty], ref_lse[~empty], rtol=1e-5, atol=1e-5)
 
 
-# (group sizes, prefix tokens a group, batch, q_len, G, dtype, soft cap, splits, pipeline,
-# pages a step, stages). Groups of one; ragged groups, one of 17 requests x G = 4 (68 rows: two
-# tiles), prefixes ending mid-page (40, 33, 9 tokens), a group with no pages, requests in no
-# group; q_len 1 and 3 (a request's 6 rows crossing a tile boundary at 64); soft cap; 1, 2 and
-# 3 splits (3 chunks of a 3-page prefix: the last empty), the ring at 1 and 2 pages a step and
-# emit_pipeline. NaN in every group's slots past its last token.
+# (group sizes, prefix tokens a group, batch, q_len, G, KV heads, dtype, soft cap, splits,
+# pipeline, pages a step, stages). Case 0: emit_pipeline; a group of 17 requests x G = 4 (68
+# rows: two tiles) and groups of one whose prefixes are a full page and a page plus one token;
+# 3 splits of a 4-page prefix (the last chunk empty); requests in no group. Case 1: the ring;
+# q_len 3 (a request's 6 rows cross the tile boundary at 64 in the group of 11); a group with
+# no pages; a prefix ending mid-page; soft cap; float16; 2 splits of 3 pages (the second one
+# page, ending mid-page); two KV heads (the query heads' order in a tile). NaN in every group's
+# slots past its
+# last token. One split and the ring's index windows: the race detector's test; the ring at one
+# page a step and a traced level: test_merged_with_own_level_equals_plain_decode.
 CASES = [
-    ((1, 1, 1), (40, 16, 17), 4, 1, 4, jnp.bfloat16, None, 1, "ring", 2, 2),
-    ((3, 1, 6), (40, 0, 33), 12, 3, 2, jnp.float16, 5.0, 2, "ring", 1, 2),
-    ((17, 2), (60, 9), 20, 1, 4, jnp.bfloat16, None, 3, "emit", 2, 2),
-    ((11,), (45,), 12, 3, 2, jnp.bfloat16, 30.0, 3, "ring", 2, 3),
+    ((17, 1, 1), (60, 16, 17), 21, 1, 4, 1, jnp.bfloat16, None, 3, "emit", 2, 2),
+    ((11, 1), (45, 0), 14, 3, 2, 2, jnp.float16, 30.0, 2, "ring", 2, 3),
 ]
 
 
-@pytest.mark.parametrize("probs_in_smem", PROBS_PATHS)
-@pytest.mark.parametrize(
-    "sizes,prefix_lens,batch,q_len,group,dtype,soft_cap,splits,pipeline,pages,stages", CASES
-)
-def test_kernel_matches_float64_reference(
-    sizes,
-    prefix_lens,
-    batch,
-    q_len,
-    group,
-    dtype,
-    soft_cap,
-    splits,
-    pipeline,
-    pages,
-    stages,
-    probs_in_smem,
-):
+def case_inputs(case):
+    """The case's queries, cache and level, and its launch parameters."""
+    sizes, prefix_lens, batch, q_len, group, kv_heads, dtype, soft_cap, splits, *launch = case
     queries, cache, level = make_level(
         sum(sizes) + q_len,
         sizes,
@@ -170,17 +163,24 @@ def test_kernel_matches_float64_reference(
         group=group,
         q_len=q_len,
         dtype=dtype,
+        num_kv_heads=kv_heads,
     )
+    pipeline, pages, stages = launch
+    launch = dict(num_splits=splits, pipeline=pipeline, pages_per_step=pages, num_stages=stages)
+    return queries, cache, level, soft_cap, launch
+
+
+@pytest.mark.parametrize("probs_in_smem", PROBS_PATHS)
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_kernel_matches_float64_reference(case, probs_in_smem):
+    queries, cache, level, soft_cap, launch = case_inputs(CASES[case])
     o, lse = run_kernel(
         queries,
         poison_unused_slots(cache, level),  # the reference reads the clean pool
         level,
         soft_cap,
         probs_in_smem,
-        num_splits=splits,
-        pipeline=pipeline,
-        pages_per_step=pages,
-        num_stages=stages,
+        **launch,
     )
     check(o, lse, *reference64(queries, cache, level, soft_cap))
 
@@ -189,7 +189,9 @@ def test_merged_with_own_level_equals_plain_decode():
     """Cascade, kernel for the shared level: the kernel's state merged (``paged.merge_states``)
     with each request's own level (the reference, float32) equals plain decode over the whole
     sequences in float64. The prefix (37 tokens) ends mid-page, so its last 5 tokens lie on
-    each request's own copy; three new tokens a request; one request in no group."""
+    each request's own copy; three new tokens a request; one request in no group. The level is
+    traced (under jit): its tiles and split come from its arrays' static sizes, so the launch
+    has a padding tile (2 for the 36 rows of one group) whose rows are never read."""
     rng = np.random.default_rng(3)
     # Pages 0 and 1 are the shared prefix's whole pages; pages 3, 5, 6 each request's copy of
     # the partly filled third page (the prefix's last 5 tokens, then its own); request 3 has
@@ -205,9 +207,11 @@ def test_merged_with_own_level_equals_plain_decode():
     )
     queries = jnp.asarray(rng.standard_normal((4, 3, 8, 64)), jnp.bfloat16)
     sm_scale = 1.0 / 8.0
-    shared = run_kernel(queries, cache, levels.shared[0], num_splits=2, pages_per_step=1)
+    shared = jax.jit(
+        lambda level: run_kernel(queries, cache, level, num_splits=2, pages_per_step=1)
+    )(levels.shared[0])
     f32 = paged.KVCache(cache.k_pages.astype(jnp.float32), cache.v_pages.astype(jnp.float32), "HND")
-    own = decode_attention_reference(
+    own = jax.jit(decode_attention_reference, static_argnames="sm_scale")(
         queries.astype(jnp.float32), f32, levels.own, sm_scale=sm_scale
     )
     o = jnp.stack([shared[0], own[0]], axis=2)
@@ -217,90 +221,67 @@ def test_merged_with_own_level_equals_plain_decode():
         f64 = paged.KVCache(
             cache.k_pages.astype(jnp.float64), cache.v_pages.astype(jnp.float64), "HND"
         )
-        plain_o, plain_lse = decode_attention_reference(
+        plain_o, plain_lse = jax.jit(decode_attention_reference, static_argnames="sm_scale")(
             queries.astype(jnp.float64), f64, table, sm_scale=sm_scale
         )
     assert relative_error(merged_o, np.asarray(plain_o)) < TOLERANCE
     np.testing.assert_allclose(np.asarray(merged_lse), np.asarray(plain_lse), rtol=1e-5)
 
 
-def test_traced_level_takes_the_static_bounds():
-    """Under jit the level's values are unknown: the tiles and the split come from its arrays'
-    static sizes (a padding tile here, empty chunks), and the result is still the reference's."""
-    queries, cache, level = make_level(5, (2, 5), (50, 20), batch=8)
-    o, lse = jax.jit(lambda lv: run_kernel(queries, cache, lv))(level)
-    check(o, lse, *reference64(queries, cache, level))
+def raw_launch(queries, cache, level, soft_cap, launch):
+    """run_kernel's launch of this level for the raw entry."""
+    rows_per_request = queries.shape[1] * queries.shape[2] // cache.num_kv_heads
+    return dict(
+        sm_scale=float(1.0 / np.sqrt(queries.shape[-1])),
+        logits_soft_cap=soft_cap,
+        num_tiles=num_query_tiles(np.asarray(level.group_indptr), rows_per_request),
+        num_splits=launch["num_splits"],
+        pages_per_step=launch["pages_per_step"],
+        num_stages=launch["num_stages"],
+        probs_in_smem=True,
+        pipeline=launch["pipeline"],
+        interpret=not ON_GPU,
+    )
 
 
 def test_invalid_values_under_jit_stay_inside_the_arrays():
-    """Values the public entry refuses when concrete, through the raw entry: a page number past
-    the pool reads the pool's last page (as the reference's gather does), a member outside the
-    batch is dropped, and a group's page range past ``page_indices`` is cut to it."""
-    queries, cache, level = make_level(6, (2, 2), (40, 20), batch=5)
-    bad_pages = np.asarray(level.group_pages.page_indices).copy()
+    """Values the public entry refuses when concrete, through the raw entry (case 1's launch),
+    all in one table: a page number past the pool reads the pool's last page (as the
+    reference's gather does), a member outside the batch is dropped, and a group's page range
+    past ``page_indices`` is cut to it: the last group (no pages of its own) then reads the
+    entries from its start to the end of ``page_indices`` (the padding ones page 0), all as
+    full pages, as no chunk ends at the group's end (99)."""
+    queries, cache, level, soft_cap, launch = case_inputs(CASES[1])
+    pages = level.group_pages
+    num_indices = pages.page_indices.shape[0]
+    bad_pages = np.asarray(pages.page_indices).copy()
     bad_pages[1] = 1000  # past the 24-page pool
     members = np.asarray(level.group_requests).copy()
-    members[3] = 77  # outside the batch of 5
-    raw = dict(
-        sm_scale=0.125,
-        logits_soft_cap=None,
-        num_tiles=3,
-        num_splits=2,
-        pages_per_step=1,
-        num_stages=2,
-        probs_in_smem=True,
-        interpret=not ON_GPU,
-    )
-    o, lse = cascade_shared_mgpu(
-        queries,
-        cache.k_pages,
-        cache.v_pages,
-        jnp.asarray(level.group_pages.page_indptr),
-        jnp.asarray(bad_pages),
-        jnp.asarray(level.group_pages.last_page_len),
-        jnp.asarray(level.group_indptr),
-        jnp.asarray(members),
-        **raw,
-    )
-    clamped = SharedLevel(
-        group_pages=paged.PageTable(
-            level.group_pages.page_indptr,
-            np.minimum(bad_pages, 23),
-            level.group_pages.last_page_len,
-            PAGE_SIZE,
-        ),
-        group_indptr=level.group_indptr,
-        group_requests=members,
-    )
-    check(o, lse, *reference64(queries, cache, clamped))
-    # A range past page_indices (group 1's pages end at 99, past its 16 entries) is cut to the
-    # entries there: group 1 reads entries 3 .. 15 (the padding ones page 0), all full pages,
-    # as no chunk ends at the group's end.
-    past = np.asarray(level.group_pages.page_indptr).copy()
+    members[3] = 77  # outside the batch
+    past = np.asarray(pages.page_indptr).copy()
     past[-1] = 99
-    num_indices = level.group_pages.page_indices.shape[0]
+    assert past[-2] < num_indices - 1  # the cut range holds entries
     o, lse = cascade_shared_mgpu(
         queries,
         cache.k_pages,
         cache.v_pages,
         jnp.asarray(past),
-        jnp.asarray(level.group_pages.page_indices),
-        jnp.asarray(level.group_pages.last_page_len),
+        jnp.asarray(bad_pages),
+        jnp.asarray(pages.last_page_len),
         jnp.asarray(level.group_indptr),
-        jnp.asarray(level.group_requests),
-        **raw,
+        jnp.asarray(members),
+        **raw_launch(queries, cache, level, soft_cap, launch),
     )
-    cut = SharedLevel(
-        group_pages=paged.PageTable(
-            np.array([0, past[1], num_indices], np.int32),
-            level.group_pages.page_indices,
-            np.array([level.group_pages.last_page_len[0], PAGE_SIZE], np.int32),
-            PAGE_SIZE,
-        ),
+    cut_indptr = np.asarray(pages.page_indptr).copy()
+    cut_indptr[-1] = num_indices
+    cut_last = np.asarray(pages.last_page_len).copy()
+    cut_last[-1] = PAGE_SIZE
+    expected = SharedLevel(
+        group_pages=paged.PageTable(cut_indptr, np.minimum(bad_pages, 23), cut_last, PAGE_SIZE),
         group_indptr=level.group_indptr,
-        group_requests=level.group_requests,
+        group_requests=members,
     )
-    check(o, lse, *reference64(queries, cache, cut))
+    check(o, lse, *reference64(queries, cache, expected, soft_cap))
 
 
 def test_empty_batch_and_empty_level():
@@ -319,11 +300,11 @@ def test_empty_batch_and_empty_level():
 
 def test_x64_mode_gives_float32_states():
     """With x64 on (researchers' float64 references) the kernel runs in 32 bits and returns
-    float32 states equal to the reference's."""
-    queries, cache, level = make_level(8, (3,), (30,), batch=3)
+    float32 states equal to the reference's (case 1: interpreted, the same compiled kernel)."""
+    queries, cache, level, soft_cap, launch = case_inputs(CASES[1])
     with jax.enable_x64(True):
-        o, lse = run_kernel(queries, cache, level)
-    check(o, lse, *reference64(queries, cache, level))
+        o, lse = run_kernel(queries, cache, level, soft_cap, **launch)
+    check(o, lse, *reference64(queries, cache, level, soft_cap))
 
 
 def test_tiles_and_splits():
@@ -423,26 +404,26 @@ def test_wrong_types_are_rejected():
 
 
 def test_every_variant_lowers_for_an_h200():
-    """As far as a CPU can follow the GPU path: at the benchmark's head shape (32/8 heads,
-    bfloat16), p from registers (one variant also through shared memory), the ring at 4 and 8
-    pages a step and emit_pipeline, split and not, one and three new tokens, soft cap, lower through Mosaic GPU's layout inference to its
-    dialect for CUDA (PTX and the shared-memory limit are checked when compiling on the GPU)."""
+    """As far as a CPU can follow the GPU path: the decode kernel's body as this file launches
+    it (a 64-row "group", one token, 64-row partial blocks, which plain decode never uses), at
+    the benchmark's head shape (32/8 heads, bfloat16), lowers through Mosaic GPU's layout
+    inference to its dialect for CUDA: the ring from registers (the probe's arms; soft cap,
+    three new tokens, two splits), emit_pipeline from registers (the probe's fallback), and the
+    ring through shared memory (what the interpreted tests run). The pipelines' other pages a
+    step and stages lower in test_paged_decode_mgpu.py; PTX and the shared-memory limit are
+    checked when compiling on the GPU."""
 
     def int32(n):
         return jax.ShapeDtypeStruct((n,), jnp.int32)
 
     head_dim = 128
     pool = jax.ShapeDtypeStruct((1024, 8, PAGE_SIZE, head_dim), jnp.bfloat16)
-    # (pipeline, pages_per_step, num_stages, num_splits, q_len, soft cap)
-    variants = (
-        ("ring", 4, 3, 1, 1, None),
-        ("ring", 8, 2, 4, 1, 30.0),
-        ("ring", 4, 3, 2, 3, None),
-        ("emit", 2, 3, 2, 1, None),
+    # (probs_in_smem, pipeline, pages_per_step, num_stages, num_splits, q_len, soft cap)
+    cases = (
+        (False, "ring", 4, 3, 2, 3, 30.0),
+        (False, "emit", 2, 3, 2, 1, None),
+        (True, "ring", 4, 3, 1, 1, None),
     )
-    # Every variant from registers (compiled only), one through shared memory (the path the
-    # interpreted tests run).
-    cases = [(False, *variant) for variant in variants] + [(True, *variants[0])]
     for probs_in_smem, pipeline, pages, stages, splits, q_len, soft_cap in cases:
         traced = cascade_shared_mgpu.trace(
             jax.ShapeDtypeStruct((64, q_len, 32, head_dim), jnp.bfloat16),
@@ -469,7 +450,7 @@ def test_every_variant_lowers_for_an_h200():
 @pytest.mark.skipif(ON_GPU, reason="the GPU runs the probe itself (run_on_gpu.sh cascade-shared)")
 def test_probe_runs_a_smoke_case(tmp_path, capsys, monkeypatch):
     """bench/probes/cascade_shared.py --smoke: a tiny case interpreted, its checks (cascade
-    against plain decode, the shared state against the reference). The timed loop's program
+    against plain decode, then against the float32 reference). The timed loop's program
     is not run (a compilation of interpreted kernels, the harness's own tested code): its call
     is checked against ``TimedLoop.time``'s signature."""
     import inspect
@@ -490,7 +471,7 @@ def test_probe_runs_a_smoke_case(tmp_path, capsys, monkeypatch):
     assert cascade_shared.main(arguments) == 0
     printed = capsys.readouterr().out
     assert (
-        "shared level vs float32 reference" in printed
+        "cascade:ring.smem.p2.s2 vs float32 reference" in printed
         and "MISMATCH" not in printed
         and "FAILED" not in printed
     )
@@ -505,32 +486,35 @@ def test_probe_runs_a_smoke_case(tmp_path, capsys, monkeypatch):
 def test_interpreter_race_detector_finds_no_race():
     """Mosaic GPU's interpreter with its race detector, on the decode kernel's ring as this
     file drives it: one work item of a group's 7 pages, in two 4-entry index windows (the next
-    fetched while the ring streams the current one), p in shared memory."""
+    fetched while the ring streams the current one), p in shared memory; no race, and the
+    states (one split: no merge) equal the reference's."""
     gpu_callbacks = pytest.importorskip("jax._src.pallas.mosaic_gpu.interpret.gpu_callbacks")
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    queries, cache, level = make_level(11, (3,), (100,), batch=3)
-    shared_level_states_mgpu(
+    queries, cache, level = make_level(11, (3,), (100,), batch=3, num_kv_heads=1)
+    o, lse = shared_level_states_mgpu(
         queries,
         cache,
         level,
-        sm_scale=0.125,
+        sm_scale=1.0 / np.sqrt(queries.shape[-1]),
         probs_in_smem=True,
         num_splits=1,
         pages_per_step=2,
         num_stages=3,
         index_window=4,
         interpret=plgpu.InterpretGPUParams(detect_races=True),
-    )[0].block_until_ready()
+    )
     assert not gpu_callbacks.get_races().races_found
+    check(o, lse, *reference64(queries, cache, level))
 
 
 # (requests a group, prefix tokens, q_len, pipeline, pages a step, stages): the issue's groups
-# with a ragged prefix end, and a verification step.
+# with a ragged prefix end, and a verification step; the probe's arms (ring p4 s3 and s2, its
+# fallback emit p2 s3; the split its own choice, as there) and the ring at 8 pages a step.
 GPU_CASES = [
     (32, 4096 - 5, 1, "ring", 4, 3),
-    (128, 16384, 1, "ring", 8, 2),
-    (64, 4096, 3, "ring", 4, 3),
+    (128, 16384, 1, "ring", 4, 2),
+    (64, 4096, 3, "ring", 8, 2),
     (32, 4096, 1, "emit", 2, 3),
 ]
 
