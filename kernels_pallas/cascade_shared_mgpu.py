@@ -37,13 +37,32 @@ What this file adds, all plain JAX around the launch:
   state merges with the request's own level (``paged.merge_states``) exactly; a request in no
   group gets ``o = 0``, ``lse = -inf``.
 
-What is read. A tile's programs (one per KV head and chunk) stream the chunk's K and V once; a
-group of ``T`` tiles reads its prefix ``T`` times from L2 or HBM, against ``m_g`` times for plain
-decode (16x fewer at ``G = 4``, ``L = 1``). A group's tiles and chunks are neighbouring work
-items, and a launch of at most ``programs_per_sm x 132`` programs runs in one wave, so a group's
-tiles stream the same pages at about the same time and the repeats mostly hit L2 (not
-measured; reading the prefix once per group outright needs one program holding several tiles
-against one slot of pages, two warpgroups, which the decode kernel's body does not do).
+What it optimizes, and how far from the floor it should be (estimates, not yet measured; the
+H200 at 4.8 TB/s and 989 TFLOP/s dense bfloat16). Per prefix token and KV head a level reads
+``2 x D x 2`` bytes of K and V and computes ``4 x D`` flops for each of its ``m x L x G``
+query rows (``q @ K^T`` and ``p @ V``), so its arithmetic intensity is ``m x L x G`` flops a
+byte: 512 at the issue's ``m = 128``, ``G = 4``, above the H200's ridge (about 206). The floor
+is then the tensor cores, not the bandwidth: at (128 requests, 32K prefix, 32/8 heads of 128)
+the prefix is 134 MB (28 us read once) and 6.9e10 flops (70 us at peak); at (32, 4K) 17 MB
+(3.5 us) and 2.1e9 flops (2 us), where the launches (this kernel, the merge, the gather, the
+own level's decode) cost more than either. This kernel is above the floor in two ways:
+
+- it reads the prefix once a 64-row TILE, not once a group: ``T = ceil(m x L x G / 64)``
+  times (2, 4 and 8 at ``m`` = 32, 64, 128 and ``G = 4``, ``L = 1``), against ``m`` times for
+  plain decode (16x fewer). A group's tiles and chunks are neighbouring work items, and a
+  launch of at most ``programs_per_sm x 132`` programs runs in one wave, so a group's tiles
+  stream the same pages at about the same time and the repeats may hit L2 (60 MB); nothing
+  synchronizes them, so a prefix larger than L2 (32K tokens: 134 MB) may come from HBM up to
+  ``T`` times (8 x 28 us at (128, 32K)). Reading it once a group outright needs one program
+  holding several tiles against one slot of pages (more warpgroups), which the decode
+  kernel's body does not do;
+- one warpgroup a program runs its softmax between its two WGMMAs, serially, so the tensor
+  cores idle part of each step (FlashAttention-3 ping-pongs two warpgroups to pass 60% of
+  peak); at large groups, where the floor is compute, expect a few times the 70 us.
+
+The own level (each request's suffix, through plain decode) is not this kernel's: 128
+requests x 256 tokens is another 134 MB, so at (128, 32K) a cascade step's floor is about
+twice the prefix's.
 
 Costs this layout accepts: a group's last tile is partly empty (a group of one request at
 ``G = 4`` computes 64 rows for 4, as plain decode does); the query tiles are a gathered copy of
@@ -52,6 +71,12 @@ gather back are separate small launches.
 
 Interpret mode runs what the decode kernel's interpreter runs: the ``probs_in_smem=True`` path;
 the register path is compiled only (``tests/test_cascade_shared_mgpu.py`` lowers it for CUDA).
+
+From ``kernels_pallas/paged_decode_mgpu.py`` this file uses the kernel body
+(``paged_decode_mgpu_kernel``), its constants and shared-memory sizing, and two private
+helpers: ``_interpret_params`` (``interpret`` as ``plgpu.kernel`` takes it) and
+``_runs_in_32_bits_also_interpreted`` (the x64 wrapper that also works interpreted). A change
+to either changes this kernel too; they are candidates to make public there.
 """
 
 from __future__ import annotations
