@@ -83,7 +83,11 @@ _shared_level_state_reference = jax.jit(
 )
 
 
-def reference64(queries, cache, level, soft_cap=None):
+def default_scale(queries):
+    return float(1.0 / np.sqrt(queries.shape[-1]))
+
+
+def reference64(queries, cache, level, soft_cap=None, sm_scale=None):
     with jax.enable_x64(True):
         cache64 = paged.KVCache(
             cache.k_pages.astype(jnp.float64), cache.v_pages.astype(jnp.float64), "HND"
@@ -92,18 +96,18 @@ def reference64(queries, cache, level, soft_cap=None):
             queries.astype(jnp.float64),
             cache64,
             level,
-            sm_scale=float(1.0 / np.sqrt(queries.shape[-1])),
+            sm_scale=sm_scale or default_scale(queries),
             logits_soft_cap=soft_cap,
         )
         return np.asarray(o), np.asarray(lse)
 
 
-def run_kernel(queries, cache, level, soft_cap=None, probs_in_smem=True, **launch):
+def run_kernel(queries, cache, level, soft_cap=None, probs_in_smem=True, sm_scale=None, **launch):
     return shared_level_states_mgpu(
         queries,
         cache,
         level,
-        sm_scale=1.0 / np.sqrt(queries.shape[-1]),
+        sm_scale=sm_scale or default_scale(queries),
         logits_soft_cap=soft_cap,
         probs_in_smem=probs_in_smem,
         interpret=not ON_GPU,
@@ -136,25 +140,28 @@ def check(o, lse, ref_o, ref_lse):
     np.testing.assert_allclose(lse[~empty], ref_lse[~empty], rtol=1e-5, atol=1e-5)
 
 
-# (group sizes, prefix tokens a group, batch, q_len, G, KV heads, dtype, soft cap, splits,
-# pipeline, pages a step, stages). Case 0: emit_pipeline; a group of 17 requests x G = 4 (68
+# (group sizes, prefix tokens a group, batch, q_len, G, KV heads, dtype, soft cap, sm_scale
+# (None: 1 / sqrt(D)), splits, pipeline, pages a step, stages). Case 0: emit_pipeline; a group of 17 requests x G = 4 (68
 # rows: two tiles) and groups of one whose prefixes are a full page and a page plus one token;
 # 3 splits of a 4-page prefix (the last chunk empty); requests in no group. Case 1: the ring;
 # q_len 3 (a request's 6 rows cross the tile boundary at 64 in the group of 11); a group with
-# no pages; a prefix ending mid-page; soft cap; float16; 2 splits of 3 pages (the second one
+# no pages; a prefix ending mid-page; a soft cap that bends most logits (5 against logits of
+# standard deviation 2.4 at sm_scale 0.3, not 1 / sqrt(D)); float16; 2 splits of 3 pages (the second one
 # page, ending mid-page); two KV heads (the query heads' order in a tile). NaN in every group's
 # slots past its
 # last token. One split and the ring's index windows: the race detector's test; the ring at one
 # page a step and a traced level: test_merged_with_own_level_equals_plain_decode.
 CASES = [
-    ((17, 1, 1), (60, 16, 17), 21, 1, 4, 1, jnp.bfloat16, None, 3, "emit", 2, 2),
-    ((11, 1), (45, 0), 14, 3, 2, 2, jnp.float16, 30.0, 2, "ring", 2, 3),
+    ((17, 1, 1), (60, 16, 17), 21, 1, 4, 1, jnp.bfloat16, None, None, 3, "emit", 2, 2),
+    ((11, 1), (45, 0), 14, 3, 2, 2, jnp.float16, 5.0, 0.3, 2, "ring", 2, 3),
 ]
 
 
 def case_inputs(case):
     """The case's queries, cache and level, and its launch parameters."""
-    sizes, prefix_lens, batch, q_len, group, kv_heads, dtype, soft_cap, splits, *launch = case
+    sizes, prefix_lens, batch, q_len, group, kv_heads, dtype, soft_cap, scale, splits, *launch = (
+        case
+    )
     queries, cache, level = make_level(
         sum(sizes) + q_len,
         sizes,
@@ -166,7 +173,13 @@ def case_inputs(case):
         num_kv_heads=kv_heads,
     )
     pipeline, pages, stages = launch
-    launch = dict(num_splits=splits, pipeline=pipeline, pages_per_step=pages, num_stages=stages)
+    launch = dict(
+        sm_scale=scale,
+        num_splits=splits,
+        pipeline=pipeline,
+        pages_per_step=pages,
+        num_stages=stages,
+    )
     return queries, cache, level, soft_cap, launch
 
 
@@ -182,7 +195,7 @@ def test_kernel_matches_float64_reference(case, probs_in_smem):
         probs_in_smem,
         **launch,
     )
-    check(o, lse, *reference64(queries, cache, level, soft_cap))
+    check(o, lse, *reference64(queries, cache, level, soft_cap, launch["sm_scale"]))
 
 
 def test_merged_with_own_level_equals_plain_decode():
@@ -232,7 +245,7 @@ def raw_launch(queries, cache, level, soft_cap, launch):
     """run_kernel's launch of this level for the raw entry."""
     rows_per_request = queries.shape[1] * queries.shape[2] // cache.num_kv_heads
     return dict(
-        sm_scale=float(1.0 / np.sqrt(queries.shape[-1])),
+        sm_scale=launch["sm_scale"] or default_scale(queries),
         logits_soft_cap=soft_cap,
         num_tiles=num_query_tiles(np.asarray(level.group_indptr), rows_per_request),
         num_splits=launch["num_splits"],
@@ -281,7 +294,7 @@ def test_invalid_values_under_jit_stay_inside_the_arrays():
         group_indptr=level.group_indptr,
         group_requests=members,
     )
-    check(o, lse, *reference64(queries, cache, expected, soft_cap))
+    check(o, lse, *reference64(queries, cache, expected, soft_cap, launch["sm_scale"]))
 
 
 def test_empty_batch_and_empty_level():
@@ -304,7 +317,7 @@ def test_x64_mode_gives_float32_states():
     queries, cache, level, soft_cap, launch = case_inputs(CASES[1])
     with jax.enable_x64(True):
         o, lse = run_kernel(queries, cache, level, soft_cap, **launch)
-    check(o, lse, *reference64(queries, cache, level, soft_cap))
+    check(o, lse, *reference64(queries, cache, level, soft_cap, launch["sm_scale"]))
 
 
 def test_tiles_and_splits():
