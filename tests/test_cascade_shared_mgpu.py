@@ -259,8 +259,8 @@ def raw_launch(queries, cache, level, soft_cap, launch):
 
 def test_invalid_values_under_jit_stay_inside_the_arrays():
     """Values the public entry refuses when concrete, through the raw entry (case 1's launch),
-    all in one table: a page number past the pool reads the pool's last page (as the
-    reference's gather does), a member outside the batch is dropped, and a group's page range
+    all in one table: a page number past the pool or negative reads the pool's last page, a
+    member outside the batch (or negative) is dropped, and a group's page range
     past ``page_indices`` is cut to it: the last group (no pages of its own) then reads the
     entries from its start to the end of ``page_indices`` (the padding ones page 0), all as
     full pages, as no chunk ends at the group's end (99)."""
@@ -269,8 +269,10 @@ def test_invalid_values_under_jit_stay_inside_the_arrays():
     num_indices = pages.page_indices.shape[0]
     bad_pages = np.asarray(pages.page_indices).copy()
     bad_pages[1] = 1000  # past the 24-page pool
+    bad_pages[2] = -5  # wraps to a large unsigned number: the last page too
     members = np.asarray(level.group_requests).copy()
     members[3] = 77  # outside the batch
+    members[4] = -3
     past = np.asarray(pages.page_indptr).copy()
     past[-1] = 99
     assert past[-2] < num_indices - 1  # the cut range holds entries
@@ -290,7 +292,12 @@ def test_invalid_values_under_jit_stay_inside_the_arrays():
     cut_last = np.asarray(pages.last_page_len).copy()
     cut_last[-1] = PAGE_SIZE
     expected = SharedLevel(
-        group_pages=paged.PageTable(cut_indptr, np.minimum(bad_pages, 23), cut_last, PAGE_SIZE),
+        group_pages=paged.PageTable(
+            cut_indptr,
+            np.where(bad_pages.astype(np.uint32) > 23, 23, bad_pages),
+            cut_last,
+            PAGE_SIZE,
+        ),
         group_indptr=level.group_indptr,
         group_requests=members,
     )
