@@ -22,8 +22,8 @@ attention for the batch:
 First every arm runs once: a cascade arm further than ``MAX_DIFFERENCE`` from the plain arm
 (largest absolute difference of ``o`` and of the LSE, printed) is a MISMATCH and is not timed,
 an arm that fails to compile or run is reported with its error, never stopping the probe; the
-first case's first passing cascade arm (that same output) is also checked against plain
-decode's float32 reference (``decode_attention_reference``; the shared level alone
+first case's first passing cascade arm (that same output) is also checked against the float32
+reference (``paged.cascade.cascade_decode_attention_reference``; the shared level alone
 against its reference is ``tests/test_cascade_shared_mgpu.py``'s gpu-marked test, at these
 shapes and launches). Then every arm is timed with the
 suite's method (``bench.harness.timing.TimedLoop``: rotating input sets, each its own pages of
@@ -57,9 +57,10 @@ import numpy as np
 import paged
 from bench.harness.timing import TimedLoop, num_rotating_sets
 from kernels_pallas.cascade_shared_mgpu import shared_level_states_mgpu
-from paged.attention_reference import decode_attention_reference
 from paged.cascade import (
+    CascadeLevels,
     SharedLevel,
+    cascade_decode_attention_reference,
     cascade_levels_from_shared_prefix,
 )
 
@@ -310,17 +311,20 @@ def arm_steps(case: Case, variants, interpret: bool, *, parts: bool = True) -> d
 
 def check_against_reference(case: Case, o, lse) -> float:
     """Relative error of a cascade arm's output on set 0 (``o [B, L, H, D]``, ``lse [B, L,
-    H]``, as ``check_arm`` ran it) against plain decode's float32 reference over the whole
-    rows (``decode_attention_reference``): the shared level, the own level and their merge
-    together, without running the kernel again. Raises if it is 1e-2 or more, or the LSE is
-    1e-2 or more off, or anything is not finite."""
-    plain, _, _ = _set_tables(case, 0, operands_of(case))
+    H]``, as ``check_arm`` ran it) against the float32 reference of the whole attention
+    (``paged.cascade.cascade_decode_attention_reference``, tested equal to plain decode's; it
+    gathers the prefix once, where plain decode's reference would gather it once a request,
+    35 GB at 128 x 32K): the shared level, the own level and their merge together, without
+    running the kernel again. Raises if it is 1e-2 or more, or the LSE is 1e-2 or more off,
+    or anything is not finite."""
+    _, shared, own = _set_tables(case, 0, operands_of(case))
+    levels = CascadeLevels(shared=(shared,), own=own)
     f32 = paged.KVCache(case.k_pages.astype(jnp.float32), case.v_pages.astype(jnp.float32), "HND")
     ref_o, ref_lse = jax.jit(
-        lambda q, c, table: decode_attention_reference(
-            q, c, table, sm_scale=1.0 / np.sqrt(q.shape[-1])
+        lambda q, c, levels: cascade_decode_attention_reference(
+            q, c, levels, sm_scale=1.0 / np.sqrt(q.shape[-1])
         )
-    )(case.queries[0].astype(jnp.float32), f32, plain)
+    )(case.queries[0].astype(jnp.float32), f32, levels)
     o, ref_o = np.asarray(o, np.float64), np.asarray(ref_o, np.float64)
     error = float(np.linalg.norm(o - ref_o) / np.linalg.norm(ref_o))
     lse_diff = float(np.max(np.abs(np.asarray(lse) - np.asarray(ref_lse))))
