@@ -57,8 +57,9 @@ own level's decode) cost more than either. This kernel is above the floor in two
   holding several tiles against one slot of pages (more warpgroups), which the decode
   kernel's body does not do;
 - one warpgroup a program runs its softmax between its two WGMMAs, serially, so the tensor
-  cores idle part of each step (FlashAttention-3 ping-pongs two warpgroups to pass 60% of
-  peak); at large groups, where the floor is compute, expect a few times the 70 us.
+  cores idle part of each step (FlashAttention-3 overlaps two warpgroups' softmax and WGMMAs
+  to reach about 75% of an H100's peak); at large groups, where the floor is compute, expect
+  a few times the 70 us.
 
 The own level (each request's suffix, through plain decode) is not this kernel's: 128
 requests x 256 tokens is another 134 MB, so at (128, 32K) a cascade step's floor is about
