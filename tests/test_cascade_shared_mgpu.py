@@ -49,17 +49,23 @@ def make_level(
     q_len=1,
     dtype=jnp.bfloat16,
     num_kv_heads=NUM_KV_HEADS,
+    padding_entries=False,
 ):
     """Random queries and pool (never zeros) and a shared level whose groups list scattered
     pages; the groups' requests are drawn from the batch in random order (requests left over
-    are in no group). ``prefix_lens[g]`` tokens a group (0: a group without pages)."""
+    are in no group). ``prefix_lens[g]`` tokens a group (0: a group without pages).
+    ``padding_entries``: ``group_requests`` ends with two entries past ``group_indptr[-1]``
+    (ignored), naming a request in no group and a group's first member."""
     rng = np.random.default_rng(seed)
     pool_order = rng.permutation(num_pool_pages).tolist()
     page_lists = []
     for length in prefix_lens:
         count = -(-length // PAGE_SIZE)
         page_lists.append([pool_order.pop() for _ in range(count)])
-    members = rng.permutation(batch)[: sum(group_sizes)]
+    order = rng.permutation(batch)
+    members = order[: sum(group_sizes)]
+    if padding_entries:
+        members = np.concatenate([members, [order[-1], members[0]]])
     level = SharedLevel(
         group_pages=paged.PageTable.from_page_lists(page_lists, list(prefix_lens), PAGE_SIZE),
         group_indptr=np.concatenate([[0], np.cumsum(group_sizes)]).astype(np.int32),
@@ -143,7 +149,8 @@ def check(o, lse, ref_o, ref_lse):
 # (group sizes, prefix tokens a group, batch, q_len, G, KV heads, dtype, soft cap, sm_scale
 # (None: 1 / sqrt(D)), splits, pipeline, pages a step, stages). Case 0: emit_pipeline; a group of 17 requests x G = 4 (68
 # rows: two tiles) and groups of one whose prefixes are a full page and a page plus one token;
-# 3 splits of a 4-page prefix (the last chunk empty); requests in no group. Case 1: the ring;
+# 3 splits of a 4-page prefix (the last chunk empty); requests in no group, one of them named
+# by a padding entry of group_requests (past group_indptr[-1]). Case 1: the ring;
 # q_len 3 (a request's 6 rows cross the tile boundary at 64 in the group of 11); a group with
 # no pages; a prefix ending mid-page; a soft cap that bends most logits (5 against logits of
 # standard deviation 2.4 at sm_scale 0.3, not 1 / sqrt(D)); float16; 2 splits of 3 pages (the second one
@@ -171,6 +178,7 @@ def case_inputs(case):
         q_len=q_len,
         dtype=dtype,
         num_kv_heads=kv_heads,
+        padding_entries=case is CASES[0],
     )
     pipeline, pages, stages = launch
     launch = dict(
