@@ -508,6 +508,8 @@ def test_probe_runs_a_smoke_case(tmp_path, capsys, monkeypatch):
     assert all(row["status"] == "ok" for row in rows) and len(timed) == 1
     with pytest.raises(ValueError, match="must read"):
         cascade_shared.main(["--smoke", "--variants", "ring.p2"])
+    with pytest.raises(ValueError, match=r"case 4x4091: .* multiple of 16 tokens"):
+        cascade_shared.main(["--smoke", "--cases", "4x4091"])
 
 
 @pytest.mark.skipif(ON_GPU, reason="the interpreter's race detector runs on the CPU")

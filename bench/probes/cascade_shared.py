@@ -369,6 +369,14 @@ def main(argv=None) -> int:
         variants = VARIANTS
     if args.cases:
         cases = tuple(tuple(int(n) for n in c.split("x")) for c in args.cases.split(","))
+    for group, prefix in cases:
+        # make_case gives the prefix whole pages (a prefix ending mid-page would need each
+        # request's copy of its last page): a bad case stops the probe before any work.
+        if group < 1 or prefix < PAGE_SIZE or prefix % PAGE_SIZE:
+            raise ValueError(
+                f"case {group}x{prefix}: the group must hold a request and the prefix be a "
+                f"positive multiple of {PAGE_SIZE} tokens"
+            )
     if args.variants:
         variants = tuple(args.variants.split(","))
     for name in variants:
