@@ -15,6 +15,7 @@
 # Issue 18 (the engine's step, version 2): serving-batch, serving-single, serving-load-a and -b,
 # engine-overlap, engine-dispatch (where a step's host time goes); one device command each.
 # Issues 19 and 21: sparse-tests, quest-scores, tune-decode, check-decode. Issue 20: mla-decode.
+# Issue 17: cascade-shared (the shared-level kernel's tests and probe), cascade-crossover.
 # The stage names are unchanged since bench/ was split into harness/, suites/, tuning/, probes/
 # and memcheck/; only the modules they run moved (prefill is now `python -m bench prefill`).
 # Each stage has its own timeout, but a chain of stages can outlast one device command (600 s):
@@ -175,6 +176,19 @@ for stage in "$@"; do
         | tee "$out/gpu_quest_tests.log" | tail -n 3
       timeout 250 python3 -m bench.probes.quest_scores --batches 1,8 --context 32768 2>&1 \
         | tee "$out/quest_scores_probe.log" | tail -n 12 ;;
+    cascade-shared)  # issue 17: the shared-level cascade kernel compiled (its tests, the
+      # gpu-marked benchmark shapes among them), then the probe's grid against plain decode
+      timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_cascade_shared_mgpu.py \
+          2>&1 | tee "$out/gpu_cascade_shared_tests.log" | tail -n 5
+      # The issue's headline case (at least 10x at 128 x 32K) first, in case the budget ends
+      # the grid early; no case starts after 270 s, so the last one has 80 s to finish.
+      timeout 350 python3 -m bench.probes.cascade_shared --budget-s 270 --out "$out" \
+          --cases 128x32768,32x4096,64x4096,128x4096,32x16384,64x16384,128x16384,32x32768,64x32768 \
+          2>&1 | tee "$out/cascade_shared_probe.log" | tail -n 28 ;;
+    cascade-crossover)  # issue 17: short prefixes, where cascade starts to pay (about 4 min)
+      timeout 400 python3 -m bench.probes.cascade_shared --budget-s 330 \
+          --cases 32x256,128x256,32x1024,128x1024,32x2048,128x2048 --out "$out/crossover" 2>&1 \
+        | tee "$out/cascade_crossover.log" | tail -n 14 ;;
     tune-decode)  # issue 21: python -m bench tune paged_decode, four buckets (about 4 min)
       timeout 560 python3 -m bench tune paged_decode --out "$out/tuned" 2>&1 \
         | tee "$out/tune_decode.log" | tail -n 20 ;;
