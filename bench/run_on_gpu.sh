@@ -16,6 +16,7 @@
 # engine-overlap, engine-dispatch (where a step's host time goes); one device command each.
 # Issues 19 and 21: sparse-tests, quest-scores, tune-decode, check-decode. Issue 20: mla-decode.
 # Issue 17: cascade-shared (the shared-level kernel's tests and probe), cascade-crossover.
+# Before any probe of a kernel never yet run on a GPU: kernels-compiled (their gpu-marked tests).
 # The stage names are unchanged since bench/ was split into harness/, suites/, tuning/, probes/
 # and memcheck/; only the modules they run moved (prefill is now `python -m bench prefill`).
 # Each stage has its own timeout, but a chain of stages can outlast one device command (600 s):
@@ -167,6 +168,14 @@ for stage in "$@"; do
         label="${setting%%:*}"; flags="${setting#*:}"
         XLA_FLAGS="$flags" timeout 170 python3 -m bench.probes.engine_dispatch --label "$label" \
           --out "$out/engine-dispatch" 2>&1 | tee -a "$out/engine_dispatch.log" | grep -vE '^#|^$'
+      done ;;
+    kernels-compiled)  # every Mosaic GPU kernel not yet run on a GPU, its gpu-marked tests
+      # only (compiled against the references at benchmark shapes), one pytest a file so that one
+      # file's crash does not hide the others; a first check before any probe times them
+      for file in tests/test_paged_decode_mgpu.py tests/test_cascade_shared_mgpu.py \
+          tests/test_mla_decode_mgpu.py tests/test_quest_scores_kernel.py; do
+        timeout 140 python3 -m pytest -q -p no:cacheprovider -m gpu -x "$file" 2>&1 \
+          | tee -a "$out/gpu_kernels_compiled.log" | tail -n 2
       done ;;
     sparse-tests)  # issue 19: the decode kernel on head-split and one-token-page tables (GPU tests)
       timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_sparse_decode.py -k pallas -rs \
