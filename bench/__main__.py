@@ -1,4 +1,7 @@
-"""Command line: ``python -m bench <suite> [--quick] [--tune] [--dry-run] [--out DIR]``.
+"""Command line: ``python -m bench <suite> [--quick] [--tune] [--dry-run] [--out DIR]``, and two
+subcommands with their own options: ``python -m bench tune <kernel> ...`` (the autotuner,
+``bench/tuning/tune.py``) and ``python -m bench check <suite> ...`` (the speed regression check,
+``bench/check.py``).
 
 - ``python -m bench peers`` on a GPU: measures the copy ceiling, runs the suite on the
   standard grid, prints which case it is setting up and, once a case is done, its rows under a
@@ -47,6 +50,22 @@ PARTIAL_NOTE = (
 DRY_RUN_REPEATS = 3
 
 
+def _tune(argv: list[str]) -> int:
+    from bench.tuning import tune
+
+    return tune.main(argv)
+
+
+def _check(argv: list[str]) -> int:
+    from bench import check
+
+    return check.main(argv)
+
+
+# Words that are not suites: ``python -m bench tune ...`` and ``python -m bench check ...``.
+SUBCOMMANDS = {"tune": _tune, "check": _check}
+
+
 def positive_integers(text: str) -> tuple[int, ...]:
     """``"256,32"`` -> ``(256, 32)``, for ``--batches`` and ``--contexts``.
 
@@ -72,7 +91,9 @@ def parse_arguments(argv: list[str]) -> argparse.Namespace:
         prog="python -m bench",
         description="decodelab benchmarks: times each suite's arms on a GPU and writes a report "
         "to docs/benchmark_results/ (the method: docs/benchmarking.md)",
-        epilog="Tuners, probes and memcheck workloads run on their own: python -m "
+        epilog="Subcommands: python -m bench tune <kernel> --help (autotuner), python -m bench "
+        "check <suite> --help (speed regression check). "
+        "Tuners, probes and memcheck workloads run on their own: python -m "
         "bench.tuning.<name>, bench.probes.<name>, bench.memcheck.<name>; "
         "python -m bench.harness.merge_reports merges a suite run in parts.",
     )
@@ -143,6 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     """Runs ``python -m bench`` with ``argv`` (default ``sys.argv[1:]``); returns the exit
     status."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in SUBCOMMANDS:
+        return SUBCOMMANDS[argv[0]](argv[1:])
     arguments = parse_arguments(argv)
     _prepare_jax_platform(arguments.dry_run)
 

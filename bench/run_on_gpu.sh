@@ -11,7 +11,8 @@
 #   SAMPLING_BATCH=1 DECODELAB_SAMPLING_CASES=gumbel,top_p bash bench/run_on_gpu.sh sampling-part
 # (merge a suite's parts into one report with python -m bench.harness.merge_reports)
 # Issue 18 (the engine's step, version 2): serving-batch, serving-single, serving-load-a and -b,
-# engine-overlap; one device command each.
+# engine-overlap, engine-dispatch (where a step's host time goes); one device command each.
+# Issues 19 and 21: sparse-tests, quest-scores, tune-decode, check-decode.
 # The stage names are unchanged since bench/ was split into harness/, suites/, tuning/, probes/
 # and memcheck/; only the modules they run moved (prefill is now `python -m bench prefill`).
 # Each stage has its own timeout, but a chain of stages can outlast one device command (600 s):
@@ -128,6 +129,29 @@ for stage in "$@"; do
       part="${part//,/_}"
       timeout "${SAMPLING_PART_TIMEOUT:-540}" python3 -m bench sampling --batches "$SAMPLING_BATCH" \
         --out "$out/$part" 2>&1 | tee "$out/$part.log" | grep -E '^\.\.\. .* done in|^note|wrote' ;;
+    engine-dispatch)  # issue 18: an engine step's host time under three XLA command-buffer settings
+      for setting in "default:" "off:--xla_gpu_enable_command_buffer=" \
+          "all:--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL --xla_gpu_graph_min_graph_size=1"; do
+        label="${setting%%:*}"; flags="${setting#*:}"
+        XLA_FLAGS="$flags" timeout 170 python3 -m bench.probes.engine_dispatch --label "$label" \
+          --out "$out/engine-dispatch" 2>&1 | tee -a "$out/engine_dispatch.log" | grep -vE '^#|^$'
+      done ;;
+    sparse-tests)  # issue 19: the decode kernel on head-split and one-token-page tables (GPU tests)
+      timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_sparse_decode.py -k pallas -rs \
+        2>&1 | tee "$out/gpu_sparse_tests.log" | tail -n 4 ;;
+    quest-scores)  # issue 19: the Quest scoring kernel compiled (tests), then checked and timed
+      timeout 250 python3 -m pytest -q -p no:cacheprovider tests/test_quest_scores_kernel.py 2>&1 \
+        | tee "$out/gpu_quest_tests.log" | tail -n 3
+      timeout 250 python3 -m bench.probes.quest_scores --batches 1,8 --context 32768 2>&1 \
+        | tee "$out/quest_scores_probe.log" | tail -n 12 ;;
+    tune-decode)  # issue 21: python -m bench tune paged_decode, four buckets (about 4 min)
+      timeout 560 python3 -m bench tune paged_decode --out "$out/tuned" 2>&1 \
+        | tee "$out/tune_decode.log" | tail -n 20 ;;
+    check-decode)  # issue 21: the decode suite re-run and compared with the committed report
+      timeout 400 python3 -m bench decode --out "$out/check-decode" 2>&1 | tee "$out/check_decode.log" \
+        | grep -E '^note|wrote'
+      python3 -m bench check decode --measured "$out"/check-decode/*-decode.json 2>&1 \
+        | tee -a "$out/check_decode.log" | tail -n 15 ;;
     *) echo "unknown stage $stage" ;;
   esac
 done

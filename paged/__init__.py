@@ -15,6 +15,13 @@ Public API (names are part of the contract):
 - ``rope_append_kv`` (``backend=``): RoPE on new tokens' q and k, k and v written into pages
 - ``prefill_chunks``, ``PrefillChunk``, ``truncated_page_table``, ``new_token_positions``,
   ``prefill_attention`` (``backend=``): chunked prefill against the paged cache
+- ``LatentCache``, ``new_latent_cache``, ``append_latent``: the MLA latent cache (a latent and
+  a RoPE key a token, under the same CSR page table); ``mla_decode_absorbed_reference`` and
+  ``mla_decode_unabsorbed_reference``: MLA decode, the two formulations (``docs/mla.md``)
+- ``sparse_decode_attention`` (``backend=``) with a ``QuestSelection`` (``PageKeyBounds``,
+  ``page_key_bounds``, ``update_page_key_bounds``), a ``TokenSelection``
+  (``lightning_indexer_top_k``) or a ``BlockSelection``: decode over a selected subset of the
+  keys, as a smaller page table for ``decode_attention`` (``docs/sparse_decode.md``)
 """
 
 from paged.attention_reference import merge_state, merge_states
@@ -28,6 +35,8 @@ from paged.cascade import (
 )
 from paged.decode import decode_attention
 from paged.kv_cache import KVCache, append_kv, new_kv_cache
+from paged.mla_cache import LatentCache, append_latent, new_latent_cache
+from paged.mla_reference import mla_decode_absorbed_reference, mla_decode_unabsorbed_reference
 from paged.page_table import (
     PageTable,
     bucket_size,
@@ -46,19 +55,35 @@ from paged.prefill import (
 )
 from paged.rope import Llama3Scaling, RopeParams, apply_rope, inverse_frequencies
 from paged.rope_append import rope_append_kv
+from paged.sparse import sparse_decode_attention
+from paged.sparse_blocks import BlockSelection
+from paged.sparse_indexer import lightning_indexer_top_k
+from paged.sparse_quest import (
+    PageKeyBounds,
+    QuestSelection,
+    page_key_bounds,
+    update_page_key_bounds,
+)
+from paged.sparse_tokens import TokenSelection
 
 __all__ = [
+    "BlockSelection",
     "CascadeLevels",
     "DecodePlan",
     "KVCache",
+    "LatentCache",
     "Llama3Scaling",
+    "PageKeyBounds",
     "PagePool",
     "PageTable",
     "PoolExhaustedError",
     "PrefillChunk",
+    "QuestSelection",
     "RopeParams",
     "SharedLevel",
+    "TokenSelection",
     "append_kv",
+    "append_latent",
     "apply_rope",
     "bucket_size",
     "cascade_decode_attention",
@@ -68,16 +93,23 @@ __all__ = [
     "decode_attention",
     "host_page_table",
     "inverse_frequencies",
+    "lightning_indexer_top_k",
     "merge_state",
     "merge_states",
+    "mla_decode_absorbed_reference",
+    "mla_decode_unabsorbed_reference",
     "new_kv_cache",
+    "new_latent_cache",
     "new_token_positions",
+    "page_key_bounds",
     "plan_decode",
     "plan_decode_tables",
     "prefill_attention",
     "prefill_chunks",
     "rope_append_kv",
+    "sparse_decode_attention",
     "truncated_page_table",
+    "update_page_key_bounds",
     "validate_cascade_levels",
     "validate_page_table",
 ]

@@ -274,10 +274,13 @@ def host_page_table(
     return PageTable(indptr, indices, last, page_size)
 
 
-def check_holds_new_tokens(table: PageTable, num_new_tokens: int, what: str) -> None:
+def check_holds_new_tokens(
+    table: PageTable, num_new_tokens: int, what: str, *, allow_empty: bool = False
+) -> None:
     """Raises ``ValueError`` if a concrete ``table`` has a request with fewer than
     ``num_new_tokens`` tokens: a table handed to a forward pass or a prefill must already
-    include the new tokens (``what`` names them in the message). Traced tables are not checked.
+    include the new tokens (``what`` names them in the message). With ``allow_empty``, a request
+    of no tokens passes (an idle row of a decode batch). Traced tables are not checked.
 
     Example:
       >>> check_holds_new_tokens(PageTable.from_seq_lens([3], page_size=4), 2, "L=2 new tokens")
@@ -286,6 +289,8 @@ def check_holds_new_tokens(table: PageTable, num_new_tokens: int, what: str) -> 
         return
     lengths = np.asarray(table.seq_lens())
     short = lengths < num_new_tokens
+    if allow_empty:
+        short &= lengths > 0
     if np.any(short):
         b = int(np.argmax(short))
         raise ValueError(

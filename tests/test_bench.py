@@ -505,7 +505,8 @@ def test_sampling_dry_run_times_every_decodelab_arm_beside_the_peers(tmp_path):
     document = json.loads(json_path.read_text())
     assert document["suite"] == "sampling"
     rows = {(case["case"], case["arm"]): case for case in document["cases"]}
-    for batch in peers.DRY_RUN_SAMPLING_BATCHES:
+    assert {int(case.split("B=")[1]) for case, _ in rows} == set(sampling_suite.DRY_RUN_BATCHES)
+    for batch in sampling_suite.DRY_RUN_BATCHES:
         arms = {arm for case, arm in rows if case == f"gumbel B={batch}"}
         assert {
             "decodelab_reference",
@@ -522,7 +523,13 @@ def test_sampling_dry_run_times_every_decodelab_arm_beside_the_peers(tmp_path):
             row = rows[(f"gumbel B={batch}", arm)]
             assert row["attribution"].endswith(":interpret")
             assert row["same_tokens_as_reference"] == 1.0
-        for method in sampling_suite.FILTERED_METHODS:
+        dry_run_methods = [
+            method
+            for method in sampling_suite.FILTERED_METHODS
+            if method.name in sampling_suite.DRY_RUN_KINDS
+        ]
+        assert {case.split()[0] for case, _ in rows} == set(sampling_suite.DRY_RUN_KINDS)
+        for method in dry_run_methods:
             case = f"{method.name} B={batch}"
             assert (case, "decodelab (repeat)") in rows
             for arm in ("decodelab_reference", "decodelab", "decodelab_kernel"):
@@ -546,7 +553,8 @@ def test_sampling_dry_run_times_every_decodelab_arm_beside_the_peers(tmp_path):
         batch = int(case["case"].split("B=")[1])
         assert case["bytes"] == batch * peers.DRY_RUN_VOCAB * 4
     assert not [note for note in document["notes"] if "failed" in note or "Triton" in note]
-    assert any(note.startswith("target gumbel B=1") for note in document["notes"])
+    batch = sampling_suite.DRY_RUN_BATCHES[0]
+    assert any(note.startswith(f"target gumbel B={batch}") for note in document["notes"])
 
 
 def test_sampling_part_keeps_a_partial_report_when_the_run_is_cut_short(tmp_path, monkeypatch):
@@ -1058,3 +1066,17 @@ def test_mgpu_decode_probe_memcheck_workload_runs_interpreted(capsys):
     assert mgpu_decode.main(["--memcheck", "--smoke"]) == 0
     printed = capsys.readouterr().out
     assert "q_len=5" in printed and "finite output True" in printed
+
+
+def test_engine_dispatch_probe_runs_a_smoke_case(tmp_path, capsys):
+    """The probe of an engine step's host time runs both loops and the program alone, and
+    writes one row a loop (figures on a CPU mean nothing; the code paths do)."""
+    from bench.probes import engine_dispatch
+
+    assert engine_dispatch.main(["--smoke", "--label", "smoke", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "engine_dispatch_smoke.json").read_text())
+    assert [row["loop"] for row in rows] == ["overlapped", "synchronous"]
+    for row in rows:
+        assert row["steps"] > 0 and row["dispatch_us"] > 0 and row["wall_step_us"] > 0
+    assert rows[0]["call_us"] > 0 and rows[0]["calls"] == 3
+    assert "program alone" in capsys.readouterr().out

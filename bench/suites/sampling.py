@@ -1,8 +1,8 @@
 """The ``sampling`` suite: decodelab's samplers beside the sampling peers, in the same run.
 
-Vocab 128256, float32, batch 1, 32 and 256 (``--quick``: batch 32; dry run: vocab 1000, batch 1
-and 4), cold L2, dispatch amortized (``bench.harness``). Inputs rotate the way
-``peers.sampling_results`` rotates them: R sets, each its own ``[B, V]`` array visited by a
+Vocab 128256, float32, batch 1, 32 and 256 (``--quick``: batch 32; dry run: vocab 1000, batch
+4, the kinds of ``DRY_RUN_KINDS``), cold L2, dispatch amortized (``bench.harness``). Inputs
+rotate the way ``peers.sampling_results`` rotates them: R sets, each its own ``[B, V]`` array visited by a
 static index (``timing.SetsInTurnLoop``: no slice is copied before a Pallas call), R from
 ``options.unrolled_sets_for(B x V x 4)`` (cold L2, but at most 32 sets: at batch 1 the 16 MB
 between visits may leave a set in the L2, a difference of under 0.2 us on a 0.5 MB read), with the very logits the peers draw (same seed, same
@@ -152,6 +152,12 @@ FILTERED_METHODS = (
     ),
 )
 CASE_KINDS = ("gumbel", *(method.name for method in FILTERED_METHODS))
+DRY_RUN_BATCHES = (max(peers.DRY_RUN_SAMPLING_BATCHES),)
+# A dry run's kinds when DECODELAB_SAMPLING_CASES does not choose: the Gumbel arms, top-p (the
+# peers' case) and joint (top-k and top-p together). top_k and min_p run the same arms and code
+# with other parameters; `make test` skips their interpreted kernels (DECODELAB_SAMPLING_CASES
+# runs them in a dry run too).
+DRY_RUN_KINDS = ("gumbel", "top_p", "joint")
 CASES_VARIABLE = "DECODELAB_SAMPLING_CASES"
 
 
@@ -164,7 +170,9 @@ def run(options: RunOptions, ceiling: CopyCeiling) -> SuiteOutput:
     results: list[CaseResult] = []
     vocab = peers.DRY_RUN_VOCAB if options.dry_run else peers.VOCAB
     if options.dry_run:
-        batches = peers.DRY_RUN_SAMPLING_BATCHES
+        # One batch of several rows: batch 1 runs the same code, and every dry-run batch is
+        # some twenty interpreted kernels to compile in `make test` (about 45 s on 2 cores).
+        batches = DRY_RUN_BATCHES
     else:
         batches = peers.QUICK_SAMPLING_BATCHES if options.quick else peers.SAMPLING_BATCHES
     batches = options.batches or batches
@@ -625,9 +633,12 @@ def chosen_kinds(options: RunOptions) -> tuple[str, ...]:
     filtered by ``DECODELAB_SAMPLING_CASES`` (kinds, comma-separated), which splits a batch that
     does not fit one device command into parts (``bench.harness.merge_reports`` joins them).
     The peers' rows join the ``gumbel`` and ``top_p`` cases, so they run in a part that has
-    both (a case's arms must come from one process)."""
+    both (a case's arms must come from one process). A dry run without the variable times
+    ``DRY_RUN_KINDS``."""
     kinds = ("gumbel",) if options.gumbel_only else CASE_KINDS
     wanted = os.environ.get(CASES_VARIABLE, "").strip()
+    if options.dry_run and not wanted:
+        return tuple(kind for kind in kinds if kind in DRY_RUN_KINDS)
     if wanted:
         names = {name.strip() for name in wanted.split(",") if name.strip()}
         unknown = names - set(CASE_KINDS)
