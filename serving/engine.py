@@ -308,7 +308,8 @@ class Engine:
         num_steps = 0
         if step.decode is not None:
             host_start = time.perf_counter()
-            inputs, num_steps = self._decode_inputs(step.decode)
+            inputs = self._decode_inputs(step.decode)
+            num_steps = programs.num_steps(inputs)
             plan_s += time.perf_counter() - host_start
             host_s += time.perf_counter() - host_start
             decode_start = time.perf_counter()
@@ -353,7 +354,8 @@ class Engine:
         step = self.scheduler.plan_step(self.max_steps_per_program)
         inputs, num_steps = None, 0
         if step.decode is not None:
-            inputs, num_steps = self._decode_inputs(step.decode)
+            inputs = self._decode_inputs(step.decode)
+            num_steps = programs.num_steps(inputs)
         planned = time.perf_counter()
         for chunk in step.prefill:  # dispatched, not awaited: the device runs them in order
             self._run_prefill_chunk(chunk)
@@ -490,12 +492,13 @@ class Engine:
             self._abstract_state = programs.abstract(args[:4])
         return (*self._abstract_state, *args[4:])
 
-    def _decode_inputs(self, batch: DecodeBatch) -> tuple[programs.DecodeInputs, int]:
+    def _decode_inputs(self, batch: DecodeBatch) -> programs.DecodeInputs:
         """The decode program's device inputs from the scheduler's batch (host NumPy; jit
-        transfers), and the decode steps it runs, ``K``: the batch's ``num_steps``, or fewer
-        where the Pallas plans of its steps stop sharing a compiled variant (then the
-        largest power of two of steps that do; committing frees the rest's pages). With ``K >
-        1`` the table and plan leaves have a leading ``[K]`` axis (``programs.stack_steps``)."""
+        transfers), for ``K`` decode steps (``programs.num_steps``): the batch's
+        ``num_steps``, or fewer where the Pallas plans of its steps stop sharing a compiled
+        variant (then the largest power of two of steps that do; committing frees the rest's
+        pages). With ``K > 1`` the table and plan leaves have a leading ``[K]`` axis
+        (``programs.stack_steps``)."""
         vocab = self.target_config.vocab_size
         rows = batch.params  # None for an idle row: greedy, no filter, ignored anyway
         temperature = np.array([p.temperature if p else 0.0 for p in rows], np.float32)
@@ -523,7 +526,7 @@ class Engine:
             (plan,) = _plan_tables([table], self.target_config)
             if draft_tables:  # speculating: the draft model's n + 1 tables
                 draft_plans = _plan_tables(draft_tables, self.draft_config)
-        inputs = programs.DecodeInputs(
+        return programs.DecodeInputs(
             token_ids=batch.token_ids,
             key_data=key_data,
             num_generated=batch.num_generated,
@@ -536,7 +539,6 @@ class Engine:
             plan=plan,
             draft_plans=draft_plans,
         )
-        return inputs, num_steps
 
     def _run_decode(self, inputs: programs.DecodeInputs, num_steps: int) -> programs.DecodeResult:
         args = (self.target_params, self.draft_params, self.target_caches, self.draft_caches)

@@ -229,7 +229,11 @@ def decode_steps(
     """
     if inputs.draft_page_tables:
         raise ValueError("decode_steps runs plain decoding: draft_page_tables must be empty")
-    num_steps = inputs.page_table.last_page_len.shape[0]
+    if inputs.page_table.last_page_len.ndim != 2:
+        raise ValueError(
+            "decode_steps needs a table stacked over the steps (programs.stack_steps), got "
+            f"last_page_len of shape {inputs.page_table.last_page_len.shape}"
+        )
     if previous_token_ids is not None:
         fed = jnp.where(inputs.token_ids < 0, previous_token_ids[:, 0], inputs.token_ids)
         inputs = inputs._replace(token_ids=fed)
@@ -257,7 +261,7 @@ def decode_steps(
         tokens = result.token_ids[:, 0]
         return (tokens, caches), tokens
 
-    steps = jnp.arange(num_steps, dtype=jnp.int32)
+    steps = jnp.arange(num_steps(inputs), dtype=jnp.int32)
     (last, target_caches), tokens = jax.lax.scan(
         one_step, (inputs.token_ids, target_caches), (steps, inputs.page_table, inputs.plan)
     )
@@ -316,6 +320,13 @@ def stack_steps(tables: list[paged.PageTable], plans: list[paged.DecodePlan | No
         **stacked, write_final=plans[0].write_final, long_chunks=plans[0].long_chunks
     )
     return table, plan
+
+
+def num_steps(inputs: DecodeInputs) -> int:
+    """The decode steps ``inputs`` are for: ``K`` when their table is stacked
+    (``decode_steps``), else 1 (``decode_step``)."""
+    lengths = inputs.page_table.last_page_len
+    return 1 if lengths.ndim == 1 else lengths.shape[0]
 
 
 def first_step(inputs: DecodeInputs) -> DecodeInputs:

@@ -237,15 +237,19 @@ def test_greedy_tokens_do_not_depend_on_the_step_budget(pair):
 # Overlapped steps: the host out of the device's way
 
 
-def _run_with_arrivals(engine, arrivals) -> dict:
+def _run_with_arrivals(engine, arrivals, stats: list | None = None) -> dict:
     """Steps ``engine`` until done, submitting ``arrivals[k]`` (a list of requests) before
-    step ``k``; returns each request's output by id."""
+    step ``k``; returns each request's output by id (and appends each step's ``StepStats``
+    to ``stats``)."""
     outputs, step = {}, 0
     while step in arrivals or engine.has_unfinished:
         for request in arrivals.get(step, ()):
             engine.submit(request)
-        for output in engine.step().finished:
+        result = engine.step()
+        for output in result.finished:
             outputs[output.request_id] = output
+        if stats is not None:
+            stats.append(result.stats)
         step += 1
     return outputs
 
@@ -277,6 +281,47 @@ def test_overlapped_steps_give_the_synchronous_outputs(pair, num_speculative):
     assert results[True] == results[False]
     reasons = [reason for _, reason in results[False].values()]
     assert reasons.count("stop") == 2 and "length" in reasons  # both finishes exercised
+
+
+def test_several_steps_a_program_give_the_single_step_outputs(pair):
+    """Up to four decode steps a program (``max_steps_per_program=4``), synchronous and
+    overlapped, against single steps: greedy and seeded sampled requests (float32) arriving
+    while others decode, finishing by max_tokens and by stop tokens, on a pool small enough
+    to preempt and to cut blocks short: the same tokens and finish reasons, every page back.
+    The stats count the steps: blocks of four ran, fewer programs than single steps, every
+    emitted token counted once, none more than a step's rows and steps can make."""
+    sampled = lambda tokens, seed: SamplingParams(0.8, top_p=0.9, seed=seed, max_tokens=tokens)
+    greedy = lambda tokens, stop=(): SamplingParams(0.0, max_tokens=tokens, stop_token_ids=stop)
+    arrivals = lambda: {
+        0: [Request("a", encode_text(PROMPTS[0]), greedy(14)), Request("b", [7], greedy(1))],
+        2: [Request("c", encode_text(PROMPTS[1]), sampled(11, seed=3))],
+        3: [Request("d", encode_text(PROMPTS[2]), greedy(12, stop=[101, 32]))],
+        9: [Request("e", encode_text(PROMPTS[3]), sampled(16, seed=4))],
+        10: [Request("f", encode_text(PROMPTS[4]), greedy(9, stop=[32, 115]))],
+    }
+    results, programs_run = {}, {}
+    for overlap, steps in ((False, 1), (False, 4), (True, 4)):
+        engine = _engine(pair, overlap=overlap, max_steps_per_program=steps)
+        stats = []
+        outputs = _run_with_arrivals(engine, arrivals(), stats)
+        results[overlap, steps] = {
+            rid: (out.token_ids, out.finish_reason) for rid, out in sorted(outputs.items())
+        }
+        assert engine.scheduler.pool.num_free == engine.scheduler.usable_pages
+        assert sum(s.num_emitted for s in stats) == sum(len(o.token_ids) for o in outputs.values())
+        assert all(s.num_decode_steps == (1 if s.num_decode_rows else 0) or steps > 1 for s in stats)
+        assert {s.num_decode_steps for s in stats} <= {0, 1, 2, 4}
+        assert all(bool(s.num_decode_rows) == bool(s.num_decode_steps) for s in stats)
+        if not overlap:  # a step's own tokens (overlapped: the previous step's)
+            assert all(s.num_emitted <= s.num_decode_rows * s.num_decode_steps for s in stats)
+        programs_run[overlap, steps] = sum(bool(s.num_decode_steps) for s in stats)
+        if steps > 1:
+            assert any(s.num_decode_steps == 4 for s in stats), "no block of four ran"
+    baseline = results[False, 1]
+    assert results[False, 4] == baseline and results[True, 4] == baseline
+    reasons = [reason for _, reason in baseline.values()]
+    assert reasons.count("stop") == 2 and "length" in reasons  # both finishes exercised
+    assert programs_run[False, 4] < programs_run[False, 1]
 
 
 def test_overlapped_engine_dispatches_a_step_before_fetching_the_last(pair, monkeypatch):
