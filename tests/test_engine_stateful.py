@@ -35,10 +35,11 @@ a rewind one entry short, or chunks written at the wrong offset all show up as w
 
 Cost: shapes (pool, page size, slots, vocabulary) are fixed, and the engine's programs are
 module-level ``jax.jit`` functions whose static arguments are the (hashable) model configs, so
-every engine of every example reuses them: twelve programs in all (measured with
-``_decode_step_jit._cache_size()``: per ``n`` in {0, 2}, one decode program, since every table fits
-the 16-entry index bucket, prefill chunks of 1, 2, 4 and 8 tokens, and the programs of two and of
-four decode steps). Hypothesis draws only
+every engine of every example reuses them: thirteen programs in all (measured with the jitted
+functions' ``_cache_size()`` after a ci run: three single-step decode programs, for ``n`` in {0,
+2} and for ``n = 0`` fed from the device, since every table fits the 16-entry index bucket; three
+of several steps, two or four, fed from the host or the device; seven prefill programs, chunks of
+1, 2, 4 and 8 tokens). Hypothesis draws only
 host-side values (prompts, sampling parameters, the prefill and step budgets, the chunk limit,
 the grant interval, seeds).
 
