@@ -68,7 +68,6 @@ from serving.scheduler import DecodeBatch, Scheduler, Step
 from serving.step_decision import DEFAULT_PREFILL_GRANT_INTERVAL
 from serving.step_stats import AcceptanceStats, RequestTiming, StepOutput, StepStats
 
-
 # The most decode steps one program runs (Engine(max_steps_per_program=...)): each power of two
 # up to it may compile a program, and a block delays an arrival's admission by up to K steps.
 MAX_STEPS_PER_PROGRAM = 32

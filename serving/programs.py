@@ -311,7 +311,9 @@ def stack_steps(tables: list[paged.PageTable], plans: list[paged.DecodePlan | No
         return np.pad(values, (0, width - values.shape[0]), constant_values=fill)
 
     stacked = {
-        field: np.stack([padded(plan, field, -1 if field == "work_request" else 0) for plan in plans])
+        field: np.stack(
+            [padded(plan, field, -1 if field == "work_request" else 0) for plan in plans]
+        )
         for field in _PLAN_WORK_FIELDS
     }
     for field in ("merge_indptr", "chunk_pages", "num_work_items"):

@@ -930,9 +930,7 @@ class Scheduler:
             for offset in range(count):
                 if not live.done and tokens[slot, offset] < 0:
                     where = f"{slot}" if count == 1 else f"{slot}, {offset}"
-                    raise ValueError(
-                        f"token_ids[{where}]={tokens[slot, offset]} is not a token id"
-                    )
+                    raise ValueError(f"token_ids[{where}]={tokens[slot, offset]} is not a token id")
         del self._unresolved[step.index]
         new_token_ids, finished = {}, []
         for slot, live, index in rows:

@@ -309,7 +309,9 @@ def test_several_steps_a_program_give_the_single_step_outputs(pair):
         }
         assert engine.scheduler.pool.num_free == engine.scheduler.usable_pages
         assert sum(s.num_emitted for s in stats) == sum(len(o.token_ids) for o in outputs.values())
-        assert all(s.num_decode_steps == (1 if s.num_decode_rows else 0) or steps > 1 for s in stats)
+        assert all(
+            s.num_decode_steps == (1 if s.num_decode_rows else 0) or steps > 1 for s in stats
+        )
         assert {s.num_decode_steps for s in stats} <= {0, 1, 2, 4}
         assert all(bool(s.num_decode_rows) == bool(s.num_decode_steps) for s in stats)
         if not overlap:  # a step's own tokens (overlapped: the previous step's)
@@ -436,6 +438,19 @@ def test_bad_engine_arguments_are_named(pair):
         Engine(target, num_pages=8, page_size=16, parallel=1, backend="cuda")
     with pytest.raises(ValueError, match="num_speculative must be in"):
         Engine(target, draft, num_pages=8, page_size=16, parallel=1, num_speculative=16)
+    for steps in (3, 0, 64, True, 2.0):
+        with pytest.raises(ValueError, match="max_steps_per_program must be a power of two in"):
+            Engine(target, num_pages=8, page_size=16, parallel=1, max_steps_per_program=steps)
+    speculative = Engine(
+        target,
+        draft,
+        num_pages=8,
+        page_size=16,
+        parallel=1,
+        num_speculative=2,
+        max_steps_per_program=4,
+    )
+    assert speculative.max_steps_per_program == 1  # speculative rows: one step a program
     engine = Engine(target, num_pages=8, page_size=16, parallel=1, backend="reference")
     with pytest.raises(ValueError, match="prompt token 300 outside the vocabulary"):
         engine.submit(Request("a", [1, 300]))

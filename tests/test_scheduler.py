@@ -851,7 +851,9 @@ class SchedulerMachine(RuleBasedStateMachine):
                     event(name)
             event(f"finished {min(self.scheduler.stats['finished'], 5)}+ requests")
             for steps, run in self.engine.blocks:
-                event(f"{steps} decode steps planned at once, {'all' if run == steps else 'fewer'} run")
+                event(
+                    f"{steps} decode steps planned at once, {'all' if run == steps else 'fewer'} run"
+                )
             event(f"rejected {min(self.next_id - len(self.engine.requests), 3)}+")
 
 
