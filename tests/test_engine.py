@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import paged
 import speculative
 from serving import keys, programs
 from serving.demo import encode_text, load_tiny_pair
@@ -324,6 +325,35 @@ def test_several_steps_a_program_give_the_single_step_outputs(pair):
     reasons = [reason for _, reason in baseline.values()]
     assert reasons.count("stop") == 2 and "length" in reasons  # both finishes exercised
     assert programs_run[False, 4] < programs_run[False, 1]
+
+
+def test_steps_stack_into_one_table_and_plan_padded_to_the_longest():
+    """``programs.stack_steps``: K steps' tables and plans get a leading [K] axis, the plans'
+    work arrays padded as ``plan_decode`` pads (request -1, empty ranges); steps that cannot
+    share one compiled program (padded sizes, static plan fields) are refused by name."""
+    short = paged.host_page_table([[1], [2]], [3, 1], 16, num_indices=16)
+    long = paged.host_page_table([[1, 3], [2]], [17, 1], 16, num_indices=16)
+    plans = [paged.plan_decode(t, 4, 2, 16, fixed_split_pages=1) for t in (short, long)]
+    plans[0] = paged.plan_decode(short, 4, 2, 16, fixed_split_pages=1, num_work_items=2)
+    table, plan = programs.stack_steps([short, long], plans)
+    assert table.page_indptr.tolist() == [[0, 1, 2], [0, 2, 3]] and table.page_size == 16
+    assert table.last_page_len.tolist() == [[3, 1], [1, 1]]
+    width = plans[1].work_request.shape[0]
+    assert plan.work_request.shape == (2, width) and width > 2
+    assert plan.work_request[0].tolist() == [0, 1] + [-1] * (width - 2)
+    assert plan.work_page_end[0, 2:].tolist() == [0] * (width - 2)
+    assert plan.merge_indptr.tolist() == [[0, 1, 2], [0, 2, 3]]
+    inputs = programs.DecodeInputs(*([None] * 7), table, (), plan, ())
+    assert programs.num_steps(inputs) == 2 and programs.num_steps(programs.first_step(inputs)) == 1
+    assert programs.first_step(inputs).plan.work_request.tolist() == plan.work_request[0].tolist()
+    assert programs.stack_steps([short, long], [None, None])[1] is None  # the reference's
+    with pytest.raises(ValueError, match="share one padded size"):
+        wider = paged.host_page_table([[1]] * 2, [1, 1], 16, num_indices=32)
+        programs.stack_steps([short, wider], [None] * 2)
+    split = paged.plan_decode(long, 4, 2, 16)  # no fixed split: one item a request
+    assert split.write_final != plans[0].write_final
+    with pytest.raises(ValueError, match="plans differ in their static fields"):
+        programs.stack_steps([short, long], [plans[0], split])
 
 
 def test_overlapped_engine_dispatches_a_step_before_fetching_the_last(pair, monkeypatch):
