@@ -1,4 +1,5 @@
-"""The engine's jitted programs: one decode (or verification) step, one prefill chunk.
+"""The engine's jitted programs: one decode (or verification) step, several plain decode steps,
+one prefill chunk.
 
 One decode step, one program
 ----------------------------
@@ -12,6 +13,15 @@ never per sequence length. Prefill chunks have power-of-two lengths (the schedul
 program per length and table bucket. The step's host arrays (tokens, keys, sampling parameters,
 page tables, plans) travel as one int32 buffer (``serving/host_inputs.py``): one
 host-to-device copy a step, not one an array.
+
+Several decode steps, one program
+---------------------------------
+Where the host measured more time planning and dispatching a step than the device took to run
+it (issue 18), ``decode_steps`` runs ``K`` plain decode steps in one program: a ``lax.scan``
+whose body is ``decode_step``, step ``k`` fed the tokens step ``k - 1`` sampled, reading its
+own table and plan (the host plans all ``K``: ``stack_steps``), its keys folded with
+``num_generated + k``. ``K`` is a static shape (the stacked tables' leading axis), so each
+``K`` compiles once per bucket; the engine uses powers of two.
 
 Sampling (keys: ``serving/keys.py``)
 ------------------------------------
