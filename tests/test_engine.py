@@ -25,6 +25,7 @@ import pytest
 
 import paged
 import speculative
+from serving import engine as engine_module
 from serving import keys, programs
 from serving.demo import encode_text, load_tiny_pair
 from serving.engine import Engine
@@ -325,6 +326,38 @@ def test_several_steps_a_program_give_the_single_step_outputs(pair):
     reasons = [reason for _, reason in baseline.values()]
     assert reasons.count("stop") == 2 and "length" in reasons  # both finishes exercised
     assert programs_run[False, 4] < programs_run[False, 1]
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_block_cut_short_by_its_plans_gives_the_same_outputs(pair, monkeypatch, overlap):
+    """Where the Pallas plans of a block's steps change compiled variant, the engine runs the
+    first steps only (``_steps_of_one_variant``) and commits those: forced here on the
+    reference (two steps of every block of four), the outputs are those of single steps and
+    every page reserved for the steps not run comes back."""
+    requests = lambda: [
+        Request("a", encode_text(PROMPTS[0]), SamplingParams(0.0, max_tokens=11)),
+        Request("b", encode_text(PROMPTS[1]), SamplingParams(0.8, seed=2, max_tokens=9)),
+    ]
+    baseline = _tokens(_engine(pair).generate(requests()))
+    real = engine_module._steps_of_one_variant
+    monkeypatch.setattr(engine_module, "_steps_of_one_variant", lambda plans: min(real(plans), 2))
+    engine = _engine(pair, overlap=overlap, max_steps_per_program=4)
+    planned, run = [], []
+    plan_step = engine.scheduler.plan_step
+
+    def recording_plan_step(*args):
+        step = plan_step(*args)
+        planned.append(step.decode.num_steps if step.decode is not None else 0)
+        return step
+
+    engine.scheduler.plan_step = recording_plan_step
+    outputs = engine.generate(requests(), lambda out: run.append(out.stats.num_decode_steps))
+    assert _tokens(outputs) == baseline
+    assert 4 in planned and max(run) == 2  # blocks of four planned, two steps run
+    assert engine.scheduler.pool.num_free == engine.scheduler.usable_pages
+    variant = lambda write_final: paged.DecodePlan(*([None] * 7), write_final=write_final)
+    assert real([variant(True)] * 3 + [variant(False)]) == 2
+    assert real([variant(False)] * 4) == 4 and real([None] * 8) == 8
 
 
 def test_steps_stack_into_one_table_and_plan_padded_to_the_longest():
