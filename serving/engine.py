@@ -31,11 +31,13 @@ between steps (no prefill, no admissible waiting request, no ``max_tokens`` fini
 for every write reserved ahead: ``Scheduler.plan_step(max_decode_steps=K)``), the engine runs
 up to ``K`` decode steps as one jitted program (``programs.decode_steps``: a scan whose body is
 the single step, each step feeding the tokens of the one before on the device), planned,
-dispatched and committed once. A stop token inside the block ends its row's tokens there, as
-one step late ends them in the overlapped loop: the tokens after it are discarded and the pages
-freed. Keys, positions and pages are those of single steps, so the outputs are the same as with
-``K = 1`` (``tests/test_engine.py``; the state machine of ``tests/test_engine_stateful.py`` runs
-both). Both loops run blocks; a speculative engine keeps single steps.
+dispatched and committed once. A stop token cannot be known ahead: the row runs on to the
+block's end, and committing discards its tokens after the stop and frees its pages, as the
+overlapped loop does with the step after a stop. Keys, positions and pages are those of single
+steps, so the outputs are the same as with ``K = 1`` (``tests/test_engine.py``; the state
+machine of ``tests/test_engine_stateful.py`` runs both). Both loops run blocks (overlapped, a
+block's last tokens feed the next program); a speculative engine keeps single steps. The price:
+a request arriving during a block waits for its end, up to ``K - 1`` steps longer.
 
 Where each part lives:
 

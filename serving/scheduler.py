@@ -719,12 +719,7 @@ class Scheduler:
             # The cache's length after this step's prefill: where the last token goes.
             positions[slot] = ends.get(id(live), live.cached)
             num_generated[slot] = live.num_generated
-        table = self._slot_table(positions + (n + 1), active)
         draft_tables = step_tables = ()
-        if n:
-            size = table.page_indices.shape[0]
-            passes = [self._slot_table(positions + (j + 1), active, size) for j in range(n)]
-            draft_tables = (*passes, table)
         if num_steps > 1:  # n = 0; idle rows stay one token on the padding page
             last = self._slot_table(np.where(active, positions + num_steps, 1), active)
             size = last.page_indices.shape[0]
@@ -736,6 +731,12 @@ class Scheduler:
                 last,
             )
             table = step_tables[0]
+        else:
+            table = self._slot_table(positions + (n + 1), active)
+        if n:
+            size = table.page_indices.shape[0]
+            passes = [self._slot_table(positions + (j + 1), active, size) for j in range(n)]
+            draft_tables = (*passes, table)
         return DecodeBatch(
             request_ids=tuple(request_ids),
             params=tuple(params),
