@@ -49,7 +49,9 @@ admission sharing a prefix page still being prefilled (a write to a shared page,
 not computed); a rewind one entry short (the cache contract, the device cache oracle) or one too
 far (the cache contract); growth one page short (a table row not the writer's pages); the engine
 skipping one-token prefill chunks or the draft's prefill (device cache oracle); keys folded with
-the slot or the step number instead of the token count (the solo run).
+the slot or the step number instead of the token count (the solo run); a block of several steps
+feeding its first token at every step instead of the one sampled before (device cache oracle,
+the solo run).
 """
 
 from __future__ import annotations

@@ -13,6 +13,13 @@ writing request and to no other; every position a step reads holds the request's
 the tables cover exactly the lengths the step needs; idle rows only touch the padding page.
 Checked between steps (the state machine's invariants): reference counts equal the holders,
 no page leaked, shared pages lie below every holder's cached length, slots and FIFO order.
+
+Decode batches of several steps (``plan_step(max_decode_steps=K)``) run in the shadow step by
+step, each step feeding the token sampled before over its own table, all ``K`` steps or (as an
+engine whose kernel plans change variant) fewer; checked besides: nothing could change inside
+the block (no prefill, no admissible waiting request, no ``max_tokens`` finish before its end).
+Shown to fail: dropping the ``max_tokens`` bound on ``K`` (a finish is due), or reserving no
+pages for the block's later steps (a table row is not the writer's pages).
 """
 
 from __future__ import annotations
