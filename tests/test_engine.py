@@ -328,6 +328,32 @@ def test_several_steps_a_program_give_the_single_step_outputs(pair):
     assert programs_run[False, 4] < programs_run[False, 1]
 
 
+def _pallas_blocks_give_single_step_tokens(pair, max_tokens: int) -> None:
+    """Greedy and seeded sampled requests on the Pallas backend: eight steps a program (both
+    loops) give the tokens of single steps, and every page comes back."""
+    requests = lambda: [
+        Request(i, encode_text(p), SamplingParams(0.8 * (i % 2), seed=i, max_tokens=max_tokens))
+        for i, p in enumerate(PROMPTS[:3])
+    ]
+    options = dict(backend="pallas", num_pages=16)
+    baseline = _tokens(_engine(pair, **options).generate(requests()))
+    for overlap in (False, True):
+        engine = _engine(pair, overlap=overlap, max_steps_per_program=8, **options)
+        steps = []
+        outputs = engine.generate(requests(), lambda out: steps.append(out.stats))
+        assert _tokens(outputs) == baseline, overlap
+        assert max(s.num_decode_steps for s in steps) > 1
+        assert engine.scheduler.pool.num_free == engine.scheduler.usable_pages
+
+
+@pytest.mark.gpu
+def test_pallas_blocks_of_steps_give_single_step_tokens_on_gpu(pair):
+    """Compiled kernels (float32 tiny pair): blocks of up to eight steps, their Pallas plans
+    stacked (and cut short where a plan changes variant), give the single steps' tokens over
+    contexts of up to 57 tokens (four pages)."""
+    _pallas_blocks_give_single_step_tokens(pair, max_tokens=48)
+
+
 @pytest.mark.parametrize("overlap", [False, True])
 def test_a_block_cut_short_by_its_plans_gives_the_same_outputs(pair, monkeypatch, overlap):
     """Where the Pallas plans of a block's steps change compiled variant, the engine runs the
