@@ -339,10 +339,10 @@ def _pallas_blocks_give_single_step_tokens(pair, max_tokens: int) -> None:
     baseline = _tokens(_engine(pair, **options).generate(requests()))
     for overlap in (False, True):
         engine = _engine(pair, overlap=overlap, max_steps_per_program=8, **options)
-        steps = []
-        outputs = engine.generate(requests(), lambda out: steps.append(out.stats))
+        stats = []
+        outputs = engine.generate(requests(), stats.append)
         assert _tokens(outputs) == baseline, overlap
-        assert max(s.num_decode_steps for s in steps) > 1
+        assert max(out.stats.num_decode_steps for out in stats) > 1
         assert engine.scheduler.pool.num_free == engine.scheduler.usable_pages
 
 
