@@ -421,12 +421,7 @@ class Engine:
         the device. Returns its tokens (int32[B, K], on the device; their copy to the host is
         started) and its last tokens (int32[B, 1], for the next program)."""
         args = (self.target_params, self.draft_params, self.target_caches, self.draft_caches)
-        if self._in_flight is not None:
-            previous = self._in_flight[3]
-        else:
-            if self._no_previous_tokens is None:
-                self._no_previous_tokens = jax.numpy.zeros((self.parallel, 1), jax.numpy.int32)
-            previous = self._no_previous_tokens
+        previous = self._in_flight[3] if self._in_flight is not None else self._previous_zeros()
         result, last = self._call_decode(args, inputs, num_steps, previous)
         result.token_ids.copy_to_host_async()  # the fetch after the next dispatch finds it ready
         return result.token_ids, last
@@ -460,10 +455,20 @@ class Engine:
                 **static,
             )
             return result, result.token_ids  # int32[B, 1] without speculation (overlap's case)
+        # Always with previous tokens (zeros in the synchronous loop, whose inputs hold no
+        # placeholder): one compiled program a K for both loops.
+        previous = self._previous_zeros() if previous is None else previous
         result, last, self.target_caches, self.draft_caches = programs.decode_steps_jit(
-            *args, packed, *extra, packing=packing, **static
+            *args, packed, previous, packing=packing, **static
         )
         return result, last
+
+    def _previous_zeros(self) -> jax.Array:
+        """int32[B, 1] zeros on the device (made once): the previous tokens of a program that
+        feeds none from the device."""
+        if self._no_previous_tokens is None:
+            self._no_previous_tokens = jax.numpy.zeros((self.parallel, 1), jax.numpy.int32)
+        return self._no_previous_tokens
 
     def _run_prefill_chunk(self, chunk) -> None:
         length = len(chunk.token_ids)
