@@ -1,9 +1,10 @@
-"""The decode engine: the scheduler's steps run on the device, one jitted program a decode step.
+"""The decode engine: the scheduler's steps run on the device, one jitted program a decode batch.
 
 ``Engine`` owns a target model (and optionally a draft), their paged KV caches and a
 ``serving.scheduler.Scheduler``. Each ``step()`` asks the scheduler what to run, runs the prefill
 chunks (one jitted program a chunk, through both models), then the decode batch as ONE jitted
-program, and commits the tokens back. ``generate`` and ``run_until_done`` loop over steps.
+program (one decode step, or a block of several: below), and commits the tokens back.
+``generate`` and ``run_until_done`` loop over steps.
 
 The host out of the critical path (``overlap=True``, plain decoding)
 -------------------------------------------------------------------
@@ -36,8 +37,22 @@ block's end, and committing discards its tokens after the stop and frees its pag
 overlapped loop does with the step after a stop. Keys, positions and pages are those of single
 steps, so the outputs are the same as with ``K = 1`` (``tests/test_engine.py``; the state
 machine of ``tests/test_engine_stateful.py`` runs both). Both loops run blocks (overlapped, a
-block's last tokens feed the next program); a speculative engine keeps single steps. The price:
-a request arriving during a block waits for its end, up to ``K - 1`` steps longer.
+block's last tokens feed the next program); a speculative engine keeps single steps.
+
+The price is paid by arrivals and by time measurements:
+
+- A request waiting for a slot waits for the block in which a stop token frees it to end: up
+  to ``K - 1`` device steps after the stop, synchronously (against none with single steps).
+  Overlapped, the stop is known only after the next block was planned and dispatched, which is
+  wasted too: up to ``2K - 1`` steps after the stop (against 1). A request arriving to a free
+  slot waits, synchronously, for the block in flight: up to ``K - 1`` steps. Prefills are not
+  delayed: a block is planned only when no request is prefilling, so the fairness grant's
+  bound (``serving/step_decision.py``) counts single steps as before.
+  ``tests/test_scheduler.py`` checks the stop's bound.
+- The tokens of a block reach the host together: ``RequestTiming`` gives them one arrival
+  time, so inter-token gaps are ``K - 1`` zeros a block and one gap of the block's time (what a
+  streaming client sees; the median gap is then 0 for ``K >= 3``, and the mean is the useful
+  figure). ``StepStats`` describes a program: ``num_decode_steps`` says how many steps.
 
 Where each part lives:
 
@@ -279,7 +294,8 @@ class Engine:
     # --- one step --------------------------------------------------------------------------
 
     def step(self) -> StepOutput:
-        """Plans, runs and commits one step: prefill chunks, then the decode batch (if any).
+        """Plans, runs and commits one step: prefill chunks, then the decode batch (if any),
+        one decode step or a block of up to ``max_steps_per_program`` (module docstring).
 
         Overlapped (``overlap=True``, plain decoding): the step is planned and dispatched,
         then the PREVIOUS step's tokens are fetched (the device already has this one queued

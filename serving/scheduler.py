@@ -100,7 +100,12 @@ fits, so the engine compiles few programs. Only a stop token can end a row early
 be known ahead: committing drops the row's tokens after it, and its pages are freed as after a
 single step. The engine may run fewer steps than planned; committing those frees the pages
 reserved for the rest. Outputs are those of ``K`` single steps: a request's keys, positions
-and pages are the same.
+and pages are the same. Since nobody prefills during a block, the fairness grant's bound (a
+parked prefill gets a chunk at least once every ``N + 1`` steps) counts single steps as it
+did: every plan while a prefill is parked is one step (the state machine of
+``tests/test_scheduler.py`` checks both). What waits is a request queued for a slot: a stop
+token inside a block frees its slot at the block's end (overlapped, after the next block:
+``serving/engine.py``).
 
 Static shapes for ``jit``
 -------------------------
@@ -795,14 +800,20 @@ class Scheduler:
         accepted drafts, then the correction or bonus token (``chain_speculative_sampling``'s
         outputs as they come). Both caches are rewound to ``positions[b] + 1 +
         num_accepted[b]``; tokens after a stop token, or past ``max_tokens``, are discarded and
-        the request finishes, freeing its pages. Validated first: on error nothing changes.
+        the request finishes, freeing its pages. A batch of ``K`` plain decode steps
+        (``DecodeBatch.num_steps``) is committed with ``token_ids[b, k]`` the token of step
+        ``k``, for the ``K' <= K`` steps run: each row emitted all ``K'`` (up to a stop token),
+        and the pages reserved for steps not run are freed. Validated first: on error nothing
+        changes.
 
         Args:
           step: the step returned by the last ``plan_step``.
           token_ids: int ``[B, n + 1]`` (or ``[B]`` when ``n = 0``) per slot; idle rows and
-            entries past ``num_accepted + 1`` are ignored (-1 padding is fine). None when the
-            step has no decode batch.
-          num_accepted: int ``[B]`` in ``[0, n]``; None means all zero (plain decoding).
+            entries past ``num_accepted + 1`` are ignored (-1 padding is fine). A batch of
+            ``K`` plain steps: ``[B, K']``, ``1 <= K' <= K``. None when the step has no decode
+            batch.
+          num_accepted: int ``[B]`` in ``[0, n]``; None means all zero (plain decoding), and
+            must be None for ``K' > 1`` plain steps.
           draft_token_ids: optional int ``[B, n]``, the drafts fed: checked to agree with the
             accepted tokens, to catch an engine that mixes up its rows.
 
@@ -810,8 +821,9 @@ class Scheduler:
           The ``StepOutput``: its ``new_token_ids`` and ``finished`` (the engine adds the rest).
 
         Raises:
-          ValueError: a step other than the outstanding one; shapes unlike the above; a count
-            outside ``[0, n]``; an emitted token id < 0; accepted tokens unlike the drafts.
+          ValueError: a step other than the outstanding one; shapes unlike the above (more
+            steps than planned included); a count outside ``[0, n]``; an emitted token id < 0;
+            accepted tokens unlike the drafts.
         """
         plan = self._plan
         if plan is None or step is not plan.step:

@@ -165,7 +165,13 @@ class AcceptanceStats:
 @dataclasses.dataclass
 class RequestTiming:
     """When a request was submitted and when each of its tokens reached the host
-    (``time.perf_counter`` seconds; tokens of one step share their arrival time)."""
+    (``time.perf_counter`` seconds).
+
+    Tokens fetched together share their arrival time: a speculative step's, and the ``K``
+    tokens of a block of decode steps (``Engine(max_steps_per_program=K)``), whose gaps
+    (``inter_token_s``) are then ``K - 1`` zeros and one block's time. These are the times a
+    streaming client sees; the time of a decode step is ``StepStats``'s.
+    """
 
     submitted_s: float
     token_s: list[float] = dataclasses.field(default_factory=list)

@@ -328,6 +328,26 @@ def test_several_steps_a_program_give_the_single_step_outputs(pair):
     assert programs_run[False, 4] < programs_run[False, 1]
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_the_tokens_of_a_block_reach_the_host_together(pair, overlap):
+    """What ``RequestTiming`` means with blocks: the tokens of one program reach the host at
+    once and share their arrival time. A request of 9 tokens: its first from the step that
+    prefills (a single step), then two blocks of four; so its inter-token gaps are three zeros
+    a block and one block's time between blocks, and its time to first token is that of a
+    single step."""
+    engine = _engine(pair, overlap=overlap, max_steps_per_program=4)
+    stats = []
+    request = Request("a", encode_text(PROMPTS[0]), SamplingParams(0.0, max_tokens=9))
+    engine.generate([request], lambda out: stats.append(out.stats))
+    assert [s.num_decode_steps for s in stats if s.num_decode_steps] == [1, 4, 4]
+    timing = engine.timings["a"]
+    arrivals, counts = np.unique(timing.token_s, return_counts=True)
+    assert counts.tolist() == [1, 4, 4] and len(timing.token_s) == 9
+    gaps = timing.inter_token_s()
+    assert (gaps == 0).sum() == 6 and (gaps[[0, 4]] > 0).all()
+    assert timing.time_to_first_token_s == arrivals[0] - timing.submitted_s > 0
+
+
 def _pallas_blocks_give_single_step_tokens(pair, max_tokens: int) -> None:
     """Greedy and seeded sampled requests on the Pallas backend: eight steps a program (both
     loops) give the tokens of single steps, and every page comes back."""

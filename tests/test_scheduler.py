@@ -1054,3 +1054,41 @@ def test_several_steps_committed_unresolved_are_resolved_with_their_tokens():
     output = scheduler.resolve_step(following, [[9, 9], [2, 2]])
     assert output.new_token_ids == {"b": (2, 2)}  # "a"'s row is skipped
     assert scheduler.pool.num_free == scheduler.usable_pages - 3
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("max_decode_steps", [1, 4])
+def test_a_slot_freed_by_a_stop_inside_a_block_is_admitted_to_after_the_blocks_planned(
+    max_decode_steps, overlap
+):
+    """The price of blocks for arrivals. One slot, "a" decoding, "b" arriving while it runs
+    (no free slot: blocks go on). "a"'s stop token is the first step of a block; "b" is
+    admitted by the first plan after the scheduler learns of the stop. Synchronous: the rest of
+    that block is wasted, ``K - 1`` steps. Overlapped: the stop is resolved after the next
+    block was planned and dispatched, so that block is wasted too: ``2K - 1`` steps, against 1
+    with single steps (the engine docstring's bound)."""
+    steps = max_decode_steps
+    scheduler = Scheduler(num_pages=17, page_size=2, parallel=1)
+    scheduler.submit(request("a", [1], max_tokens=30, stop=[5]))
+    previous, planned, stop_at = None, [], 2
+    for index in range(12):
+        step = scheduler.plan_step(steps)
+        if step.admitted == ("b",):
+            break
+        if index == 1:
+            scheduler.submit(request("b", [1], max_tokens=2))
+        planned.append(step.decode.num_steps)
+        tokens = np.full((1, step.decode.num_steps), 3)
+        if index == stop_at:
+            tokens[0, 0] = 5
+        if overlap:
+            if previous is not None:
+                scheduler.resolve_step(*previous)
+            scheduler.commit_step_unresolved(step)
+            previous = (step, tokens)
+        else:
+            scheduler.commit_step(step, tokens)
+    assert planned[0] == steps  # "a" alone, nothing waiting: a block from the start
+    assert set(planned) == {steps}  # "b" waits for a slot: blocks go on
+    wasted = sum(planned[stop_at:]) - 1  # device steps after the stop, before "b" runs
+    assert wasted == (2 * steps - 1 if overlap else steps - 1)
