@@ -126,8 +126,9 @@ class Engine:
       overlap: keep the host out of the device's way (plain decoding; a speculative engine
         steps synchronously whatever this says): step ``N + 1`` is dispatched before step
         ``N``'s tokens are fetched, its rows feeding step ``N``'s tokens from the device, and
-        stop tokens are applied one step late (below). False: the synchronous loop, each
-        step's tokens fetched before the next is planned. Outputs are the same either way.
+        stop tokens are applied one program late (a step, or a block of steps: module
+        docstring). False: the synchronous loop, each step's tokens fetched before the next
+        is planned. Outputs are the same either way.
       max_steps_per_program: ``K``, a power of two in ``[1, MAX_STEPS_PER_PROGRAM]``: plain
         decode steps run as one program where nothing changes between them (module
         docstring; a speculative engine runs single steps whatever this says). Outputs are
