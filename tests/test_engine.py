@@ -184,9 +184,11 @@ def _steps_to_first_token(engine, request_id) -> int:
     raise AssertionError(f"{request_id!r} had no token after 200 steps")
 
 
-@pytest.mark.parametrize(("interval", "overlap"), [(0, False), (2, True)])
+@pytest.mark.parametrize(
+    ("interval", "overlap", "steps"), [(0, False, 1), (2, True, 1), (1, True, 4)]
+)
 def test_a_long_prompt_under_full_decode_load_gets_its_first_token_within_the_bound(
-    pair, interval, overlap
+    pair, interval, overlap, steps
 ):
     """One request decodes every step and its row alone fills the step's budget
     (``max_batched_tokens=1``), so a long prompt admitted next to it gets no token from the
@@ -194,17 +196,23 @@ def test_a_long_prompt_under_full_decode_load_gets_its_first_token_within_the_bo
     tokens are 5 chunks, so its first token is sampled within ``(N + 1) * 5`` steps of its
     submission (exactly then: the budget gives it nothing), and reaches the host in that step,
     or in the next with the overlap; without the grant (an interval of 1000) it has none by
-    then."""
+    then. With blocks of four steps (``max_steps_per_program=4``) the load runs blocks before
+    the prompt arrives, and the bound is the same in steps: no block is planned while a
+    request prefills (its arrival waits only for the block in flight)."""
     prompt = encode_text(LONG_PROMPT)
     num_chunks = -(-(len(prompt) - 1) // 8)
     bound = (interval + 1) * num_chunks
     options = dict(num_pages=16, max_batched_tokens=1, prefill_chunk_size=8, overlap=overlap)
     for grant_interval in (interval, 1000):
-        engine = _engine(pair, prefill_grant_interval=grant_interval, **options)
+        engine = _engine(
+            pair, prefill_grant_interval=grant_interval, max_steps_per_program=steps, **options
+        )
         load = SamplingParams(temperature=0, max_tokens=3 * bound)
         engine.submit(Request("load", encode_text(PROMPTS[0]), load))
         while "load" not in engine.step().new_token_ids:  # the load decodes from here on
             pass
+        if steps > 1:  # the load alone runs blocks: the prompt arrives while one is in flight
+            assert engine.step().stats.num_decode_steps == steps
         engine.submit(Request("long", prompt, SamplingParams(temperature=0, max_tokens=2)))
         if grant_interval == interval:
             assert _steps_to_first_token(engine, "long") == bound + overlap
@@ -212,6 +220,7 @@ def test_a_long_prompt_under_full_decode_load_gets_its_first_token_within_the_bo
             for _ in range(bound):
                 step = engine.step()
                 assert "long" not in step.new_token_ids and step.stats.num_prefill_tokens == 0
+                assert step.stats.num_decode_steps == 1  # parked: no block
 
 
 def test_greedy_tokens_do_not_depend_on_the_step_budget(pair):
