@@ -35,8 +35,9 @@ the single step, each step feeding the tokens of the one before on the device), 
 dispatched and committed once. A stop token cannot be known ahead: the row runs on to the
 block's end, and committing discards its tokens after the stop and frees its pages, as the
 overlapped loop does with the step after a stop. Keys, positions and pages are those of single
-steps, so the outputs are the same as with ``K = 1`` (``tests/test_engine.py``; the state
-machine of ``tests/test_engine_stateful.py`` runs both). Both loops run blocks (overlapped, a
+steps, so the outputs are the same as with ``K = 1`` (``tests/test_engine.py``; the keys
+themselves: ``tests/test_engine_streams.py``; the state machine of
+``tests/test_engine_stateful.py`` runs both). Both loops run blocks (overlapped, a
 block's last tokens feed the next program); a speculative engine keeps single steps.
 
 The price is paid by arrivals and by time measurements:
@@ -44,11 +45,12 @@ The price is paid by arrivals and by time measurements:
 - A request waiting for a slot waits for the block in which a stop token frees it to end: up
   to ``K - 1`` device steps after the stop, synchronously (against none with single steps).
   Overlapped, the stop is known only after the next block was planned and dispatched, which is
-  wasted too: up to ``2K - 1`` steps after the stop (against 1). A request arriving to a free
-  slot waits, synchronously, for the block in flight: up to ``K - 1`` steps. Prefills are not
-  delayed: a block is planned only when no request is prefilling, so the fairness grant's
-  bound (``serving/step_decision.py``) counts single steps as before.
-  ``tests/test_scheduler.py`` checks the stop's bound.
+  wasted too: up to ``2K - 1`` steps after the stop (against 1). A request arriving while a
+  block runs, to a free slot, waits for the block's end on the device (either loop): up to
+  ``K - 1`` steps longer. Prefills are not delayed: a block is planned only when no request
+  is prefilling, so the fairness grant's bound (``serving/step_decision.py``) counts single
+  steps as before. ``tests/test_scheduler.py`` checks the stop's bound,
+  ``tests/test_engine.py`` the grant's with blocks.
 - The tokens of a block reach the host together: ``RequestTiming`` gives them one arrival
   time, so inter-token gaps are ``K - 1`` zeros a block and one gap of the block's time (what a
   streaming client sees; the median gap is then 0 for ``K >= 3``, and the mean is the useful
