@@ -19,7 +19,10 @@ step, each step feeding the token sampled before over its own table, all ``K`` s
 engine whose kernel plans change variant) fewer; checked besides: nothing could change inside
 the block (no prefill, no admissible waiting request, no ``max_tokens`` finish before its end).
 Shown to fail: dropping the ``max_tokens`` bound on ``K`` (a finish is due), or reserving no
-pages for the block's later steps (a table row is not the writer's pages).
+pages for the block's later steps (a table row is not the writer's pages). The shadow commits
+synchronously; blocks under the overlapped protocol (``commit_step_unresolved``, then
+``resolve_step`` a block late) run at random in
+``test_blocks_in_both_protocols_keep_pages_and_tokens_consistent``.
 """
 
 from __future__ import annotations
