@@ -13,7 +13,8 @@
 #   bash bench/run_on_gpu.sh mgpu-merge-fold  # issue 16: the merge folded into the decode launch
 # (merge a suite's parts into one report with python -m bench.harness.merge_reports)
 # Issue 18 (the engine's step, version 2): serving-batch, serving-single, serving-load-a and -b,
-# engine-overlap, engine-dispatch (where a step's host time goes); one device command each.
+# engine-overlap, engine-dispatch (where a step's host time goes), engine-multistep (the same
+# with 1, 4 and 8 decode steps a program); one device command each.
 # Issues 19 and 21: sparse-tests, quest-scores, tune-decode, check-decode. Issue 20: mla-decode.
 # Issue 17: cascade-shared (the shared-level kernel's tests and probe), cascade-crossover.
 # Before any probe of a kernel never yet run on a GPU: kernels-compiled (their gpu-marked tests).
@@ -176,6 +177,13 @@ for stage in "$@"; do
           tests/test_mla_decode_mgpu.py tests/test_quest_scores_kernel.py; do
         timeout 140 python3 -m pytest -q -p no:cacheprovider -m gpu -x "$file" 2>&1 \
           | tee -a "$out/gpu_kernels_compiled.log" | tail -n 2
+      done ;;
+    engine-multistep)  # issue 18: wall step / device step with K = 1, 4, 8 decode steps a program
+      # ENGINE_MULTISTEP_BATCH=32 for batch 32 (default 4); three runs of at most 180 s each.
+      for steps in 1 4 8; do
+        timeout 180 python3 -m bench.probes.engine_dispatch --steps-per-program "$steps" \
+          --batch "${ENGINE_MULTISTEP_BATCH:-4}" --label "k$steps-b${ENGINE_MULTISTEP_BATCH:-4}" \
+          --out "$out/engine-multistep" 2>&1 | tee -a "$out/engine_multistep.log" | grep -vE '^#|^$'
       done ;;
     sparse-tests)  # issue 19: the decode kernel on head-split and one-token-page tables (GPU tests)
       timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_sparse_decode.py -k pallas -rs \

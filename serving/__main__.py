@@ -24,6 +24,10 @@ from kernels_pallas.platform import BACKENDS
 from paged.decode import MAX_KERNEL_Q_LEN
 from serving.step_decision import DEFAULT_PREFILL_GRANT_INTERVAL
 
+# Engine's MAX_STEPS_PER_PROGRAM, repeated: importing the engine here would load JAX's model
+# code for --help (tests/test_serving_cli.py checks the two agree).
+MAX_STEPS_PER_PROGRAM = 32
+
 BACKEND_HELP = (
     "implementation of every operation: auto (Pallas kernels on a GPU where judged faster, "
     "the pure-JAX references elsewhere; DECODELAB_BACKEND=reference forces the references), "
@@ -162,6 +166,16 @@ def build_parser() -> argparse.ArgumentParser:
         "of dispatching the next step first (plain decoding; the output is the same, only the "
         "speed differs)",
     )
+    generate.add_argument(
+        "--steps-per-program",
+        type=int,
+        default=1,
+        metavar="K",
+        help="run up to K plain decode steps as one device program where nothing can change "
+        "between them (no prompt to prefill or admit, no request reaching --max-tokens), a "
+        f"power of two in [1, {MAX_STEPS_PER_PROGRAM}]; fewer host round trips a token, the "
+        "same output; speculative decoding runs one step a program (default: %(default)s)",
+    )
     generate.add_argument("--backend", default="auto", choices=BACKENDS, help=BACKEND_HELP)
     generate.add_argument(
         "--stats",
@@ -245,6 +259,12 @@ def check_generate_arguments(args: argparse.Namespace) -> None:
     if args.prefill_grant_interval < 0:
         raise UsageError(
             f"--prefill-grant-interval must be >= 0, got {args.prefill_grant_interval}"
+        )
+    steps = args.steps_per_program
+    if not 1 <= steps <= MAX_STEPS_PER_PROGRAM or steps & (steps - 1):
+        raise UsageError(
+            f"--steps-per-program must be a power of two in [1, {MAX_STEPS_PER_PROGRAM}], "
+            f"got {steps}"
         )
 
 
@@ -399,6 +419,7 @@ def run_generate(args: argparse.Namespace) -> int:
         max_batched_tokens=args.max_batched_tokens,
         prefill_grant_interval=args.prefill_grant_interval,
         overlap=not args.no_overlap,
+        max_steps_per_program=args.steps_per_program,
     )
     progress = GenerationProgress(engine, total_tokens=args.max_tokens * len(requests))
     steps = []
@@ -428,10 +449,12 @@ def _print_stats(engine, steps: Sequence, num_speculative: int) -> None:
     """Acceptance (with speculation) and where a warm step's time went, on stderr."""
     warm = [step for step in steps if not step.compiled and step.num_decode_rows]
     if warm:
+        # A program of K steps (--steps-per-program) counts as K steps of a K-th of its time.
         print(
-            f"per decode step (medians of {len(warm)} that compiled nothing): host "
-            f"{1e3 * statistics.median(s.host_s for s in warm):.2f} ms, device "
-            f"{1e3 * statistics.median(s.decode_s for s in warm):.2f} ms",
+            f"per decode step (medians of {len(warm)} programs that compiled nothing): host "
+            f"{1e3 * statistics.median(s.host_s / s.num_decode_steps for s in warm):.2f} ms, "
+            f"device {1e3 * statistics.median(s.decode_s / s.num_decode_steps for s in warm):.2f}"
+            " ms",
             file=sys.stderr,
         )
     if num_speculative:

@@ -1,9 +1,10 @@
-"""The decode engine: the scheduler's steps run on the device, one jitted program a decode step.
+"""The decode engine: the scheduler's steps run on the device, one jitted program a decode batch.
 
 ``Engine`` owns a target model (and optionally a draft), their paged KV caches and a
 ``serving.scheduler.Scheduler``. Each ``step()`` asks the scheduler what to run, runs the prefill
 chunks (one jitted program a chunk, through both models), then the decode batch as ONE jitted
-program, and commits the tokens back. ``generate`` and ``run_until_done`` loop over steps.
+program (one decode step, or a block of several: below), and commits the tokens back.
+``generate`` and ``run_until_done`` loop over steps.
 
 The host out of the critical path (``overlap=True``, plain decoding)
 -------------------------------------------------------------------
@@ -22,6 +23,38 @@ positions and tokens are those of the synchronous loop, so the outputs are the s
 (``tests/test_engine.py``, and the state machine of ``tests/test_engine_stateful.py`` runs both
 loops). A speculative step's token count is only known with its tokens, so a speculative
 engine steps synchronously.
+
+Several decode steps in one program (``max_steps_per_program=K``, plain decoding)
+-------------------------------------------------------------------------------
+Overlapping hides the host only while the host's plan and dispatch of a step take less than the
+device's step; at small batch on the H200 they took longer (issue 18). Where nothing can change
+between steps (no prefill, no admissible waiting request, no ``max_tokens`` finish due, pages
+for every write reserved ahead: ``Scheduler.plan_step(max_decode_steps=K)``), the engine runs
+up to ``K`` decode steps as one jitted program (``programs.decode_steps``: a scan whose body is
+the single step, each step feeding the tokens of the one before on the device), planned,
+dispatched and committed once. A stop token cannot be known ahead: the row runs on to the
+block's end, and committing discards its tokens after the stop and frees its pages, as the
+overlapped loop does with the step after a stop. Keys, positions and pages are those of single
+steps, so the outputs are the same as with ``K = 1`` (``tests/test_engine.py``; the keys
+themselves: ``tests/test_engine_streams.py``; the state machine of
+``tests/test_engine_stateful.py`` runs both). Both loops run blocks (overlapped, a
+block's last tokens feed the next program); a speculative engine keeps single steps.
+
+The price is paid by arrivals and by time measurements:
+
+- A request waiting for a slot waits for the block in which a stop token frees it to end: up
+  to ``K - 1`` device steps after the stop, synchronously (against none with single steps).
+  Overlapped, the stop is known only after the next block was planned and dispatched, which is
+  wasted too: up to ``2K - 1`` steps after the stop (against 1). A request arriving while a
+  block runs, to a free slot, waits for the block's end on the device (either loop): up to
+  ``K - 1`` steps longer. Prefills are not delayed: a block is planned only when no request
+  is prefilling, so the fairness grant's bound (``serving/step_decision.py``) counts single
+  steps as before. ``tests/test_scheduler.py`` checks the stop's bound,
+  ``tests/test_engine.py`` the grant's with blocks.
+- The tokens of a block reach the host together: ``RequestTiming`` gives them one arrival
+  time, so inter-token gaps are ``K - 1`` zeros a block and one gap of the block's time (what a
+  streaming client sees; the median gap is then 0 for ``K >= 3``, and the mean is the useful
+  figure). ``StepStats`` describes a program: ``num_decode_steps`` says how many steps.
 
 Where each part lives:
 
@@ -53,6 +86,10 @@ from serving.requests import Request, RequestOutput
 from serving.scheduler import DecodeBatch, Scheduler, Step
 from serving.step_decision import DEFAULT_PREFILL_GRANT_INTERVAL
 from serving.step_stats import AcceptanceStats, RequestTiming, StepOutput, StepStats
+
+# The most decode steps one program runs (Engine(max_steps_per_program=...)): each power of two
+# up to it may compile a program, and a block delays an arrival's admission by up to K steps.
+MAX_STEPS_PER_PROGRAM = 32
 
 
 def _check_model(name: str, model) -> tuple[ModelConfig, dict]:
@@ -91,13 +128,20 @@ class Engine:
       overlap: keep the host out of the device's way (plain decoding; a speculative engine
         steps synchronously whatever this says): step ``N + 1`` is dispatched before step
         ``N``'s tokens are fetched, its rows feeding step ``N``'s tokens from the device, and
-        stop tokens are applied one step late (below). False: the synchronous loop, each
-        step's tokens fetched before the next is planned. Outputs are the same either way.
+        stop tokens are applied one program late (a step, or a block of steps: module
+        docstring). False: the synchronous loop, each step's tokens fetched before the next
+        is planned. Outputs are the same either way.
+      max_steps_per_program: ``K``, a power of two in ``[1, MAX_STEPS_PER_PROGRAM]``: plain
+        decode steps run as one program where nothing changes between them (module
+        docstring; a speculative engine runs single steps whatever this says). Outputs are
+        the same for every ``K``; each ``K`` used compiles its own program. 1 (the default):
+        one program a step.
 
     Raises:
       ValueError: naming the argument and the bad value (models that are not pairs, params
         unlike their config, a draft missing or of another vocabulary, ``num_speculative``
-        outside ``[0, 15]``, an unknown backend or layout, and whatever ``Scheduler`` refuses).
+        outside ``[0, 15]``, an unknown backend or layout, ``max_steps_per_program`` not a power
+        of two in range, and whatever ``Scheduler`` refuses).
 
     Example:
       >>> from serving.config import TINY_DRAFT
@@ -129,6 +173,7 @@ class Engine:
         prefill_grant_interval: int = DEFAULT_PREFILL_GRANT_INTERVAL,
         seed: int = 0,
         overlap: bool = True,
+        max_steps_per_program: int = 1,
     ):
         self.target_config, self.target_params = _check_model("target", target)
         if isinstance(num_speculative, bool) or not isinstance(num_speculative, int):
@@ -157,6 +202,19 @@ class Engine:
             raise ValueError(f"seed must be an integer in [0, 2**31), got {seed!r}")
         if not isinstance(overlap, bool):
             raise ValueError(f"overlap must be True or False, got {overlap!r}")
+        steps = max_steps_per_program
+        if (
+            isinstance(steps, bool)
+            or not isinstance(steps, int)
+            or not 1 <= steps <= MAX_STEPS_PER_PROGRAM
+            or steps & (steps - 1)
+        ):
+            raise ValueError(
+                f"max_steps_per_program must be a power of two in [1, {MAX_STEPS_PER_PROGRAM}], "
+                f"got {max_steps_per_program!r}"
+            )
+        # Speculative rows emit a varying number of tokens a step: one step a program.
+        self.max_steps_per_program = 1 if num_speculative else steps
         self.backend = backend
         self.num_speculative = num_speculative
         # Overlapped steps need each row's token count before its tokens: plain decoding only.
@@ -192,9 +250,10 @@ class Engine:
         self._abstract_state: tuple | None = None
         # (dispatch, device wait, fetch) seconds of the last decode program (StepStats).
         self._decode_phases = (0.0, 0.0, 0.0)
-        # Overlapped steps: the last step dispatched whose tokens are not yet on the host, and
-        # its tokens on the device (int32[B, 1]); the next step's rows read them there.
-        self._in_flight: tuple[Step, jax.Array] | None = None
+        # Overlapped steps: the last step dispatched whose tokens are not yet on the host, its
+        # tokens on the device (int32[B, K]), the decode steps it ran (K), and its last tokens
+        # (int32[B, 1]), which the next step's rows read there.
+        self._in_flight: tuple[Step, jax.Array, int, jax.Array] | None = None
         self._no_previous_tokens = None  # int32[B, 1] zeros on the device, made once
 
     # --- requests --------------------------------------------------------------------------
@@ -238,7 +297,8 @@ class Engine:
     # --- one step --------------------------------------------------------------------------
 
     def step(self) -> StepOutput:
-        """Plans, runs and commits one step: prefill chunks, then the decode batch (if any).
+        """Plans, runs and commits one step: prefill chunks, then the decode batch (if any),
+        one decode step or a block of up to ``max_steps_per_program`` (module docstring).
 
         Overlapped (``overlap=True``, plain decoding): the step is planned and dispatched,
         then the PREVIOUS step's tokens are fetched (the device already has this one queued
@@ -251,7 +311,7 @@ class Engine:
             return self._step_overlapped()
         compiles_before = self._compile_count()
         host_start = time.perf_counter()
-        step = self.scheduler.plan_step()
+        step = self.scheduler.plan_step(self.max_steps_per_program)
         host_s = time.perf_counter() - host_start
 
         prefill_start = time.perf_counter()
@@ -265,13 +325,15 @@ class Engine:
         self._decode_phases = (0.0, 0.0, 0.0)
         result = None
         plan_s = host_s
+        num_steps = 0
         if step.decode is not None:
             host_start = time.perf_counter()
             inputs = self._decode_inputs(step.decode)
+            num_steps = programs.num_steps(inputs)
             plan_s += time.perf_counter() - host_start
             host_s += time.perf_counter() - host_start
             decode_start = time.perf_counter()
-            result = self._run_decode(inputs)
+            result = self._run_decode(inputs, num_steps)
             decode_wall_s = time.perf_counter() - decode_start
             # decode_s is exactly its three measured parts; the Python around the jitted call
             # (its arguments, the abstract inputs for backend_report) is host work.
@@ -291,6 +353,7 @@ class Engine:
             num_granted=len(step.granted),
             num_decode_rows=int(step.decode.active.sum()) if step.decode is not None else 0,
             num_emitted=sum(len(tokens) for tokens in output.new_token_ids.values()),
+            num_decode_steps=num_steps,
             host_s=host_s,
             prefill_s=prefill_s,
             decode_s=decode_s,
@@ -308,20 +371,23 @@ class Engine:
         and commit step N - 1's tokens."""
         compiles_before = self._compile_count()
         start = time.perf_counter()
-        step = self.scheduler.plan_step()
-        inputs = self._decode_inputs(step.decode) if step.decode is not None else None
+        step = self.scheduler.plan_step(self.max_steps_per_program)
+        inputs, num_steps = None, 0
+        if step.decode is not None:
+            inputs = self._decode_inputs(step.decode)
+            num_steps = programs.num_steps(inputs)
         planned = time.perf_counter()
         for chunk in step.prefill:  # dispatched, not awaited: the device runs them in order
             self._run_prefill_chunk(chunk)
         prefilled = time.perf_counter()
-        tokens_on_device = None
+        tokens_on_device = last_on_device = None
         if inputs is not None:
-            tokens_on_device = self._dispatch_decode(inputs)
+            tokens_on_device, last_on_device = self._dispatch_decode(inputs, num_steps)
         dispatched = time.perf_counter()
 
         output, wait_s, fetch_s = StepOutput({}, ()), 0.0, 0.0
         if self._in_flight is not None:  # step N - 1: on the device before this one
-            previous_step, previous_tokens = self._in_flight
+            previous_step, previous_tokens, _, _ = self._in_flight
             jax.block_until_ready(previous_tokens)
             ready = time.perf_counter()
             tokens = np.asarray(jax.device_get(previous_tokens))
@@ -330,8 +396,8 @@ class Engine:
             output = self.scheduler.resolve_step(previous_step, tokens)
         resolved = time.perf_counter()
         if step.decode is not None:
-            self.scheduler.commit_step_unresolved(step)
-            self._in_flight = (step, tokens_on_device)
+            self.scheduler.commit_step_unresolved(step, num_steps)
+            self._in_flight = (step, tokens_on_device, num_steps, last_on_device)
         else:
             self.scheduler.commit_step(step)
             self._in_flight = None
@@ -344,6 +410,7 @@ class Engine:
             num_granted=len(step.granted),
             num_decode_rows=int(step.decode.active.sum()) if step.decode is not None else 0,
             num_emitted=sum(len(tokens) for tokens in output.new_token_ids.values()),
+            num_decode_steps=num_steps,
             host_s=(planned - start) + (now - resolved) + (time.perf_counter() - now),
             prefill_s=prefilled - planned,
             decode_s=(dispatched - prefilled) + wait_s + fetch_s,
@@ -365,30 +432,62 @@ class Engine:
         for finished in output.finished:
             del self._key_data[finished.request_id]
 
-    def _dispatch_decode(self, inputs: programs.DecodeInputs) -> jax.Array:
-        """Dispatches the decode program without waiting for it; rows whose token is the
-        scheduler's placeholder feed the previous step's tokens from the device. Returns this
-        step's tokens (int32[B, 1], on the device; their copy to the host is started)."""
+    def _dispatch_decode(
+        self, inputs: programs.DecodeInputs, num_steps: int
+    ) -> tuple[jax.Array, jax.Array]:
+        """Dispatches the decode program (``num_steps`` steps) without waiting for it; rows
+        whose token is the scheduler's placeholder feed the previous program's last tokens from
+        the device. Returns its tokens (int32[B, K], on the device; their copy to the host is
+        started) and its last tokens (int32[B, 1], for the next program)."""
         args = (self.target_params, self.draft_params, self.target_caches, self.draft_caches)
+        previous = self._in_flight[3] if self._in_flight is not None else self._previous_zeros()
+        result, last = self._call_decode(args, inputs, num_steps, previous)
+        result.token_ids.copy_to_host_async()  # the fetch after the next dispatch finds it ready
+        return result.token_ids, last
+
+    def _call_decode(self, args: tuple, inputs, num_steps: int, previous=None):
+        """Calls the jitted decode program of ``num_steps`` steps on ``args`` (params and
+        caches) and ``inputs``, keeping the caches it returns; returns its ``DecodeResult``
+        and its last tokens (int32[B, 1])."""
         static = dict(
             target_config=self.target_config,
             draft_config=self.draft_config,
-            num_speculative=self.num_speculative,
             backend=self.backend,
         )
-        self._traced["decode"] = ("decode", self._abstract_args((*args, inputs)), static)
-        if self._in_flight is not None:
-            previous = self._in_flight[1]
-        else:
-            if self._no_previous_tokens is None:
-                self._no_previous_tokens = jax.numpy.zeros((self.parallel, 1), jax.numpy.int32)
-            previous = self._no_previous_tokens
+        # backend_report traces one step: a block's body is that step (its first step's table).
+        first = inputs if num_steps == 1 else programs.first_step(inputs)
+        self._traced["decode"] = (
+            "decode",
+            self._abstract_args((*args, first)),
+            static | dict(num_speculative=self.num_speculative),
+        )
+        # One host-to-device copy for all the step's host arrays (serving/host_inputs.py).
         packed, packing = host_inputs.pack(inputs)
-        result, self.target_caches, self.draft_caches = programs.decode_step_jit(
+        extra = () if previous is None else (previous,)
+        if num_steps == 1:
+            result, self.target_caches, self.draft_caches = programs.decode_step_jit(
+                *args,
+                packed,
+                *extra,
+                packing=packing,
+                num_speculative=self.num_speculative,
+                **static,
+            )
+            return result, result.token_ids  # int32[B, 1] without speculation (overlap's case)
+        # Always with previous tokens (zeros in the synchronous loop, whose inputs hold no
+        # placeholder): one compiled program a K for both loops.
+        previous = self._previous_zeros() if previous is None else previous
+        result, last, self.target_caches, self.draft_caches = programs.decode_steps_jit(
             *args, packed, previous, packing=packing, **static
         )
-        result.token_ids.copy_to_host_async()  # the fetch after the next dispatch finds it ready
-        return result.token_ids
+        return result, last
+
+    def _previous_zeros(self) -> jax.Array:
+        """int32[B, 1] zeros on the device (made once): the previous tokens of a program that
+        feeds none from the device."""
+        if self._no_previous_tokens is None:
+            self._no_previous_tokens = jax.numpy.zeros((self.parallel, 1), jax.numpy.int32)
+        return self._no_previous_tokens
 
     def _run_prefill_chunk(self, chunk) -> None:
         length = len(chunk.token_ids)
@@ -409,15 +508,22 @@ class Engine:
         self.target_caches, self.draft_caches = programs.prefill_step_jit(*args, **static)
 
     def _abstract_args(self, args: tuple) -> tuple:
-        """``programs.abstract(args)`` for a program's ``(target_params, draft_params,
-        target_caches, draft_caches, *step_inputs)``, reusing the first abstract of the four
-        fixed ones."""
+        """A program's ``(target_params, draft_params, target_caches, draft_caches,
+        *step_inputs)`` for ``backend_report``: the four fixed ones abstracted once (the caches
+        are donated, so their arrays do not outlive the step), the step's own inputs kept as
+        they are (host NumPy arrays, which ``jax.eval_shape`` reads by shape): abstracting them
+        every step cost about 80 us of host time a step on a CPU, for a report read once."""
         if self._abstract_state is None:
             self._abstract_state = programs.abstract(args[:4])
-        return (*self._abstract_state, *programs.abstract(args[4:]))
+        return (*self._abstract_state, *args[4:])
 
     def _decode_inputs(self, batch: DecodeBatch) -> programs.DecodeInputs:
-        """The step's device inputs from the scheduler's batch (host NumPy; jit transfers)."""
+        """The decode program's device inputs from the scheduler's batch (host NumPy; jit
+        transfers), for ``K`` decode steps (``programs.num_steps``): the batch's
+        ``num_steps``, or fewer where the Pallas plans of its steps stop sharing a compiled
+        variant (then the largest power of two of steps that do; committing frees the rest's
+        pages). With ``K > 1`` the table and plan leaves have a leading ``[K]`` axis
+        (``programs.stack_steps``)."""
         vocab = self.target_config.vocab_size
         rows = batch.params  # None for an idle row: greedy, no filter, ignored anyway
         temperature = np.array([p.temperature if p else 0.0 for p in rows], np.float32)
@@ -430,7 +536,17 @@ class Engine:
                 key_data[slot] = self._key_data[request_id]
         table, draft_tables = batch.page_table, batch.draft_page_tables
         plan, draft_plans = None, (None,) * len(draft_tables)
-        if resolve_backend(self.backend) == "pallas":
+        pallas = resolve_backend(self.backend) == "pallas"
+        num_steps = batch.num_steps
+        if num_steps > 1:
+            tables = batch.step_page_tables
+            plans = _plan_tables(tables, self.target_config) if pallas else (None,) * num_steps
+            num_steps = _steps_of_one_variant(plans)
+            if num_steps > 1:
+                table, plan = programs.stack_steps(tables[:num_steps], plans[:num_steps])
+            else:
+                table, plan = tables[0], plans[0]
+        elif pallas:
             # FlashInfer's plan/run split: plan once on the host, every layer reuses it.
             (plan,) = _plan_tables([table], self.target_config)
             if draft_tables:  # speculating: the draft model's n + 1 tables
@@ -449,27 +565,10 @@ class Engine:
             draft_plans=draft_plans,
         )
 
-    def _run_decode(self, inputs: programs.DecodeInputs) -> programs.DecodeResult:
-        args = (
-            self.target_params,
-            self.draft_params,
-            self.target_caches,
-            self.draft_caches,
-            inputs,
-        )
-        static = dict(
-            target_config=self.target_config,
-            draft_config=self.draft_config,
-            num_speculative=self.num_speculative,
-            backend=self.backend,
-        )
-        self._traced["decode"] = ("decode", self._abstract_args(args), static)
+    def _run_decode(self, inputs: programs.DecodeInputs, num_steps: int) -> programs.DecodeResult:
+        args = (self.target_params, self.draft_params, self.target_caches, self.draft_caches)
         start = time.perf_counter()
-        # One host-to-device copy for all the step's host arrays (serving/host_inputs.py).
-        packed, packing = host_inputs.pack(inputs)
-        result, self.target_caches, self.draft_caches = programs.decode_step_jit(
-            *args[:4], packed, packing=packing, **static
-        )
+        result, _ = self._call_decode(args, inputs, num_steps)
         dispatched = time.perf_counter()
         jax.block_until_ready(result)  # no extra cost: device_get would wait for it anyway
         ready = time.perf_counter()
@@ -495,7 +594,8 @@ class Engine:
                 if batch.active[slot]
             }
             return output, num_accepted
-        return self.scheduler.commit_step(step, result.token_ids[:, 0]), {}
+        # int32[B, K]: every step's token of every row (the scheduler applies stops).
+        return self.scheduler.commit_step(step, result.token_ids), {}
 
     # --- loops -----------------------------------------------------------------------------
 
@@ -538,7 +638,11 @@ class Engine:
     # --- reports ---------------------------------------------------------------------------
 
     def _compile_count(self) -> int:
-        return programs.decode_step_jit._cache_size() + programs.prefill_step_jit._cache_size()
+        return (
+            programs.decode_step_jit._cache_size()
+            + programs.decode_steps_jit._cache_size()
+            + programs.prefill_step_jit._cache_size()
+        )
 
     def backend_report(self) -> dict[str, str]:
         """Which implementation ran each op of the programs run so far, as each op chose it
@@ -550,6 +654,18 @@ class Engine:
           first step.
         """
         return backend_report(self._traced, self.num_speculative)
+
+
+def _steps_of_one_variant(plans) -> int:
+    """The largest power of two ``K`` such that the first ``K`` plans share their static fields
+    (one compiled program runs them; None plans, the reference's, always do)."""
+    if plans[0] is None:
+        return len(plans)
+    variant = (plans[0].write_final, plans[0].long_chunks)
+    same = 1
+    while same < len(plans) and (plans[same].write_final, plans[same].long_chunks) == variant:
+        same += 1
+    return 1 << (same.bit_length() - 1)
 
 
 def _plan_tables(tables, config: ModelConfig) -> tuple[paged.DecodePlan, ...]:

@@ -46,7 +46,8 @@ class Packing(NamedTuple):
 
     Attributes:
       treedef: the pytree's structure.
-      leaves: per leaf, ``(offset, shape, dtype name)`` in the buffer, in int32 words.
+      leaves: per leaf, ``(offset, shape, dtype string)`` in the buffer (offset in int32
+        words; the dtype as ``numpy.dtype.str``, e.g. ``"<f4"``).
       size: the buffer's length.
     """
 
@@ -95,7 +96,9 @@ def pack(tree) -> tuple[np.ndarray, Packing]:
         array = _as_32_bit(path, leaf)
         words = (array.astype(np.int32) if array.dtype == np.bool_ else array).reshape(-1)
         parts.append(words.view(np.int32))
-        entries.append((offset, tuple(array.shape), array.dtype.name))
+        # dtype.str ("<f4"), not dtype.name ("float32"): NumPy computes a name in Python, and
+        # for the twenty-odd leaves of an engine step that was 40% of this function's time.
+        entries.append((offset, tuple(array.shape), array.dtype.str))
         offset += words.size
     buffer = np.concatenate(parts) if parts else np.zeros((0,), np.int32)
     return buffer, Packing(treedef, tuple(entries), offset)
@@ -106,9 +109,9 @@ def unpack(buffer: jax.Array, packing: Packing):
     if buffer.shape != (packing.size,):
         raise ValueError(f"buffer must be int32[{packing.size}], got {buffer.shape}")
     leaves = []
-    for offset, shape, dtype_name in packing.leaves:
+    for offset, shape, dtype_str in packing.leaves:
         words = buffer[offset : offset + int(np.prod(shape, dtype=np.int64))]
-        dtype = np.dtype(dtype_name)
+        dtype = np.dtype(dtype_str)
         if dtype == np.bool_:
             leaf = words != 0
         elif dtype == np.int32:

@@ -1,4 +1,5 @@
-"""The engine's jitted programs: one decode (or verification) step, one prefill chunk.
+"""The engine's jitted programs: one decode (or verification) step, several plain decode steps,
+one prefill chunk.
 
 One decode step, one program
 ----------------------------
@@ -12,6 +13,15 @@ never per sequence length. Prefill chunks have power-of-two lengths (the schedul
 program per length and table bucket. The step's host arrays (tokens, keys, sampling parameters,
 page tables, plans) travel as one int32 buffer (``serving/host_inputs.py``): one
 host-to-device copy a step, not one an array.
+
+Several decode steps, one program
+---------------------------------
+Where the host measured more time planning and dispatching a step than the device took to run
+it (issue 18), ``decode_steps`` runs ``K`` plain decode steps in one program: a ``lax.scan``
+whose body is ``decode_step``, step ``k`` fed the tokens step ``k - 1`` sampled, reading its
+own table and plan (the host plans all ``K``: ``stack_steps``), its keys folded with
+``num_generated + k``. ``K`` is a static shape (the stacked tables' leading axis), so each
+``K`` compiles once per bucket; the engine uses powers of two.
 
 Sampling (keys: ``serving/keys.py``)
 ------------------------------------
@@ -193,6 +203,155 @@ def decode_step(
     return DecodeResult(token_ids, num_accepted, draft_token_ids), target_caches, draft_caches
 
 
+def decode_steps(
+    target_params,
+    draft_params,
+    target_caches,
+    draft_caches,
+    inputs: DecodeInputs,
+    previous_token_ids: jax.Array | None = None,
+    *,
+    target_config: ModelConfig,
+    draft_config: ModelConfig | None,
+    backend: str,
+) -> tuple[DecodeResult, jax.Array, list[paged.KVCache], list[paged.KVCache] | None]:
+    """``K`` plain decode steps in one program: a ``lax.scan`` whose body is ``decode_step``.
+
+    Step ``k`` is the single step the engine would have run ``k`` steps later: it feeds the
+    tokens step ``k - 1`` sampled (step 0 those of ``inputs``, or of ``previous_token_ids``
+    where ``inputs.token_ids`` is negative), reads and writes through step ``k``'s table and
+    plan, and samples with each row's key folded with ``num_generated + k``. So the tokens,
+    keys and cache writes are those of ``K`` single steps; only the host is not in between.
+
+    Args:
+      target_params, draft_params, target_caches, draft_caches: as ``decode_step`` (plain
+        decoding: the draft's are passed through untouched).
+      inputs: ``DecodeInputs`` whose ``page_table`` and ``plan`` leaves have a leading ``[K]``
+        axis (step ``k``'s table and plan: ``stack_steps``); the rest as for one step, step 0's.
+      previous_token_ids: int32[B, 1] or None, as ``decode_step``.
+      target_config, draft_config, backend: static, as ``decode_step``.
+
+    Returns:
+      ``(DecodeResult, last_token_ids, target_caches, draft_caches)``: ``token_ids`` int32[B,
+      K] (step ``k``'s tokens in column ``k``), ``num_accepted`` zeros, ``draft_token_ids``
+      int32[B, 0]; ``last_token_ids`` int32[B, 1], column ``K - 1`` (what the next step's
+      unresolved rows feed).
+    """
+    if inputs.draft_page_tables:
+        raise ValueError("decode_steps runs plain decoding: draft_page_tables must be empty")
+    if inputs.page_table.last_page_len.ndim != 2:
+        raise ValueError(
+            "decode_steps needs a table stacked over the steps (programs.stack_steps), got "
+            f"last_page_len of shape {inputs.page_table.last_page_len.shape}"
+        )
+    if previous_token_ids is not None:
+        fed = jnp.where(inputs.token_ids < 0, previous_token_ids[:, 0], inputs.token_ids)
+        inputs = inputs._replace(token_ids=fed)
+
+    def one_step(carry, per_step):
+        token_ids, caches = carry
+        step, page_table, plan = per_step
+        step_inputs = inputs._replace(
+            token_ids=token_ids,
+            num_generated=inputs.num_generated + step,
+            page_table=page_table,
+            plan=plan,
+        )
+        result, caches, _ = decode_step(
+            target_params,
+            draft_params,
+            caches,
+            None,
+            step_inputs,
+            target_config=target_config,
+            draft_config=draft_config,
+            num_speculative=0,
+            backend=backend,
+        )
+        tokens = result.token_ids[:, 0]
+        return (tokens, caches), tokens
+
+    steps = jnp.arange(num_steps(inputs), dtype=jnp.int32)
+    (last, target_caches), tokens = jax.lax.scan(
+        one_step, (inputs.token_ids, target_caches), (steps, inputs.page_table, inputs.plan)
+    )
+    batch = last.shape[0]
+    result = DecodeResult(
+        tokens.T, jnp.zeros((batch,), jnp.int32), jnp.zeros((batch, 0), jnp.int32)
+    )
+    return result, last[:, None], target_caches, draft_caches
+
+
+def stack_steps(tables: list[paged.PageTable], plans: list[paged.DecodePlan | None]):
+    """Host side: ``K`` steps' tables and plans as one table and one plan whose leaves have a
+    leading ``[K]`` axis (``decode_steps``'s ``inputs``).
+
+    The tables must share their padded size (the scheduler's ``step_page_tables`` do); the
+    plans (None on the reference path) their static fields (``write_final``,
+    ``long_chunks``): their work arrays are padded to the longest (items of request -1 with
+    empty ranges, as ``paged.plan_decode`` pads). A plan is made for its own step's lengths
+    (``paged.plan_decode_tables``), so the kernel splits every step as a single step would.
+
+    Raises:
+      ValueError: tables of different padded sizes or page sizes, or plans of different
+        static fields.
+    """
+    if len({table.page_indices.shape for table in tables}) != 1:
+        raise ValueError(
+            f"the steps' tables must share one padded size, got "
+            f"{[table.page_indices.shape for table in tables]}"
+        )
+    if len({table.page_size for table in tables}) != 1:
+        raise ValueError("the steps' tables must share one page size")
+    table = paged.PageTable(
+        *(np.stack([getattr(t, f) for t in tables]) for f in _TABLE_FIELDS),
+        page_size=tables[0].page_size,
+    )
+    if plans[0] is None:
+        if any(plan is not None for plan in plans):
+            raise ValueError("plans must be all None or all DecodePlans")
+        return table, None
+    variants = {(plan.write_final, plan.long_chunks) for plan in plans}
+    if len(variants) != 1:
+        raise ValueError(f"the steps' plans differ in their static fields: {sorted(variants)}")
+    width = max(plan.work_request.shape[0] for plan in plans)
+
+    def padded(plan, field, fill):
+        values = np.asarray(getattr(plan, field))
+        return np.pad(values, (0, width - values.shape[0]), constant_values=fill)
+
+    stacked = {
+        field: np.stack(
+            [padded(plan, field, -1 if field == "work_request" else 0) for plan in plans]
+        )
+        for field in _PLAN_WORK_FIELDS
+    }
+    for field in ("merge_indptr", "chunk_pages", "num_work_items"):
+        stacked[field] = np.stack([np.asarray(getattr(plan, field)) for plan in plans])
+    plan = paged.DecodePlan(
+        **stacked, write_final=plans[0].write_final, long_chunks=plans[0].long_chunks
+    )
+    return table, plan
+
+
+def num_steps(inputs: DecodeInputs) -> int:
+    """The decode steps ``inputs`` are for: ``K`` when their table is stacked
+    (``decode_steps``), else 1 (``decode_step``)."""
+    lengths = inputs.page_table.last_page_len
+    return 1 if lengths.ndim == 1 else lengths.shape[0]
+
+
+def first_step(inputs: DecodeInputs) -> DecodeInputs:
+    """The single step's inputs of step 0 of ``decode_steps``'s ``inputs`` (its table and
+    plan, unstacked): what the scan's body runs first."""
+    first = lambda tree: jax.tree.map(lambda leaf: leaf[0], tree)
+    return inputs._replace(page_table=first(inputs.page_table), plan=first(inputs.plan))
+
+
+_TABLE_FIELDS = ("page_indptr", "page_indices", "last_page_len")
+_PLAN_WORK_FIELDS = ("work_request", "work_page_start", "work_page_end", "work_last_page_len")
+
+
 def prefill_step(
     target_params,
     draft_params,
@@ -250,10 +409,40 @@ def packed_decode_step(
     )
 
 
+def packed_decode_steps(
+    target_params,
+    draft_params,
+    target_caches,
+    draft_caches,
+    packed_inputs,
+    previous_token_ids=None,
+    *,
+    packing,
+    **static,
+):
+    """``decode_steps`` on inputs packed by ``serving.host_inputs.pack`` (one host copy)."""
+    inputs = host_inputs.unpack(packed_inputs, packing)
+    return decode_steps(
+        target_params,
+        draft_params,
+        target_caches,
+        draft_caches,
+        inputs,
+        previous_token_ids,
+        **static,
+    )
+
+
 _STATIC = ("target_config", "draft_config", "backend")
 decode_step_jit = jax.jit(
     packed_decode_step,
     static_argnames=(*_STATIC, "num_speculative", "packing"),
+    donate_argnames=("target_caches", "draft_caches"),
+)
+# One compilation per number of steps K (it is in the packing's shapes) and table bucket.
+decode_steps_jit = jax.jit(
+    packed_decode_steps,
+    static_argnames=(*_STATIC, "packing"),
     donate_argnames=("target_caches", "draft_caches"),
 )
 prefill_step_jit = jax.jit(

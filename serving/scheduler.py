@@ -87,6 +87,26 @@ preempted it), its token of the step planned meanwhile is discarded, and a reque
 plan still holds is skipped when that plan commits. A preempted request is readmitted only with
 its tokens known (``resolve_step`` runs before the next plan).
 
+Several decode steps at once
+----------------------------
+``plan_step(max_decode_steps=K)`` lets a decode batch run ``K`` plain decode steps back to back
+(``DecodeBatch.num_steps``; the engine runs them as one program, each step feeding the tokens
+of the one before on the device) when nothing can change between them: no speculation, no
+prefill chunk in the step and no request still prefilling, no waiting request while a slot is
+free (it could be admitted as soon as pages allow), and every row at least ``K`` tokens from its
+``max_tokens``. The pages of all ``K`` writes are reserved at plan time, fewer steps taken when
+the pool cannot hold them (never a preemption for it). ``K`` is the largest power of two that
+fits, so the engine compiles few programs. Only a stop token can end a row early, and it cannot
+be known ahead: committing drops the row's tokens after it, and its pages are freed as after a
+single step. The engine may run fewer steps than planned; committing those frees the pages
+reserved for the rest. Outputs are those of ``K`` single steps: a request's keys, positions
+and pages are the same. Since nobody prefills during a block, the fairness grant's bound (a
+parked prefill gets a chunk at least once every ``N + 1`` steps) counts single steps as it
+did: every plan while a prefill is parked is one step (the state machine of
+``tests/test_scheduler.py`` checks both). What waits is a request queued for a slot: a stop
+token inside a block frees its slot at the block's end (overlapped, after the next block:
+``serving/engine.py``).
+
 Static shapes for ``jit``
 -------------------------
 The decode batch always has ``parallel`` rows; ``page_indices`` is padded to
@@ -197,6 +217,12 @@ class DecodeBatch:
         one token at ``positions + j`` (the last token, then ``d_j``) over rows covering
         ``positions + j + 1`` tokens; pass ``n`` only writes ``d_n``. All share
         ``page_table``'s padded size, and the last one is ``page_table``.
+      num_steps: ``K``, plain decode steps the batch runs back to back (1 unless
+        ``plan_step(max_decode_steps=...)`` found ``K`` steps in which nothing changes: module
+        docstring); step ``k`` feeds the token step ``k - 1`` sampled, at ``positions + k``.
+      step_page_tables: when ``num_steps > 1``, each step's table: step ``k``'s active rows
+        cover ``positions + k + 1`` tokens, idle rows 1 (the padding page); all share one
+        padded size, and the first is ``page_table``. Empty when ``num_steps == 1``.
     """
 
     request_ids: tuple[Hashable | None, ...]
@@ -208,6 +234,8 @@ class DecodeBatch:
     num_speculative: int
     page_table: paged.PageTable
     draft_page_tables: tuple[paged.PageTable, ...]
+    num_steps: int = 1
+    step_page_tables: tuple[paged.PageTable, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -367,9 +395,9 @@ class Scheduler:
         self._free_slots = list(range(self.parallel))  # a heap: lowest slot first
         self._steps = itertools.count()
         self._plan: _Plan | None = None
-        # Steps committed before their tokens reached the host: step index -> (slot, request,
-        # index of its unresolved token), until resolve_step.
-        self._unresolved: dict[int, list[tuple[int, _Live, int]]] = {}
+        # Steps committed before their tokens reached the host: step index -> ([(slot, request,
+        # index of its first unresolved token)], tokens a row), until resolve_step.
+        self._unresolved: dict[int, tuple[list[tuple[int, _Live, int]], int]] = {}
         # The prefix registry: key -> page, page -> key, and registered pages not yet computed.
         self._prefix_page: dict[tuple[int, tuple[int, ...]], int] = {}
         self._page_key: dict[int, tuple[int, tuple[int, ...]]] = {}
@@ -461,18 +489,33 @@ class Scheduler:
 
     # --- planning --------------------------------------------------------------------------
 
-    def plan_step(self) -> Step:
+    def plan_step(self, max_decode_steps: int = 1) -> Step:
         """Decides the next step: growth (preempting if the pool runs dry), prefill chunks,
         admissions, and the decode batch.
+
+        Args:
+          max_decode_steps: the most plain decode steps the decode batch may run at once, a
+            power of two (``DecodeBatch.num_steps``; module docstring): the batch gets the
+            largest power of two up to it for which nothing can change, 1 when something can.
 
         Returns:
           The ``Step``. Run it, then call ``commit_step`` with it before planning again.
 
         Raises:
           RuntimeError: if the previous step was not committed.
+          ValueError: ``max_decode_steps`` not a power of two >= 1.
         """
         if self._plan is not None:
             raise RuntimeError("commit_step the previous step before planning another")
+        if (
+            isinstance(max_decode_steps, bool)
+            or not isinstance(max_decode_steps, int | np.integer)
+            or max_decode_steps < 1
+            or max_decode_steps & (max_decode_steps - 1)
+        ):
+            raise ValueError(
+                f"max_decode_steps must be a power of two >= 1, got {max_decode_steps!r}"
+            )
         preempted = self._grow_running()
         admitted = []
         if not preempted:
@@ -504,10 +547,13 @@ class Scheduler:
             for live in self._running
             if ends.get(id(live), live.cached) >= live.prefill_end
         ]
+        num_steps = 1
+        if rows and max_decode_steps > 1 and not chunks:
+            num_steps = self._reserve_steps_ahead(rows, int(max_decode_steps))
         step = Step(
             index=next(self._steps),
             prefill=tuple(chunks),
-            decode=self._decode_batch(rows, ends) if rows else None,
+            decode=self._decode_batch(rows, ends, num_steps) if rows else None,
             admitted=tuple(admitted),
             preempted=tuple(preempted),
             granted=decision.granted,
@@ -542,6 +588,33 @@ class Scheduler:
                 self._set_slot_pages(live.slot, len(live.pages), grown)
                 live.pages.extend(grown)
         return preempted
+
+    def _reserve_steps_ahead(self, rows: list[tuple[int, _Live]], max_steps: int) -> int:
+        """How many decode steps the batch of ``rows`` can run with nothing changing between
+        them, ``K`` (a power of two up to ``max_steps``), with the pages of their ``K`` writes
+        reserved now; 1 (nothing reserved beyond ``_grow_running``'s) when something can
+        change: speculation, a request still prefilling, a waiting request with a free slot
+        (admissible as soon as pages allow), or no ``K > 1`` that every row's ``max_tokens``
+        and the free pages allow. A row reaching ``max_tokens`` exactly at step ``K`` is fine:
+        it finishes when the batch commits, as it would after ``K`` single steps."""
+        if self.num_speculative or len(rows) != len(self._running):
+            return 1
+        if self._waiting and self._free_slots:
+            return 1
+        remaining = min(live.request.params.max_tokens - live.num_generated for _, live in rows)
+        steps = 1 << (min(max_steps, remaining).bit_length() - 1)
+
+        def missing(live: _Live, steps: int) -> int:
+            return max(pages_needed(live.cached + steps, self.page_size) - len(live.pages), 0)
+
+        while steps > 1 and sum(missing(live, steps) for _, live in rows) > self.pool.num_free:
+            steps //= 2  # the pool cannot hold them: fewer steps, never a preemption
+        if steps > 1:
+            for _, live in rows:
+                grown = self.pool.allocate(missing(live, steps))
+                self._set_slot_pages(live.slot, len(live.pages), grown)
+                live.pages.extend(grown)
+        return steps
 
     def _preempt(self, live: _Live) -> None:
         """Sends the newest running request back to the queue's front, freeing its pages; it
@@ -633,7 +706,9 @@ class Scheduler:
             prefill_ends.append((live, start))
         return budget
 
-    def _decode_batch(self, rows: list[tuple[int, _Live]], ends: dict[int, int]) -> DecodeBatch:
+    def _decode_batch(
+        self, rows: list[tuple[int, _Live]], ends: dict[int, int], num_steps: int = 1
+    ) -> DecodeBatch:
         n = self.num_speculative
         request_ids: list[Hashable | None] = [None] * self.parallel
         params: list[SamplingParams | None] = [None] * self.parallel
@@ -649,8 +724,20 @@ class Scheduler:
             # The cache's length after this step's prefill: where the last token goes.
             positions[slot] = ends.get(id(live), live.cached)
             num_generated[slot] = live.num_generated
-        table = self._slot_table(positions + (n + 1), active)
-        draft_tables = ()
+        draft_tables = step_tables = ()
+        if num_steps > 1:  # n = 0; idle rows stay one token on the padding page
+            last = self._slot_table(np.where(active, positions + num_steps, 1), active)
+            size = last.page_indices.shape[0]
+            step_tables = (
+                *(
+                    self._slot_table(np.where(active, positions + k + 1, 1), active, size)
+                    for k in range(num_steps - 1)
+                ),
+                last,
+            )
+            table = step_tables[0]
+        else:
+            table = self._slot_table(positions + (n + 1), active)
         if n:
             size = table.page_indices.shape[0]
             passes = [self._slot_table(positions + (j + 1), active, size) for j in range(n)]
@@ -665,6 +752,8 @@ class Scheduler:
             num_speculative=n,
             page_table=table,
             draft_page_tables=draft_tables,
+            num_steps=num_steps,
+            step_page_tables=step_tables,
         )
 
     def _slot_table(
@@ -711,14 +800,20 @@ class Scheduler:
         accepted drafts, then the correction or bonus token (``chain_speculative_sampling``'s
         outputs as they come). Both caches are rewound to ``positions[b] + 1 +
         num_accepted[b]``; tokens after a stop token, or past ``max_tokens``, are discarded and
-        the request finishes, freeing its pages. Validated first: on error nothing changes.
+        the request finishes, freeing its pages. A batch of ``K`` plain decode steps
+        (``DecodeBatch.num_steps``) is committed with ``token_ids[b, k]`` the token of step
+        ``k``, for the ``K' <= K`` steps run: each row emitted all ``K'`` (up to a stop token),
+        and the pages reserved for steps not run are freed. Validated first: on error nothing
+        changes.
 
         Args:
           step: the step returned by the last ``plan_step``.
           token_ids: int ``[B, n + 1]`` (or ``[B]`` when ``n = 0``) per slot; idle rows and
-            entries past ``num_accepted + 1`` are ignored (-1 padding is fine). None when the
-            step has no decode batch.
-          num_accepted: int ``[B]`` in ``[0, n]``; None means all zero (plain decoding).
+            entries past ``num_accepted + 1`` are ignored (-1 padding is fine). A batch of
+            ``K`` plain steps: ``[B, K']``, ``1 <= K' <= K``. None when the step has no decode
+            batch.
+          num_accepted: int ``[B]`` in ``[0, n]``; None means all zero (plain decoding), and
+            must be None for ``K' > 1`` plain steps.
           draft_token_ids: optional int ``[B, n]``, the drafts fed: checked to agree with the
             accepted tokens, to catch an engine that mixes up its rows.
 
@@ -726,8 +821,9 @@ class Scheduler:
           The ``StepOutput``: its ``new_token_ids`` and ``finished`` (the engine adds the rest).
 
         Raises:
-          ValueError: a step other than the outstanding one; shapes unlike the above; a count
-            outside ``[0, n]``; an emitted token id < 0; accepted tokens unlike the drafts.
+          ValueError: a step other than the outstanding one; shapes unlike the above (more
+            steps than planned included); a count outside ``[0, n]``; an emitted token id < 0;
+            accepted tokens unlike the drafts.
         """
         plan = self._plan
         if plan is None or step is not plan.step:
@@ -762,22 +858,28 @@ class Scheduler:
 
     # --- committing before the tokens are known (overlapped steps, n = 0) -------------------
 
-    def commit_step_unresolved(self, step: Step) -> None:
+    def commit_step_unresolved(self, step: Step, num_steps: int | None = None) -> None:
         """Commits ``step`` before its tokens reach the host (plain decoding only).
 
-        Each decode row emitted exactly one token (``n = 0``), so everything but the token's
-        value is known: the cache grows by one, the token list gets ``UNRESOLVED_TOKEN`` in its
-        place (the next step feeds it from the device: ``DecodeBatch.token_ids`` is -1 there),
-        and a request that reached ``max_tokens`` retires now (pages and slot freed; a later
-        step on the device may still write its pages, but it runs before any step that reuses
-        them). Stop tokens can only be applied when the tokens are known: ``resolve_step``
-        does it, one step late; the request's row in the step planned meanwhile is wasted and
-        its token discarded. Rows of requests that such a stop finished after ``step`` was
-        planned are skipped.
+        Each decode row emitted exactly one token a step (``n = 0``), so everything but the
+        tokens' values is known: the cache grows by one a step, the token list gets
+        ``UNRESOLVED_TOKEN`` in each token's place (the next step feeds the last from the
+        device: ``DecodeBatch.token_ids`` is -1 there), and a request that reached
+        ``max_tokens`` retires now (pages and slot freed; a later step on the device may still
+        write its pages, but it runs before any step that reuses them). Stop tokens can only be
+        applied when the tokens are known: ``resolve_step`` does it, one step late; the
+        request's row in the step planned meanwhile is wasted and its token discarded. Rows of
+        requests that such a stop finished after ``step`` was planned are skipped.
+
+        Args:
+          step: the outstanding step.
+          num_steps: the decode steps run, 1 to ``step.decode.num_steps`` (None: all of them);
+            pages reserved for the steps not run are freed.
 
         Raises:
-          ValueError: a step other than the outstanding one, or a speculative scheduler (the
-            number of tokens a speculative row emits is only known with them).
+          ValueError: a step other than the outstanding one, a speculative scheduler (the
+            number of tokens a speculative row emits is only known with them), or
+            ``num_steps`` outside the range above.
         """
         plan = self._plan
         if plan is None or step is not plan.step:
@@ -787,30 +889,36 @@ class Scheduler:
                 f"commit_step_unresolved needs plain decoding; num_speculative is "
                 f"{self.num_speculative} (a row's token count is known only with its tokens)"
             )
+        planned = step.decode.num_steps if step.decode is not None else 1
+        count = planned if num_steps is None else num_steps
+        if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= planned:
+            raise ValueError(f"num_steps must be an integer in [1, {planned}], got {num_steps!r}")
         self._plan = None
         self._commit_prefill(plan)
         rows = []
         for slot, live in plan.decode_rows:
             if live.done:  # a stop token resolved after this step was planned
                 continue
-            live.cached = self._accepted_length(live.cached, 0)
-            live.tokens.append(UNRESOLVED_TOKEN)
-            rows.append((slot, live, len(live.tokens) - 1))
+            live.cached = self._accepted_length(live.cached, count - 1)
+            rows.append((slot, live, len(live.tokens)))  # where its first new token goes
+            live.tokens.extend([UNRESOLVED_TOKEN] * count)
             if live.num_generated >= live.request.params.max_tokens:
                 live.provisional_reason = "length"
                 self._retire(live)
             else:
                 self._trim_pages(live)
-        self._unresolved[step.index] = rows  # even empty: the engine resolves every step
+        # Even empty: the engine resolves every step.
+        self._unresolved[step.index] = (rows, count)
 
     def resolve_step(self, step: Step, token_ids) -> StepOutput:
         """The tokens of a step committed by ``commit_step_unresolved``: they replace the
-        placeholders, and stop tokens finish their requests now (one step late: a later token
-        of such a request is discarded; its pages and slot are freed).
+        placeholders, and stop tokens finish their requests now (one step late: later tokens
+        of such a request are discarded; its pages and slot are freed).
 
         Args:
           step: the step, as ``plan_step`` returned it.
-          token_ids: int ``[B]`` or ``[B, 1]``, the step's sampled tokens per slot.
+          token_ids: int ``[B, K]`` (or ``[B]`` when ``K = 1``), the tokens each slot sampled
+            in the ``K`` decode steps committed.
 
         Returns:
           The ``StepOutput`` of ``step``: tokens kept and requests finished.
@@ -818,37 +926,46 @@ class Scheduler:
         Raises:
           ValueError: a step with nothing to resolve, or tokens of the wrong shape or < 0.
         """
-        rows = self._unresolved.get(step.index)
-        if rows is None:
+        entry = self._unresolved.get(step.index)
+        if entry is None:
             raise ValueError(f"step {step.index} has no unresolved tokens")
+        rows, count = entry
         tokens = np.asarray(token_ids)
-        if tokens.ndim == 2 and tokens.shape[1] == 1:
-            tokens = tokens[:, 0]
-        if tokens.shape != (self.parallel,) or not np.issubdtype(tokens.dtype, np.integer):
+        if tokens.ndim == 1 and count == 1:
+            tokens = tokens[:, None]
+        if tokens.shape != (self.parallel, count) or not np.issubdtype(tokens.dtype, np.integer):
+            expected = f"[{self.parallel}]" if count == 1 else f"[{self.parallel}, {count}]"
             raise ValueError(
-                f"token_ids must be integers of shape [{self.parallel}], got "
+                f"token_ids must be integers of shape {expected}, got "
                 f"{tokens.dtype}{list(tokens.shape)}"
             )
         for slot, live, _ in rows:
-            if not live.done and tokens[slot] < 0:
-                raise ValueError(f"token_ids[{slot}]={tokens[slot]} is not a token id")
+            for offset in range(count):
+                if not live.done and tokens[slot, offset] < 0:
+                    where = f"{slot}" if count == 1 else f"{slot}, {offset}"
+                    raise ValueError(f"token_ids[{where}]={tokens[slot, offset]} is not a token id")
         del self._unresolved[step.index]
         new_token_ids, finished = {}, []
         for slot, live, index in rows:
             if live.done:
                 continue
-            token = int(tokens[slot])
-            live.tokens[index] = token
-            new_token_ids[live.request.request_id] = (token,)
-            if token in live.stop_token_ids:
-                del live.tokens[index + 1 :]  # whatever a later step added is discarded
+            kept, stopped = [], False
+            for offset, token in enumerate(tokens[slot].tolist()):
+                live.tokens[index + offset] = token
+                kept.append(token)
+                if token in live.stop_token_ids:
+                    stopped = True
+                    break
+            new_token_ids[live.request.request_id] = tuple(kept)
+            if stopped:
+                del live.tokens[index + len(kept) :]  # whatever later steps added is discarded
                 if live.provisional_reason is None:
                     if live in self._running:
                         self._retire(live)
                     else:  # preempted after this step: it waits to be recomputed
                         self._waiting.remove(live)
                 finished.append(self._output(live, "stop"))
-            elif live.provisional_reason is not None and index == len(live.tokens) - 1:
+            elif live.provisional_reason is not None and index + count == len(live.tokens):
                 finished.append(self._output(live, live.provisional_reason))
         return StepOutput(new_token_ids, tuple(finished))
 
@@ -864,6 +981,29 @@ class Scheduler:
         check that they notice.)"""
         return position + 1 + num_accepted
 
+    def _check_step_tokens(self, step: Step, token_ids, name: str) -> np.ndarray:
+        """``token_ids`` as integers ``[B, width]``: ``n + 1`` wide when speculating, else the
+        steps run, 1 to the batch's ``num_steps`` (the engine may run fewer steps than planned:
+        the pages reserved for the rest are freed at commit); ``[B]`` means one step."""
+        n, batch = self.num_speculative, self.parallel
+        tokens = np.asarray(token_ids)
+        if tokens.ndim == 1 and n == 0:
+            tokens = tokens[:, None]
+        widths = (n + 1,) if n else range(1, step.decode.num_steps + 1)
+        if (
+            tokens.ndim != 2
+            or tokens.shape[0] != batch
+            or tokens.shape[1] not in widths
+            or not np.issubdtype(tokens.dtype, np.integer)
+        ):
+            width = n + 1 if n else step.decode.num_steps
+            expected = f"[{batch}, {width}]" if width == 1 or n else f"[{batch}, 1..{width}]"
+            raise ValueError(
+                f"{name} must be integers of shape {expected}, got "
+                f"{tokens.dtype}{list(tokens.shape)}"
+            )
+        return tokens
+
     def _check_outputs(self, plan, token_ids, num_accepted, draft_token_ids) -> list[list[int]]:
         """Each decode row's emitted tokens, after checking the arrays (nothing changes)."""
         if plan.step.decode is None:
@@ -873,14 +1013,14 @@ class Scheduler:
         n, batch = self.num_speculative, self.parallel
         if token_ids is None:
             raise ValueError("token_ids is required: this step has a decode batch")
-        tokens = np.asarray(token_ids)
-        if tokens.ndim == 1 and n == 0:
-            tokens = tokens[:, None]
-        if tokens.shape != (batch, n + 1) or not np.issubdtype(tokens.dtype, np.integer):
-            raise ValueError(
-                f"token_ids must be integers of shape [{batch}, {n + 1}], got "
-                f"{tokens.dtype}{list(tokens.shape)}"
-            )
+        tokens = self._check_step_tokens(plan.step, token_ids, "token_ids")
+        if n == 0 and tokens.shape[1] > 1:  # several plain steps: each row kept every token
+            if num_accepted is not None:
+                raise ValueError(
+                    f"num_accepted must be None for {tokens.shape[1]} plain decode steps, got "
+                    f"{num_accepted!r}"
+                )
+            num_accepted = np.full(batch, tokens.shape[1] - 1)
         accepted = np.zeros(batch, np.int64) if num_accepted is None else np.asarray(num_accepted)
         if accepted.shape != (batch,) or not np.issubdtype(accepted.dtype, np.integer):
             raise ValueError(
@@ -895,10 +1035,11 @@ class Scheduler:
                     f"draft_token_ids must have shape [{batch}, {n}], got {list(drafts.shape)}"
                 )
         emitted = []
+        most = n if n else tokens.shape[1] - 1
         for slot, live in plan.decode_rows:
             count = int(accepted[slot])
-            if not 0 <= count <= n:
-                raise ValueError(f"num_accepted[{slot}]={count} is outside [0, {n}]")
+            if not 0 <= count <= most:
+                raise ValueError(f"num_accepted[{slot}]={count} is outside [0, {most}]")
             row = tokens[slot, : count + 1].tolist()
             if min(row) < 0:
                 raise ValueError(

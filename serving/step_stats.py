@@ -43,6 +43,10 @@ class StepStats:
       commit_s: part of ``host_s``: committing the tokens (stop tokens, rewinds, finishes).
       num_granted: prefilling requests whose chunks the fairness grant gave beyond the step's
         budget (``Step.granted``).
+      num_decode_steps: decode steps the step's decode program ran (``K`` of
+        ``Engine(max_steps_per_program=K)``: 1 for a single step, 0 without a decode batch);
+        ``decode_s`` and ``dispatch_s`` cover all of them. Overlapped, this step's program (like
+        ``num_decode_rows``), not the previous one whose tokens were fetched.
       overlapped: whether the step ran overlapped (``Engine(overlap=True)``): its prefill and
         decode were dispatched without waiting, and ``device_wait_s``, ``fetch_s`` and
         ``num_emitted`` belong to the PREVIOUS step's tokens, fetched after this step was
@@ -65,6 +69,7 @@ class StepStats:
     commit_s: float = 0.0
     overlapped: bool = False
     num_granted: int = 0
+    num_decode_steps: int = 1
 
     @property
     def total_s(self) -> float:
@@ -160,7 +165,13 @@ class AcceptanceStats:
 @dataclasses.dataclass
 class RequestTiming:
     """When a request was submitted and when each of its tokens reached the host
-    (``time.perf_counter`` seconds; tokens of one step share their arrival time)."""
+    (``time.perf_counter`` seconds).
+
+    Tokens fetched together share their arrival time: a speculative step's, and the ``K``
+    tokens of a block of decode steps (``Engine(max_steps_per_program=K)``), whose gaps
+    (``inter_token_s``) are then ``K - 1`` zeros and one block's time. These are the times a
+    streaming client sees; the time of a decode step is ``StepStats``'s.
+    """
 
     submitted_s: float
     token_s: list[float] = dataclasses.field(default_factory=list)

@@ -1117,7 +1117,8 @@ def test_mgpu_decode_probe_memcheck_workload_runs_interpreted(capsys):
 
 def test_engine_dispatch_probe_runs_a_smoke_case(tmp_path, capsys):
     """The probe of an engine step's host time runs both loops and the program alone, and
-    writes one row a loop (figures on a CPU mean nothing; the code paths do)."""
+    writes one row a loop (figures on a CPU mean nothing; the code paths do); with
+    ``--steps-per-program 4`` too."""
     from bench.probes import engine_dispatch
 
     assert engine_dispatch.main(["--smoke", "--label", "smoke", "--out", str(tmp_path)]) == 0
@@ -1127,3 +1128,10 @@ def test_engine_dispatch_probe_runs_a_smoke_case(tmp_path, capsys):
         assert row["steps"] > 0 and row["dispatch_us"] > 0 and row["wall_step_us"] > 0
     assert rows[0]["call_us"] > 0 and rows[0]["calls"] == 3
     assert "program alone" in capsys.readouterr().out
+    # Several steps a program: the rows count programs and steps, and the block runs alone.
+    argv = ["--smoke", "--steps-per-program", "4", "--label", "k4", "--out", str(tmp_path)]
+    assert engine_dispatch.main(argv) == 0
+    rows = json.loads((tmp_path / "engine_dispatch_k4.json").read_text())
+    for row in rows:
+        assert row["steps_per_program_max"] == 4 and row["decode_steps"] > row["steps"] > 0
+    assert rows[0]["block_steps"] > 1 and rows[0]["block_device_us_per_step"] > 0

@@ -23,7 +23,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import paged
 import speculative
+from serving import engine as engine_module
 from serving import keys, programs
 from serving.demo import encode_text, load_tiny_pair
 from serving.engine import Engine
@@ -182,9 +184,11 @@ def _steps_to_first_token(engine, request_id) -> int:
     raise AssertionError(f"{request_id!r} had no token after 200 steps")
 
 
-@pytest.mark.parametrize(("interval", "overlap"), [(0, False), (2, True)])
+@pytest.mark.parametrize(
+    ("interval", "overlap", "steps"), [(0, False, 1), (2, True, 1), (1, True, 4)]
+)
 def test_a_long_prompt_under_full_decode_load_gets_its_first_token_within_the_bound(
-    pair, interval, overlap
+    pair, interval, overlap, steps
 ):
     """One request decodes every step and its row alone fills the step's budget
     (``max_batched_tokens=1``), so a long prompt admitted next to it gets no token from the
@@ -192,17 +196,23 @@ def test_a_long_prompt_under_full_decode_load_gets_its_first_token_within_the_bo
     tokens are 5 chunks, so its first token is sampled within ``(N + 1) * 5`` steps of its
     submission (exactly then: the budget gives it nothing), and reaches the host in that step,
     or in the next with the overlap; without the grant (an interval of 1000) it has none by
-    then."""
+    then. With blocks of four steps (``max_steps_per_program=4``) the load runs blocks before
+    the prompt arrives, and the bound is the same in steps: no block is planned while a
+    request prefills (its arrival waits only for the block in flight)."""
     prompt = encode_text(LONG_PROMPT)
     num_chunks = -(-(len(prompt) - 1) // 8)
     bound = (interval + 1) * num_chunks
     options = dict(num_pages=16, max_batched_tokens=1, prefill_chunk_size=8, overlap=overlap)
     for grant_interval in (interval, 1000):
-        engine = _engine(pair, prefill_grant_interval=grant_interval, **options)
+        engine = _engine(
+            pair, prefill_grant_interval=grant_interval, max_steps_per_program=steps, **options
+        )
         load = SamplingParams(temperature=0, max_tokens=3 * bound)
         engine.submit(Request("load", encode_text(PROMPTS[0]), load))
         while "load" not in engine.step().new_token_ids:  # the load decodes from here on
             pass
+        if steps > 1:  # the load alone runs blocks: the prompt arrives while one is in flight
+            assert engine.step().stats.num_decode_steps == steps
         engine.submit(Request("long", prompt, SamplingParams(temperature=0, max_tokens=2)))
         if grant_interval == interval:
             assert _steps_to_first_token(engine, "long") == bound + overlap
@@ -210,6 +220,7 @@ def test_a_long_prompt_under_full_decode_load_gets_its_first_token_within_the_bo
             for _ in range(bound):
                 step = engine.step()
                 assert "long" not in step.new_token_ids and step.stats.num_prefill_tokens == 0
+                assert step.stats.num_decode_steps == 1  # parked: no block
 
 
 def test_greedy_tokens_do_not_depend_on_the_step_budget(pair):
@@ -237,15 +248,19 @@ def test_greedy_tokens_do_not_depend_on_the_step_budget(pair):
 # Overlapped steps: the host out of the device's way
 
 
-def _run_with_arrivals(engine, arrivals) -> dict:
+def _run_with_arrivals(engine, arrivals, stats: list | None = None) -> dict:
     """Steps ``engine`` until done, submitting ``arrivals[k]`` (a list of requests) before
-    step ``k``; returns each request's output by id."""
+    step ``k``; returns each request's output by id (and appends each step's ``StepStats``
+    to ``stats``)."""
     outputs, step = {}, 0
     while step in arrivals or engine.has_unfinished:
         for request in arrivals.get(step, ()):
             engine.submit(request)
-        for output in engine.step().finished:
+        result = engine.step()
+        for output in result.finished:
             outputs[output.request_id] = output
+        if stats is not None:
+            stats.append(result.stats)
         step += 1
     return outputs
 
@@ -277,6 +292,156 @@ def test_overlapped_steps_give_the_synchronous_outputs(pair, num_speculative):
     assert results[True] == results[False]
     reasons = [reason for _, reason in results[False].values()]
     assert reasons.count("stop") == 2 and "length" in reasons  # both finishes exercised
+
+
+def test_several_steps_a_program_give_the_single_step_outputs(pair):
+    """Up to four decode steps a program (``max_steps_per_program=4``), synchronous and
+    overlapped, against single steps: greedy and seeded sampled requests (float32) arriving
+    while others decode, finishing by max_tokens and by stop tokens, on a pool small enough
+    to preempt and to cut blocks short: the same tokens and finish reasons, every page back.
+    The stats count the steps: blocks of four ran, fewer programs than single steps, every
+    emitted token counted once, none more than a step's rows and steps can make."""
+    sampled = lambda tokens, seed: SamplingParams(0.8, top_p=0.9, seed=seed, max_tokens=tokens)
+    greedy = lambda tokens, stop=(): SamplingParams(0.0, max_tokens=tokens, stop_token_ids=stop)
+    arrivals = lambda: {
+        0: [Request("a", encode_text(PROMPTS[0]), greedy(14)), Request("b", [7], greedy(1))],
+        2: [Request("c", encode_text(PROMPTS[1]), sampled(11, seed=3))],
+        3: [Request("d", encode_text(PROMPTS[2]), greedy(12, stop=[101, 32]))],
+        9: [Request("e", encode_text(PROMPTS[3]), sampled(16, seed=4))],
+        10: [Request("f", encode_text(PROMPTS[4]), greedy(9, stop=[32, 115]))],
+    }
+    results, programs_run = {}, {}
+    for overlap, steps in ((False, 1), (False, 4), (True, 4)):
+        engine = _engine(pair, overlap=overlap, max_steps_per_program=steps)
+        stats = []
+        outputs = _run_with_arrivals(engine, arrivals(), stats)
+        results[overlap, steps] = {
+            rid: (out.token_ids, out.finish_reason) for rid, out in sorted(outputs.items())
+        }
+        assert engine.scheduler.pool.num_free == engine.scheduler.usable_pages
+        assert sum(s.num_emitted for s in stats) == sum(len(o.token_ids) for o in outputs.values())
+        assert all(
+            s.num_decode_steps == (1 if s.num_decode_rows else 0) or steps > 1 for s in stats
+        )
+        assert {s.num_decode_steps for s in stats} <= {0, 1, 2, 4}
+        assert all(bool(s.num_decode_rows) == bool(s.num_decode_steps) for s in stats)
+        if not overlap:  # a step's own tokens (overlapped: the previous step's)
+            assert all(s.num_emitted <= s.num_decode_rows * s.num_decode_steps for s in stats)
+        programs_run[overlap, steps] = sum(bool(s.num_decode_steps) for s in stats)
+        if steps > 1:
+            assert any(s.num_decode_steps == 4 for s in stats), "no block of four ran"
+    baseline = results[False, 1]
+    assert results[False, 4] == baseline and results[True, 4] == baseline
+    reasons = [reason for _, reason in baseline.values()]
+    assert reasons.count("stop") == 2 and "length" in reasons  # both finishes exercised
+    assert programs_run[False, 4] < programs_run[False, 1]
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_the_tokens_of_a_block_reach_the_host_together(pair, overlap):
+    """What ``RequestTiming`` means with blocks: the tokens of one program reach the host at
+    once and share their arrival time. A request of 9 tokens: its first from the step that
+    prefills (a single step), then two blocks of four; so its inter-token gaps are three zeros
+    a block and one block's time between blocks, and its time to first token is that of a
+    single step."""
+    engine = _engine(pair, overlap=overlap, max_steps_per_program=4)
+    stats = []
+    request = Request("a", encode_text(PROMPTS[0]), SamplingParams(0.0, max_tokens=9))
+    engine.generate([request], lambda out: stats.append(out.stats))
+    assert [s.num_decode_steps for s in stats if s.num_decode_steps] == [1, 4, 4]
+    timing = engine.timings["a"]
+    arrivals, counts = np.unique(timing.token_s, return_counts=True)
+    assert counts.tolist() == [1, 4, 4] and len(timing.token_s) == 9
+    gaps = timing.inter_token_s()
+    assert (gaps == 0).sum() == 6 and (gaps[[0, 4]] > 0).all()
+    assert timing.time_to_first_token_s == arrivals[0] - timing.submitted_s > 0
+
+
+def _pallas_blocks_give_single_step_tokens(pair, max_tokens: int) -> None:
+    """Greedy and seeded sampled requests on the Pallas backend: eight steps a program (both
+    loops) give the tokens of single steps, and every page comes back."""
+    requests = lambda: [
+        Request(i, encode_text(p), SamplingParams(0.8 * (i % 2), seed=i, max_tokens=max_tokens))
+        for i, p in enumerate(PROMPTS[:3])
+    ]
+    options = dict(backend="pallas", num_pages=16)
+    baseline = _tokens(_engine(pair, **options).generate(requests()))
+    for overlap in (False, True):
+        engine = _engine(pair, overlap=overlap, max_steps_per_program=8, **options)
+        stats = []
+        outputs = engine.generate(requests(), stats.append)
+        assert _tokens(outputs) == baseline, overlap
+        assert max(out.stats.num_decode_steps for out in stats) > 1
+        assert engine.scheduler.pool.num_free == engine.scheduler.usable_pages
+
+
+@pytest.mark.gpu
+def test_pallas_blocks_of_steps_give_single_step_tokens_on_gpu(pair):
+    """Compiled kernels (float32 tiny pair): blocks of up to eight steps, their Pallas plans
+    stacked (and cut short where a plan changes variant), give the single steps' tokens over
+    contexts of up to 57 tokens (four pages)."""
+    _pallas_blocks_give_single_step_tokens(pair, max_tokens=48)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_block_cut_short_by_its_plans_gives_the_same_outputs(pair, monkeypatch, overlap):
+    """Where the Pallas plans of a block's steps change compiled variant, the engine runs the
+    first steps only (``_steps_of_one_variant``) and commits those: forced here on the
+    reference (two steps of every block of four), the outputs are those of single steps and
+    every page reserved for the steps not run comes back."""
+    requests = lambda: [
+        Request("a", encode_text(PROMPTS[0]), SamplingParams(0.0, max_tokens=11)),
+        Request("b", encode_text(PROMPTS[1]), SamplingParams(0.8, seed=2, max_tokens=9)),
+    ]
+    baseline = _tokens(_engine(pair).generate(requests()))
+    real = engine_module._steps_of_one_variant
+    monkeypatch.setattr(engine_module, "_steps_of_one_variant", lambda plans: min(real(plans), 2))
+    engine = _engine(pair, overlap=overlap, max_steps_per_program=4)
+    planned, run = [], []
+    plan_step = engine.scheduler.plan_step
+
+    def recording_plan_step(*args):
+        step = plan_step(*args)
+        planned.append(step.decode.num_steps if step.decode is not None else 0)
+        return step
+
+    engine.scheduler.plan_step = recording_plan_step
+    outputs = engine.generate(requests(), lambda out: run.append(out.stats.num_decode_steps))
+    assert _tokens(outputs) == baseline
+    assert 4 in planned and max(run) == 2  # blocks of four planned, two steps run
+    assert engine.scheduler.pool.num_free == engine.scheduler.usable_pages
+    variant = lambda write_final: paged.DecodePlan(*([None] * 7), write_final=write_final)
+    assert real([variant(True)] * 3 + [variant(False)]) == 2
+    assert real([variant(False)] * 4) == 4 and real([None] * 8) == 8
+
+
+def test_steps_stack_into_one_table_and_plan_padded_to_the_longest():
+    """``programs.stack_steps``: K steps' tables and plans get a leading [K] axis, the plans'
+    work arrays padded as ``plan_decode`` pads (request -1, empty ranges); steps that cannot
+    share one compiled program (padded sizes, static plan fields) are refused by name."""
+    short = paged.host_page_table([[1], [2]], [3, 1], 16, num_indices=16)
+    long = paged.host_page_table([[1, 3], [2]], [17, 1], 16, num_indices=16)
+    plans = [paged.plan_decode(t, 4, 2, 16, fixed_split_pages=1) for t in (short, long)]
+    plans[0] = paged.plan_decode(short, 4, 2, 16, fixed_split_pages=1, num_work_items=2)
+    table, plan = programs.stack_steps([short, long], plans)
+    assert table.page_indptr.tolist() == [[0, 1, 2], [0, 2, 3]] and table.page_size == 16
+    assert table.last_page_len.tolist() == [[3, 1], [1, 1]]
+    width = plans[1].work_request.shape[0]
+    assert plan.work_request.shape == (2, width) and width > 2
+    assert plan.work_request[0].tolist() == [0, 1] + [-1] * (width - 2)
+    assert plan.work_page_end[0, 2:].tolist() == [0] * (width - 2)
+    assert plan.merge_indptr.tolist() == [[0, 1, 2], [0, 2, 3]]
+    inputs = programs.DecodeInputs(*([None] * 7), table, (), plan, ())
+    assert programs.num_steps(inputs) == 2 and programs.num_steps(programs.first_step(inputs)) == 1
+    assert programs.first_step(inputs).plan.work_request.tolist() == plan.work_request[0].tolist()
+    assert programs.stack_steps([short, long], [None, None])[1] is None  # the reference's
+    with pytest.raises(ValueError, match="share one padded size"):
+        wider = paged.host_page_table([[1]] * 2, [1, 1], 16, num_indices=32)
+        programs.stack_steps([short, wider], [None] * 2)
+    split = paged.plan_decode(long, 4, 2, 16)  # no fixed split: one item a request
+    assert split.write_final != plans[0].write_final
+    with pytest.raises(ValueError, match="plans differ in their static fields"):
+        programs.stack_steps([short, long], [plans[0], split])
 
 
 def test_overlapped_engine_dispatches_a_step_before_fetching_the_last(pair, monkeypatch):
@@ -391,6 +556,19 @@ def test_bad_engine_arguments_are_named(pair):
         Engine(target, num_pages=8, page_size=16, parallel=1, backend="cuda")
     with pytest.raises(ValueError, match="num_speculative must be in"):
         Engine(target, draft, num_pages=8, page_size=16, parallel=1, num_speculative=16)
+    for steps in (3, 0, 64, True, 2.0):
+        with pytest.raises(ValueError, match="max_steps_per_program must be a power of two in"):
+            Engine(target, num_pages=8, page_size=16, parallel=1, max_steps_per_program=steps)
+    speculative = Engine(
+        target,
+        draft,
+        num_pages=8,
+        page_size=16,
+        parallel=1,
+        num_speculative=2,
+        max_steps_per_program=4,
+    )
+    assert speculative.max_steps_per_program == 1  # speculative rows: one step a program
     engine = Engine(target, num_pages=8, page_size=16, parallel=1, backend="reference")
     with pytest.raises(ValueError, match="prompt token 300 outside the vocabulary"):
         engine.submit(Request("a", [1, 300]))

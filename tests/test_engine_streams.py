@@ -39,8 +39,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import sampling
 import speculative
 from serving.engine import Engine
+from serving.keys import request_key_data
 from serving.model import ModelConfig, forward_dense, param_shapes
 from serving.requests import Request, SamplingParams
 from tests.test_sampling_api import assert_distributed_as
@@ -335,3 +337,56 @@ def test_two_drafts_of_one_step_are_independent(context_free_pair):
     assert_distributed_as(pairs[:, 0] * VOCAB + pairs[:, 1], np.outer(p, p).ravel())
     rates = engine.acceptance.rate_at()
     assert 0.6 < rates[0] < 0.95  # 0.8 expected: both branches of the first test were taken
+
+
+# ----------------------------------------------------------------------------------------------
+# Keys of a block of plain decode steps (Engine(max_steps_per_program=K))
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_block_of_steps_draws_the_keys_of_single_steps(context_free_pair, overlap):
+    """Two requests of one-token prompts (no prefill, so blocks of four from the first step)
+    with eight tokens each: two blocks. The sampler is called once a step of the scan, and
+    row ``b`` of step ``k`` of a block draws with ``fold_in(request key, generated + k)``:
+    over both blocks each request draws ``fold_in(its key, g)`` for ``g = 0..7``, in order,
+    as eight single steps do. (A spy on ``sampling.filtered_sample``, as the key test above;
+    this module's model runs no other plain decode program, so it is traced with the spy.
+    Shown to fail: every step of a block keyed with the block's first count.)"""
+    global _KEY_SINK
+    target, _ = context_free_pair
+    seeds = KEY_SEEDS[:2]
+    engine = Engine(
+        target,
+        num_pages=5,
+        page_size=PAGE_SIZE,
+        parallel=len(seeds),
+        backend="reference",
+        overlap=overlap,
+        max_steps_per_program=4,
+    )
+    real_sample = sampling.filtered_sample
+
+    def sample_spy(key, *args, **kwargs):
+        jax.debug.callback(
+            functools.partial(_record_key, "plain"), jax.random.key_data(key), ordered=True
+        )
+        return real_sample(key, *args, **kwargs)
+
+    _KEY_SINK = []
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(sampling, "filtered_sample", sample_spy)
+            params = lambda seed: SamplingParams(temperature=1.0, max_tokens=8, seed=seed)
+            requests = [Request(seed, [seed % VOCAB], params(seed)) for seed in seeds]
+            stats = []
+            outputs = engine.generate(requests, lambda out: stats.append(out.stats))
+            jax.effects_barrier()
+            drawn = np.stack([key_data for _, key_data in _KEY_SINK])  # [steps, B, 2]
+    finally:
+        _KEY_SINK = None
+    assert [s.num_decode_steps for s in stats if s.num_decode_steps] == [4, 4]
+    assert [len(out.token_ids) for out in outputs] == [8, 8]
+    for slot, seed in enumerate(seeds):
+        key = jax.random.wrap_key_data(jnp.asarray(request_key_data(seed)))
+        expected = [jax.random.key_data(jax.random.fold_in(key, g)) for g in range(8)]
+        np.testing.assert_array_equal(drawn[:, slot], np.stack(expected))

@@ -36,6 +36,7 @@ GENERATE_FLAGS = (
     "--prefill-chunk-size",
     "--prefill-grant-interval",
     "--no-overlap",
+    "--steps-per-program",
     "--backend",
     "--stats",
 )
@@ -180,6 +181,9 @@ def test_progress_writes_a_line_each_quarter_and_each_interval():
         ),
         (["--prefill-chunk-size", "0"], "--prefill-chunk-size must be a power of two >= 1, got 0"),
         (["--prefill-grant-interval", "-1"], "--prefill-grant-interval must be >= 0, got -1"),
+        (["--steps-per-program", "3"], "--steps-per-program must be a power of two in [1, 32]"),
+        (["--steps-per-program", "0"], "--steps-per-program must be a power of two in [1, 32]"),
+        (["--steps-per-program", "64"], "--steps-per-program must be a power of two in [1, 32]"),
     ],
 )
 def test_generate_refuses_bad_values_under_the_flags_names(flags, message, capsys):
@@ -228,13 +232,20 @@ def test_module_entry_point_runs():
     assert result.returncode == 0 and "--speculative" in result.stdout
 
 
-def test_no_overlap_changes_the_speed_not_the_output(capsys):
-    """Greedy plain decoding with the overlapped loop (the default) and with ``--no-overlap``
-    prints the same continuation."""
+def test_no_overlap_and_steps_per_program_change_the_speed_not_the_output(capsys):
+    """Greedy plain decoding with the overlapped loop (the default), with ``--no-overlap`` and
+    with four steps a program prints the same continuation."""
     argv = ["generate", "--prompt", "def main(", "--max-tokens", "5", "--temperature", "0"]
     argv += ["--backend", "reference", "--parallel", "1"]
     printed = []
-    for extra in ([], ["--no-overlap"]):
+    for extra in ([], ["--no-overlap"], ["--steps-per-program", "4"]):
         assert main([*argv, *extra]) == 0
         printed.append(capsys.readouterr().out)
-    assert printed[0] == printed[1] and printed[0].strip()
+    assert printed[0] == printed[1] == printed[2] and printed[0].strip()
+
+
+def test_the_command_lines_steps_limit_is_the_engines():
+    from serving import __main__ as cli
+    from serving import engine
+
+    assert cli.MAX_STEPS_PER_PROGRAM == engine.MAX_STEPS_PER_PROGRAM
