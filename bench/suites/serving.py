@@ -44,7 +44,8 @@ Arms, each a fresh engine per scenario, one after the other (``ARMS``):
   pure-JAX reference (``kernels_pallas/platform.py``), the explicit ``backend=`` argument of an
   op included. The engine's programs cache on ``backend="auto"`` like the default's, so the jit
   caches are cleared (``jax.clear_caches``) before each arm: otherwise the second arm would run
-  the first arm's compiled programs.
+  the first arm's compiled programs. (A dry run keeps them from ``decodelab-sync`` to
+  ``decodelab``, two arms under the same switch: ``dry_run_clears``.)
 - ``decodelab-sync``: the default's kernels with ``Engine(overlap=False)``: the synchronous
   loop (each step's tokens fetched before the next step is planned), the engine's step as it was
   before issue 18, so the overlap's gain is measured in the same run.
