@@ -34,7 +34,7 @@ demo: $(STAMP)
 
 # The ci hypothesis profile is derandomized and bounded; -n 2 uses both cores of a CI machine.
 # --dist loadfile runs each file's tests on one worker: a module-scoped fixture (the serving
-# suite's whole dry run, 2-3 minutes) then runs once, not once a worker.
+# suite's whole dry run, about a minute) then runs once, not once a worker.
 # pytest exits 5 when it collects no test: say so (make then fails, as for any failure).
 test: $(STAMP)
 	@HYPOTHESIS_PROFILE=ci $(PY) -m pytest -q -n 2 --dist loadfile --nbmake notebooks tests paged kernels_pallas sampling speculative serving bench; \

@@ -138,6 +138,19 @@ def test_dry_run_notes_compare_the_arms_in_every_scenario(dry_run):
     assert KILL_SWITCH_VARIABLE not in os.environ
 
 
+def test_dry_run_shares_programs_only_between_arms_under_one_kill_switch():
+    """The dry run keeps JAX's caches from ``decodelab-sync`` to ``decodelab`` (the same
+    programs) and clears them around the kill switch's arm, as a GPU run clears around each."""
+    arms = serving.arms_for(RunOptions(dry_run=True))
+    assert [arm.name for arm in arms] == ["reference", "decodelab-sync", "decodelab"]
+    clears = [serving.dry_run_clears(arms, index) for index in range(len(arms))]
+    assert clears == [
+        {"clear_on_entry": True, "clear_on_exit": True},
+        {"clear_on_entry": True, "clear_on_exit": False},
+        {"clear_on_entry": False, "clear_on_exit": True},
+    ]
+
+
 def test_suite_is_registered():
     assert SUITES["serving"] == "bench.suites.serving"
 

@@ -88,3 +88,14 @@ def test_notes_added_when_merging_are_marked(tmp_path):
     merge_reports.main([str(tmp_path / "out"), str(path), "--note", "found later"])
     merged = json.loads((tmp_path / "out" / "2026-12-01-serving.json").read_text())
     assert merged["notes"][-1] == "(added when merging) found later"
+
+
+def test_parts_of_different_days_take_the_latest_date_and_say_which_measured_what():
+    later = _part(["b B=1"]) | {"date": "2026-12-03"}
+    merged, _ = merge_reports.merge([_part(["a B=1"]), later])
+    assert merged["date"] == "2026-12-03"
+    assert "measured on 2026-12-01: a B=1" in merged["notes"]
+    assert "measured on 2026-12-03: b B=1" in merged["notes"]
+    same_day, _ = merge_reports.merge([_part(["a B=1"]), _part(["b B=1"])])
+    assert same_day["date"] == "2026-12-01"
+    assert not any(note.startswith("measured on") for note in same_day["notes"])

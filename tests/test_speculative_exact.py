@@ -238,10 +238,16 @@ def _approximate_boundaries(weights: np.ndarray) -> tuple[np.ndarray, np.ndarray
 
 
 def draw_cells(weights, chunk_size: int):
-    """The cells of the reference's two-level draw: ``(token, chunk_start, token_start,
+    """The cells of the reference's two-level draw: ``(token, chunk_point, token_point,
     probability)``. Every breakpoint is the exact one of ``two_level_draw`` itself: for the chunk
     (the token's chunk is monotone in the first uniform), then inside each chunk (the token is
-    monotone in the second); each cell's start corner draws the cell's token."""
+    monotone in the second); each cell's start corner draws the cell's token (checked here).
+
+    The point returned for each cell is its centre, not that corner: callers evaluate it in other
+    programs (``chain_row_from_uniforms`` under ``vmap``), where XLA may sum the same weights in
+    another order and put a breakpoint one ulp away, which moves a corner into the neighbouring
+    cell (seen: uniform weights of 1/6 in chunks of 4 gave token 0 for token 4's corner) but not a
+    centre. The probabilities stay those of the exact breakpoints."""
     functions = _jitted()
     weights = jnp.asarray(weights)
     vocab = weights.shape[0]
@@ -287,10 +293,13 @@ def draw_cells(weights, chunk_size: int):
         chunk_length = chunk_ends[index] - chunk_starts[index]
         for token, start, end in zip(tokens_here, starts_here, ends_here, strict=True):
             if end > start and chunk_length > 0:
-                cells.append((int(token), chunk_starts[index], start, chunk_length * (end - start)))
-    corners = draw([c[1] for c in cells], [c[2] for c in cells])
-    assert corners.tolist() == [c[0] for c in cells]
-    return cells
+                corner = (chunk_starts[index], start)
+                centre = (chunk_starts[index] + chunk_length / 2, (start + end) / 2)
+                cells.append((int(token), corner, centre, chunk_length * (end - start)))
+    for point in (1, 2):  # both the corner and the centre draw the cell's token here
+        drawn = draw([c[point][0] for c in cells], [c[point][1] for c in cells])
+        assert drawn.tolist() == [c[0] for c in cells]
+    return [(token, *centre, share) for token, _, centre, share in cells]
 
 
 def draw_distribution(weights: np.ndarray, chunk_size: int) -> np.ndarray:
@@ -487,7 +496,7 @@ def enumerate_prefix_dependent(chain) -> dict[tuple[int, ...], float]:
             target, draft, tokens, accept_uniforms = rows_for(accepted, None)
             for i, token in enumerate(accepted):
                 accept_uniforms[i] = leaf_uniform[(accepted[:i], token)]
-            for token, chunk_start, token_start, share in draw_cells(p, chunk_size):
+            for token, chunk_point, token_point, share in draw_cells(p, chunk_size):
                 leaves.append(
                     (
                         target,
@@ -495,8 +504,8 @@ def enumerate_prefix_dependent(chain) -> dict[tuple[int, ...], float]:
                         tokens,
                         accept_uniforms,
                         stop,
-                        chunk_start,
-                        token_start,
+                        chunk_point,
+                        token_point,
                         (*accepted, token),
                         probability * share,
                     )
@@ -518,7 +527,7 @@ def enumerate_prefix_dependent(chain) -> dict[tuple[int, ...], float]:
                 for i, earlier in enumerate(accepted):
                     accept_uniforms[i] = leaf_uniform[(accepted[:i], earlier)]
                 accept_uniforms[stop] = (breakpoint + 1) / 2
-                for drawn, chunk_start, token_start, share in cells:
+                for drawn, chunk_point, token_point, share in cells:
                     leaves.append(
                         (
                             target,
@@ -526,8 +535,8 @@ def enumerate_prefix_dependent(chain) -> dict[tuple[int, ...], float]:
                             tokens,
                             accept_uniforms,
                             stop,
-                            chunk_start,
-                            token_start,
+                            chunk_point,
+                            token_point,
                             (*accepted, drawn),
                             probability * weight * (1 - breakpoint) * share,
                         )

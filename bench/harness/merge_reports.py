@@ -8,7 +8,9 @@ What it keeps honest: every row stays exactly as measured (its ``fraction_of_cei
 the copy ceiling of its own process); parts must be the same suite on the same GPU, driver and
 jax version, and a case's arms must all come from one part (they are compared with each other). Parts may come from different commits (a part
 re-run after an unrelated change): the merged ``commit`` lists each, and a note says which cases
-each commit measured. The merged report's ceiling is the
+each commit measured. Parts may come from different days (a case finished in a later GPU session,
+or an earlier merged report given as a part): the merged ``date`` is the latest, and a note says
+which cases each day measured. The merged report's ceiling is the
 highest of the parts' (its ``ceiling_detail`` lists each part's), its command lists each part's,
 and notes are kept in order without repeats.
 
@@ -18,7 +20,7 @@ Usage:
 ``--note`` adds a sentence that no part's run wrote (an explanation found later), marked as
 added when merging.
 
-writes ``OUT_DIR/<date>-<suite>.md`` and ``.json`` (the date of the parts).
+writes ``OUT_DIR/<date>-<suite>.md`` and ``.json`` (the latest date of the parts).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from typing import Any
 from bench.harness.records import CASE_FIELDS, CaseResult
 from bench.harness.report import check_distinguishable, render_markdown
 
-SAME_IN_EVERY_PART = ("suite", "date", "gpu", "driver", "jax_version", "timing_method")
+SAME_IN_EVERY_PART = ("suite", "gpu", "driver", "jax_version", "timing_method")
 
 
 def case_result(case: dict[str, Any]) -> CaseResult:
@@ -78,8 +80,16 @@ def merge(
                 case["case"] for part in parts if part["commit"] == commit for case in part["cases"]
             )
             notes.append(f"commit {commit} measured: {', '.join(cases)}")
+    dates = sorted(dict.fromkeys(part["date"] for part in parts))
+    if len(dates) > 1:
+        for date in dates:
+            cases = dict.fromkeys(
+                case["case"] for part in parts if part["date"] == date for case in part["cases"]
+            )
+            notes.append(f"measured on {date}: {', '.join(cases)}")
     merged = {field: parts[0][field] for field in SAME_IN_EVERY_PART}
     merged |= {
+        "date": dates[-1],
         "commit": ", ".join(commits),
         "command": " ; ".join(part["command"] for part in parts),
         "ceiling_tbps": max(ceilings),

@@ -44,7 +44,8 @@ Arms, each a fresh engine per scenario, one after the other (``ARMS``):
   pure-JAX reference (``kernels_pallas/platform.py``), the explicit ``backend=`` argument of an
   op included. The engine's programs cache on ``backend="auto"`` like the default's, so the jit
   caches are cleared (``jax.clear_caches``) before each arm: otherwise the second arm would run
-  the first arm's compiled programs.
+  the first arm's compiled programs. (A dry run keeps them from ``decodelab-sync`` to
+  ``decodelab``, two arms under the same switch: ``dry_run_clears``.)
 - ``decodelab-sync``: the default's kernels with ``Engine(overlap=False)``: the synchronous
   loop (each step's tokens fetched before the next step is planned), the engine's step as it was
   before issue 18, so the overlap's gain is measured in the same run.
@@ -260,6 +261,9 @@ DRY_RUN_LOAD_SCENARIO = serving_load.LoadScenario(
 DRY_RUN_PARALLEL = 2
 DRY_RUN_PREFILL_CHUNK = 32
 DRY_RUN_OP_CONTEXT = 48  # one op-level shape for every dry-run scenario: one compilation
+# Runs of each step-loop variant in a dry run: the compiling one, then one timed.
+DRY_RUN_UNTIMED_LOOPS = 1
+DRY_RUN_TIMED_LOOPS = 1
 
 
 def scenarios_for(options: RunOptions) -> tuple[Scenario, ...]:
@@ -441,15 +445,19 @@ def arms_for(options: RunOptions) -> tuple[Arm, ...]:
 
 
 @contextlib.contextmanager
-def arm_environment(arm: Arm) -> Iterator[None]:
-    """Sets (or clears) the kill switch for the arm's block and clears JAX's caches on entry,
-    so that no program compiled under the other arm's switch is reused."""
+def arm_environment(
+    arm: Arm, *, clear_on_entry: bool = True, clear_on_exit: bool = True
+) -> Iterator[None]:
+    """Sets (or clears) the kill switch for the arm's block and clears JAX's caches on entry
+    and exit, so that no program compiled under the other arm's switch is reused. A dry run
+    skips a clear between two arms under the same switch (``dry_run_clears``)."""
     saved = os.environ.get(KILL_SWITCH_VARIABLE)
     if arm.kill_switch:
         os.environ[KILL_SWITCH_VARIABLE] = "reference"
     else:
         os.environ.pop(KILL_SWITCH_VARIABLE, None)
-    jax.clear_caches()
+    if clear_on_entry:
+        jax.clear_caches()
     try:
         yield
     finally:
@@ -457,7 +465,22 @@ def arm_environment(arm: Arm) -> Iterator[None]:
             os.environ.pop(KILL_SWITCH_VARIABLE, None)
         else:
             os.environ[KILL_SWITCH_VARIABLE] = saved
-        jax.clear_caches()
+        if clear_on_exit:
+            jax.clear_caches()
+
+
+def dry_run_clears(arms: tuple[Arm, ...], index: int) -> dict[str, bool]:
+    """``arm_environment``'s clears for ``arms[index]`` in a dry run: none between two arms
+    under the same kill switch (``decodelab-sync`` and ``decodelab``: the same programs, stepped
+    differently on the host), as each interpreted kernel takes seconds to compile on a CPU;
+    the clears around the kill switch's arm stay."""
+    arm = arms[index]
+    before = arms[index - 1] if index > 0 else None
+    after = arms[index + 1] if index + 1 < len(arms) else None
+    return {
+        "clear_on_entry": before is None or before.kill_switch != arm.kill_switch,
+        "clear_on_exit": after is None or after.kill_switch != arm.kill_switch,
+    }
 
 
 def attribution_of(backends: dict[str, str]) -> str:
@@ -647,22 +670,26 @@ def time_step_variants(
     _, inputs = run.captured[len(run.captured) // 2]
     inputs = jax.device_put(inputs)
     if options.dry_run:
+        # One untimed run (the compilation) and one timed: a dry run's figures are not speed
+        # figures, and every run of an interpreted kernel costs CPU seconds.
         num_calls = options.dry_run_calls
+        untimed, timed = DRY_RUN_UNTIMED_LOOPS, DRY_RUN_TIMED_LOOPS
     else:
         num_calls = int(min(MAX_LOOP_CALLS, max(4, round(LOOP_TARGET_SECONDS / step_s))))
+        untimed, timed = 2, options.repeats
     caches = engine.target_caches
     engine.target_caches = None  # donated to the loops below
     static = dict(config=engine.target_config, backend=engine.backend, num_calls=num_calls)
     samples: dict[str, list[float]] = {}
     for variant in ("full", "no_attention", "no_sampling"):
         times = []
-        for repeat in range(2 + options.repeats):  # two untimed runs: compilation, fast path
+        for repeat in range(untimed + timed):  # untimed runs: compilation, fast path
             begin = time.perf_counter()
             caches, checksum = _decode_loop_jit(
                 engine.target_params, caches, inputs, variant=variant, **static
             )
             checksum.block_until_ready()
-            if repeat >= 2:
+            if repeat >= untimed:
                 times.append((time.perf_counter() - begin) / num_calls * 1e6)
         samples[variant] = times
     engine.target_caches = caches
@@ -1064,8 +1091,10 @@ def run(options: RunOptions, ceiling: CopyCeiling) -> SuiteOutput:
             notes.append(f"scenarios chosen by {variable}={chosen}")
     rows: list[CaseResult] = []
     ops: dict = {}
-    for arm in arms_for(options):
-        with arm_environment(arm):
+    arms = arms_for(options)
+    for index, arm in enumerate(arms):
+        clears = dry_run_clears(arms, index) if options.dry_run else {}
+        with arm_environment(arm, **clears):
             for scenario in scenarios_of_arm(arm, scenarios, options):
                 report.print_progress(f"{scenario.case}, arm {arm.name}")
                 try:
