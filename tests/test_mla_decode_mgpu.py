@@ -86,6 +86,23 @@ def run(q_latent, q_rope, cache, table, **kwargs):
     )
 
 
+def run_states(q_latent, q_rope, cache, page_indices, plan):
+    """The kernel's unmerged states (one a work item) for ``plan``'s items over
+    ``page_indices`` (possibly bad numbers: nothing here validates them)."""
+    return mla_decode_mgpu_states(
+        q_latent,
+        q_rope,
+        cache.latent_pages,
+        cache.rope_key_pages,
+        jnp.asarray(page_indices),
+        *(jnp.asarray(a) for a in (plan.work_request, plan.work_page_start)),
+        *(jnp.asarray(a) for a in (plan.work_page_end, plan.work_last_page_len)),
+        softmax_scale=SCALE,
+        probs_in_smem=PROBS_IN_SMEM,
+        interpret=not ON_GPU,
+    )
+
+
 def assert_matches(o, lse, ref_o, ref_lse):
     o, lse = np.asarray(o), np.asarray(lse)
     assert np.all(np.isfinite(o)), "o has a non-finite value"
@@ -155,18 +172,7 @@ def test_split_states_are_the_reference_states_of_each_part(ragged_case):
     (q_latent, q_rope, cache), table = ragged_case
     q_latent, q_rope = q_latent[:, :1], q_rope[:, :1]
     plan = plan_mla_decode(table, 16, 1, fixed_split_pages=3)
-    o, lse = mla_decode_mgpu_states(
-        q_latent,
-        q_rope,
-        cache.latent_pages,
-        cache.rope_key_pages,
-        jnp.asarray(table.page_indices),
-        *(jnp.asarray(a) for a in (plan.work_request, plan.work_page_start)),
-        *(jnp.asarray(a) for a in (plan.work_page_end, plan.work_last_page_len)),
-        softmax_scale=SCALE,
-        probs_in_smem=PROBS_IN_SMEM,
-        interpret=not ON_GPU,
-    )
+    o, lse = run_states(q_latent, q_rope, cache, table.page_indices, plan)
     merge_indptr = np.asarray(plan.merge_indptr)
     indices = np.asarray(table.page_indices)
     ref_o, ref_lse = reference64(q_latent, q_rope, cache, table)
@@ -206,18 +212,7 @@ def test_poisoned_unused_slots_and_bad_page_numbers(ragged_case):
     plan = plan_mla_decode(table, 16, 1)
     bad = np.asarray(table.page_indices).copy()
     bad[0], bad[-1] = 10_000, -5
-    o_bad, lse_bad = mla_decode_mgpu_states(
-        q_latent,
-        q_rope,
-        cache.latent_pages,
-        cache.rope_key_pages,
-        jnp.asarray(bad),
-        *(jnp.asarray(a) for a in (plan.work_request, plan.work_page_start)),
-        *(jnp.asarray(a) for a in (plan.work_page_end, plan.work_last_page_len)),
-        softmax_scale=SCALE,
-        probs_in_smem=PROBS_IN_SMEM,
-        interpret=not ON_GPU,
-    )
+    o_bad, lse_bad = run_states(q_latent, q_rope, cache, bad, plan)
     # One unsigned minimum: a negative number wraps above the pool, so both read the last page.
     clamped = np.where((bad < 0) | (bad >= NUM_PAGES), NUM_PAGES - 1, bad)
     clamped_table = dataclasses.replace(table, page_indices=jnp.asarray(clamped, jnp.int32))

@@ -43,6 +43,22 @@ def case_result(case: dict[str, Any]) -> CaseResult:
     return CaseResult(**fixed, extra=extra)
 
 
+def _who_measured_what(
+    parts: list[dict[str, Any]], field: str, values: list[str], template: str
+) -> list[str]:
+    """One note a value of ``field`` (a commit, a date), naming the cases its parts measured,
+    when the parts do not all share one value; none when they do."""
+    if len(values) < 2:
+        return []
+    notes = []
+    for value in values:
+        cases = dict.fromkeys(
+            case["case"] for part in parts if part[field] == value for case in part["cases"]
+        )
+        notes.append(template.format(value, ", ".join(cases)))
+    return notes
+
+
 def merge(
     parts: list[dict[str, Any]], added_notes: list[str] = ()
 ) -> tuple[dict[str, Any], list[CaseResult]]:
@@ -74,19 +90,9 @@ def merge(
         notes += [note for note in part["notes"] if note not in notes]
     ceilings = [part["ceiling_tbps"] for part in parts]
     commits = list(dict.fromkeys(part["commit"] for part in parts))
-    if len(commits) > 1:
-        for commit in commits:
-            cases = dict.fromkeys(
-                case["case"] for part in parts if part["commit"] == commit for case in part["cases"]
-            )
-            notes.append(f"commit {commit} measured: {', '.join(cases)}")
     dates = sorted(dict.fromkeys(part["date"] for part in parts))
-    if len(dates) > 1:
-        for date in dates:
-            cases = dict.fromkeys(
-                case["case"] for part in parts if part["date"] == date for case in part["cases"]
-            )
-            notes.append(f"measured on {date}: {', '.join(cases)}")
+    notes += _who_measured_what(parts, "commit", commits, "commit {} measured: {}")
+    notes += _who_measured_what(parts, "date", dates, "measured on {}: {}")
     merged = {field: parts[0][field] for field in SAME_IN_EVERY_PART}
     merged |= {
         "date": dates[-1],
