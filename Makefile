@@ -35,9 +35,11 @@ demo: $(STAMP)
 # The ci hypothesis profile is derandomized and bounded; -n 2 uses both cores of a CI machine.
 # --dist loadfile runs each file's tests on one worker: a module-scoped fixture (the serving
 # suite's whole dry run, about a minute) then runs once, not once a worker.
+# --max-worker-restart=0: a worker that dies (a segfault in native code) fails the run at once;
+# pytest-xdist 3.8 replacing a crashed worker under --dist loadfile can wait forever at the end.
 # pytest exits 5 when it collects no test: say so (make then fails, as for any failure).
 test: $(STAMP)
-	@HYPOTHESIS_PROFILE=ci $(PY) -m pytest -q -n 2 --dist loadfile --nbmake notebooks tests paged kernels_pallas sampling speculative serving bench; \
+	@HYPOTHESIS_PROFILE=ci $(PY) -m pytest -q -n 2 --dist loadfile --max-worker-restart=0 --nbmake notebooks tests paged kernels_pallas sampling speculative serving bench; \
 	status=$$?; if [ $$status -eq 5 ]; then echo "error: pytest collected no tests"; fi; exit $$status
 
 # Execute every notebook on this machine's CPU and save it with its outputs and figures, so a

@@ -8,11 +8,14 @@
 - ``interpret``: Pallas kernels run with ``interpret=True`` on a CPU and compiled on a GPU.
 - ``verify_triton_modules``: Triton modules lowered in the test go through the MLIR verifier,
   as the GPU host's parser will.
+- Every test module ends with JAX's compilation caches emptied (``_release_compiled_programs``),
+  so one long-lived pytest-xdist worker never holds the whole suite's compiled programs at once.
 """
 
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 
 import jax
@@ -36,6 +39,47 @@ settings.register_profile(
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))
 
 ON_GPU = jax.default_backend() == "gpu"
+
+# Each program XLA compiles for the CPU is JIT-linked into about three memory mappings, and JAX
+# keeps every compiled program until its caches are cleared. One xdist worker runs half the suite
+# (tens of thousands of programs: hypothesis shapes, interpret-mode kernels), and once a process
+# reaches Linux's vm.max_map_count (65530 by default) LLVM's next allocation fails and the worker
+# dies inside backend_compile_and_load (SIGSEGV or SIGABRT, no Python error). Clearing the caches
+# after each module bounds the count by the largest module's; the guard below fails a module that
+# alone comes within MAP_COUNT_ALARM of the limit, before it can take a worker down.
+MAP_COUNT_ALARM = 0.5
+
+
+def _memory_mappings() -> int | None:
+    """The number of memory mappings this process holds (Linux), else None."""
+    try:
+        with open("/proc/self/maps", "rb") as maps:
+            return sum(1 for _ in maps)
+    except OSError:
+        return None
+
+
+def _map_count_limit() -> int | None:
+    try:
+        with open("/proc/sys/vm/max_map_count") as limit:
+            return int(limit.read())
+    except (OSError, ValueError):
+        return None
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """After each test module: fail if it alone used most of the mapping budget, then free every
+    compiled program it left in JAX's caches (and the executables' JIT mappings with them)."""
+    yield
+    used, limit = _memory_mappings(), _map_count_limit()
+    jax.clear_caches()
+    gc.collect()
+    if used is not None and limit is not None and used > MAP_COUNT_ALARM * limit:
+        pytest.fail(
+            f"this module left {used} memory mappings (vm.max_map_count is {limit}); XLA's CPU "
+            "JIT crashes the process at the limit: split the module or shrink its shapes"
+        )
 
 
 @contextlib.contextmanager
