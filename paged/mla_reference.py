@@ -47,21 +47,36 @@ from paged.kv_cache import KVCache
 from paged.mla_cache import LatentCache, validate_latent_cache
 from paged.page_table import PageTable, check_holds_new_tokens, validate_page_table
 from paged.prefill import new_token_positions
+from paged.rope import YarnScaling
 
 
-def default_softmax_scale(qk_nope_head_dim: int, qk_rope_head_dim: int) -> float:
-    """``1 / sqrt(qk_nope_head_dim + qk_rope_head_dim)``: 1/sqrt(192) for DeepSeek-V2.
+def default_softmax_scale(
+    qk_nope_head_dim: int, qk_rope_head_dim: int, *, yarn: YarnScaling | None = None
+) -> float:
+    """``1 / sqrt(qk_nope_head_dim + qk_rope_head_dim)``: 1/sqrt(192) for DeepSeek-V2, times
+    YaRN's ``mscale ** 2`` when the model uses YaRN.
 
     The scale belongs to the model's query-key head dimension (128 + 64), not to the width of the
     latent-space dot product (512 + 64 = 576) that the absorbed form computes; the two give
-    different attention. Under YaRN the model multiplies it by ``mscale ** 2``; pass that product
-    as ``softmax_scale``.
+    different attention. Under YaRN (``paged.rope.YarnScaling``) DeepSeek multiplies it by
+    ``mscale ** 2``, ``mscale = 0.1 * mscale_all_dim * ln(factor) + 1``
+    (``paged.rope.yarn_mscale``): pass ``yarn=`` here and the result as ``softmax_scale``.
+
+    Raises:
+      ValueError: for a ``yarn`` that is neither None nor a ``YarnScaling``.
 
     Example:
       >>> default_softmax_scale(128, 64) == 1 / 192 ** 0.5
       True
+      >>> round(default_softmax_scale(128, 64, yarn=YarnScaling(factor=40.0)), 6)  # DeepSeek-V3
+      0.135234
     """
-    return 1.0 / math.sqrt(qk_nope_head_dim + qk_rope_head_dim)
+    scale = 1.0 / math.sqrt(qk_nope_head_dim + qk_rope_head_dim)
+    if yarn is None:
+        return scale
+    if not isinstance(yarn, YarnScaling):
+        raise ValueError(f"yarn must be a paged.rope.YarnScaling or None, got {yarn!r}")
+    return scale * yarn.softmax_scale_multiplier
 
 
 def _check_softmax_scale(softmax_scale) -> float:
