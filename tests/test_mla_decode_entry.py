@@ -103,11 +103,12 @@ def test_the_reference_backend_is_the_absorbed_reference(float64, q_len):
     )
 
 
-@pytest.mark.parametrize(("q_len", "fixed_split_pages"), [(1, None), (2, 1)])
-def test_the_kernel_backend_matches_the_float64_reference(q_len, fixed_split_pages):
+@pytest.mark.parametrize(("q_len", "fixed_split_pages", "jitted"), [(1, None, False), (2, 1, True)])
+def test_the_kernel_backend_matches_the_float64_reference(q_len, fixed_split_pages, jitted):
     """Interpreted on a CPU (compiled on a GPU): a ragged batch with scattered pages, one token
-    as ``[B, H, D]`` whole requests, two tokens causal with every page its own work item
-    (states merged); the poisoned pool slots no request owns are random, not zero."""
+    as ``[B, H, D]`` whole requests, eagerly; two tokens causal with every page its own work
+    item (states merged) under ``jit``, the table traced and the host's plan passed in. The
+    pool's slots no request owns hold random values, not zeros."""
     rng = np.random.default_rng(10 + q_len)
     lens = [n if n == 0 else max(n, q_len) for n in RAGGED_LENS]
     table = scattered_table(rng, lens)
@@ -116,11 +117,15 @@ def test_the_kernel_backend_matches_the_float64_reference(q_len, fixed_split_pag
         q_nope, q_rope = q_nope[:, 0], q_rope[:, 0]
     plan = plan_mla_decode(table, NUM_HEADS, q_len, fixed_split_pages=fixed_split_pages)
     assert plan.write_final == (fixed_split_pages is None)
-    with platform.record_backends() as records:
-        out, lse = mla_decode_attention(
-            q_nope, q_rope, cache, table, w_uk, w_uv, return_lse=True, plan=plan,
+
+    def attend(page_table):
+        return mla_decode_attention(
+            q_nope, q_rope, cache, page_table, w_uk, w_uv, return_lse=True, plan=plan,
             backend="pallas_mgpu",
         )  # fmt: skip
+
+    with platform.record_backends() as records:
+        out, lse = jax.jit(attend)(table) if jitted else attend(table)
     assert [(r.kernel, r.backend) for r in records] == [("mla_decode_mgpu", "pallas")]
     with enable_x64():
         ref_out, ref_lse = mla_decode_absorbed_reference(
@@ -187,6 +192,11 @@ def test_the_kill_switch(monkeypatch):
     monkeypatch.setenv(platform.KILL_SWITCH_VARIABLE, "reference")
     choice = choose_mla_backend("auto")
     assert choice.backend == "reference" and "kill switch" in choice.reason
+    rng = np.random.default_rng(6)
+    q_nope, q_rope, cache, w_uk, w_uv = random_inputs(rng, 1, 1)
+    with platform.record_backends() as records:
+        mla_decode_attention(q_nope, q_rope, cache, scattered_table(rng, (7,)), w_uk, w_uv)
+    assert [(r.kernel, r.backend) for r in records] == [("mla_decode_mgpu", "reference")]
     assert choose_mla_backend("pallas_mgpu").backend == "pallas_mgpu"
     assert choose_mla_backend("pallas").backend == "pallas_mgpu"
     monkeypatch.setenv(platform.KILL_SWITCH_VARIABLE, "triton")
