@@ -16,7 +16,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from kernels_pallas.mla_decode_mgpu import mla_decode_mgpu, unsupported_reason
 from kernels_pallas.platform import BackendChoice, choose_backend, interpret_mode, is_concrete
 from paged.mla_cache import LatentCache
 from paged.mla_reference import (
@@ -91,6 +90,8 @@ def kernel_unsupported(
     and dtypes (``kernels_pallas.mla_decode_mgpu.unsupported_reason``: bfloat16 or float16
     pages, ``kv_lora_rank`` 128/256/512, ``qk_rope_head_dim`` 64/128, ``page_size`` 8 to 64, a
     multiple of 8 heads), and a traced table without a plan (its plan is made on the host)."""
+    from kernels_pallas.mla_decode_mgpu import unsupported_reason  # see _mla_decode_mgpu
+
     num_heads = q_nope.shape[-2]
     reason = unsupported_reason(
         cache.dtype, num_heads, cache.kv_lora_rank, cache.qk_rope_head_dim, cache.page_size
@@ -197,7 +198,11 @@ def mla_decode_attention(
 
 
 def _mla_decode_mgpu(nope, rope, cache, page_table, w_uk, w_uv, scale, plan):
-    """The kernel backend on validated ``[B, L, H, D]`` queries: ``(out, lse)`` as 4-D/3-D."""
+    """The kernel backend on validated ``[B, L, H, D]`` queries: ``(out, lse)``, 4-D."""
+    # Imported here: Mosaic GPU's Pallas module adds about 0.3 s to ``import paged``, which
+    # nothing else there needs yet.
+    from kernels_pallas.mla_decode_mgpu import mla_decode_mgpu
+
     batch, q_len, num_heads = nope.shape[:3]
     if batch == 0:  # no program to launch
         dtype = jnp.promote_types(jnp.float32, w_uv.dtype)
