@@ -16,8 +16,10 @@ compression, ``q_lora_rank`` None, so the query comes straight from ``x``):
     (cache: latent, k_rope)  -> attention with w_uk [H, R, N], w_uv [H, R, V] -> [H, V]
     out = sum_h attention[h] @ w_o[h]   [hidden]
 
-YaRN (DeepSeek's long-context RoPE) is not modelled: ``paged.rope`` has no YaRN frequencies, so
-``softmax_scale`` is the plain ``1 / sqrt(N + P)``.
+YaRN (DeepSeek's long-context RoPE) is not modelled here: these configurations keep their
+original context, so ``softmax_scale`` is the plain ``1 / sqrt(N + P)``. ``paged.rope`` has the
+YaRN frequencies and ``paged.mla_reference.default_softmax_scale(..., yarn=)`` its ``mscale``
+for a configuration that needs them.
 """
 
 from __future__ import annotations
