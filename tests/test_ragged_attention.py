@@ -305,6 +305,51 @@ def test_kernel_matches_reference_on_a_mixed_step(dtype, group, launch):
     np.testing.assert_allclose(np.asarray(lse), ref_lse, rtol=1e-5, atol=1e-5)
 
 
+def test_bad_plans_and_tables_stay_inside_the_arrays():
+    """Page numbers outside the pool, an item starting past q's end and one claiming more
+    tokens than its tile holds give wrong rows, never an access outside an array (which
+    memcheck on the GPU would show; here: the call completes), every stored value is finite,
+    and a row the bad items recompute from the right keys is still right."""
+    q, qo_indptr, cache, table = make_step(
+        7, (1, 5), (20, 5), group=4, head_dim=64, dtype=jnp.bfloat16
+    )
+    indices = np.asarray(table.page_indices).copy()
+    indices[0] = 10_000  # request 0's first page: outside the pool (read as the last page)
+    bad_table = paged.PageTable(
+        table.page_indptr, jnp.asarray(indices), table.last_page_len, PAGE_SIZE
+    )
+    plan = plan_ragged(
+        np.asarray(qo_indptr),
+        np.asarray(table.page_indptr),
+        np.asarray(table.last_page_len),
+        page_size=PAGE_SIZE,
+        group_size=4,
+        num_work_items=4,
+    )
+    fields = [np.array(a) for a in plan]
+    # Item 2: request 1 again, starting far past q; item 3: request 1's tokens with q_len 1000.
+    fields[0][2:], fields[1][2], fields[1][3], fields[2][2:] = 1, 10**6, 1, 1000
+    for f in fields[3:]:
+        f[2:] = f[1]
+    o = ragged_attention_mgpu(
+        q,
+        cache.k_pages,
+        cache.v_pages,
+        bad_table.page_indices,
+        *(jnp.asarray(f) for f in fields),
+        batch=2,
+        sm_scale=0.125,
+        probs_in_smem=True,
+        interpret=not ON_GPU,
+    )
+    out = np.asarray(o.astype(jnp.float32))
+    assert np.all(np.isfinite(out))
+    # Request 1's first token (row 1) is written by its own item and by item 3 (tokens 1 to
+    # 15, cut to the tile): both compute it from request 1's keys, so it is still right.
+    ref_o, _ = reference64(q, qo_indptr, cache, table)
+    assert np.linalg.norm(out[1] - ref_o[1]) / np.linalg.norm(ref_o[1]) < TOLERANCE_16_BIT
+
+
 def test_every_variant_lowers_for_an_h200():
     """Both p paths, with and without the LSE, at Llama-3-8B's head shape (32/8 x 128,
     bfloat16), lower through Mosaic GPU to its dialect for CUDA (PTX and the shared-memory
