@@ -35,11 +35,13 @@ from tests.reference_dense import dense_attention, gather_tokens, request_page_l
 PAGE_SIZE = 16
 NUM_KV_HEADS = 2
 TOLERANCE_16_BIT = 1e-2  # docs/testing.md: 16-bit inputs
-# A mixed step: a decode row, an idle slot, a 21-token chunk after a 16-token prefix (its
-# tiles start at odd tokens), a decode row at a page plus one, a 3-token chunk with no prefix
-# (the whole prompt), a decode row of one token (its own key only).
-MIXED_NEW_TOKENS = (1, 0, 21, 1, 3, 1)
-MIXED_SEQ_LENS = (40, 0, 37, 17, 3, 1)
+# A mixed step: a decode row, a decode row at a page plus one, an idle slot, a 21-token chunk
+# after a 16-token prefix, a 3-token chunk with no prefix (the whole prompt), a decode row of one
+# token (its own key only). At G = 4 the first chunk's first tile is a full 64-row tile (16
+# tokens from token 2), its second and the decode rows sit at offsets 0 and 4 of their TMA
+# tiles; at G = 2 the chunk is one 42-row tile at offset 4.
+MIXED_NEW_TOKENS = (1, 1, 0, 21, 3, 1)
+MIXED_SEQ_LENS = (40, 17, 0, 37, 3, 1)
 
 
 def make_step(seed, new_tokens, seq_lens, *, group, head_dim, dtype, num_kv_heads=NUM_KV_HEADS):
