@@ -31,6 +31,20 @@ Usage (GPU): ``PYTHONPATH=. python3 -m bench.probes.ragged_attention --out DIR``
 reg.p1.s4``). ``--dry-run`` runs tiny cases on a CPU (the ragged kernel in Mosaic GPU's
 interpret mode, the two launches on their ``"auto"`` backend, which is the reference there): the
 checks and code paths, no timing (``tests/test_ragged_attention.py`` runs it).
+
+``--memcheck`` instead runs a small ragged workload to put under NVIDIA's memcheck (interpret
+mode cannot show a read outside an array; memcheck on the compiled kernel can), with the
+platform allocator so that every array is its own allocation::
+
+    XLA_PYTHON_CLIENT_ALLOCATOR=platform XLA_PYTHON_CLIENT_PREALLOCATE=false \\
+        compute-sanitizer --tool memcheck python3 -m bench.probes.ragged_attention --memcheck
+
+It covers decode rows (one token, a page plus one, more pages than a 4-entry index window),
+idle slots, chunks after a prefix and without one, tiles at every offset of their TMA tile
+(``G = 2``) and full 64-row tiles (``G = 8``), a pool and ``page_indices`` sized exactly to the
+pages in use, the last token's rows at the end of ``q``, padding items, both p paths, one and
+two pages a step, and a table with page numbers outside the pool; it exits 1 if a valid
+input's result is off (relative error 1e-2 against the reference on the CPU).
 """
 
 from __future__ import annotations
@@ -246,6 +260,92 @@ def arms_for(step: MixedStep, variants, interpret: bool, *, parts: bool = True):
     return arms, operands, ragged_plan
 
 
+def memcheck_workload(interpret: bool) -> int:
+    """The ``--memcheck`` workload (module docstring); returns the exit status."""
+    from paged.ragged_attention import ragged_attention_reference
+
+    rng = np.random.default_rng(0)
+    page_size, num_kv_heads, head_dim = 16, 2, 64
+    new_tokens = [1, 0, 1, 40, 1, 9, 0, 13]
+    seq_lens = [1, 5, 17, 40, 100, 70, 0, 13]  # the last request's tokens end q
+    num_pages = sum(-(-n // page_size) for n in seq_lens)
+    table = paged.PageTable.from_seq_lens(
+        seq_lens, page_size, pages=rng.permutation(num_pages).tolist(), num_indices=num_pages
+    )
+    shape = (num_pages, num_kv_heads, page_size, head_dim)
+    k_pages, v_pages = (jnp.asarray(rng.standard_normal(shape), jnp.bfloat16) for _ in range(2))
+    qo_indptr = np.concatenate([[0], np.cumsum(new_tokens)]).astype(np.int32)
+    cpu = jax.devices("cpu")[0]  # the reference on the CPU: only the kernel under test on the GPU
+    paths = ("smem",) if interpret else ("reg", "smem")
+    worst, finite = 0.0, True
+    for group in (2, 8):
+        q = jnp.asarray(
+            rng.standard_normal((int(qo_indptr[-1]), num_kv_heads * group, head_dim)),
+            jnp.bfloat16,
+        )
+        expected, _ = ragged_attention_reference(
+            jax.device_put(q, cpu),
+            jax.device_put(jnp.asarray(qo_indptr), cpu),
+            jax.device_put(paged.KVCache(k_pages, v_pages, "HND"), cpu),
+            jax.device_put(table, cpu),
+            sm_scale=head_dim**-0.5,
+        )
+        expected = np.asarray(expected, np.float32)
+        plan = plan_ragged(
+            qo_indptr,
+            np.asarray(table.page_indptr),
+            np.asarray(table.last_page_len),
+            page_size=page_size,
+            group_size=group,
+        )
+        padded = plan_ragged(
+            qo_indptr,
+            np.asarray(table.page_indptr),
+            np.asarray(table.last_page_len),
+            page_size=page_size,
+            group_size=group,
+            num_work_items=plan.num_work_items + 3,
+        )
+        bad_indices = np.asarray(table.page_indices).copy()
+        bad_indices[0], bad_indices[-1] = 10 * num_pages, -3
+        for probs_path in paths:
+            for pages_per_step in (1, 2):
+                for name, work, indices in (
+                    ("plan", plan, table.page_indices),
+                    ("padded plan", padded, table.page_indices),
+                    ("pages outside the pool", plan, jnp.asarray(bad_indices)),
+                ):
+                    o = ragged_attention_mgpu(
+                        q,
+                        k_pages,
+                        v_pages,
+                        indices,
+                        *(jnp.asarray(a) for a in work),
+                        batch=len(seq_lens),
+                        sm_scale=head_dim**-0.5,
+                        pages_per_step=pages_per_step,
+                        index_window=4 if pages_per_step == 1 else 256,
+                        probs_in_smem=probs_path == "smem",
+                        return_lse=pages_per_step == 2,
+                        interpret=interpret,
+                    )
+                    o = np.asarray((o[0] if pages_per_step == 2 else o), np.float32)
+                    finite &= bool(np.isfinite(o).all())
+                    if name == "pages outside the pool":  # wrong but finite, no bad access
+                        continue
+                    error = np.linalg.norm(o - expected) / np.linalg.norm(expected)
+                    worst = max(worst, float(error))
+                    print(
+                        f"G={group} {probs_path}.p{pages_per_step} {name}: relative error "
+                        f"{error:.2e}",
+                        flush=True,
+                    )
+    print(
+        f"device {jax.devices()[0].device_kind}; worst relative error {worst:.2e}; finite {finite}"
+    )
+    return 0 if worst < 1e-2 and finite else 1
+
+
 def first_line(error: BaseException) -> str:
     text = f"{type(error).__name__}: {error}".strip().splitlines()
     return text[0][:300] if text else type(error).__name__
@@ -261,8 +361,13 @@ def main(argv=None) -> int:
     parser.add_argument("--variants", default=None, help="comma-separated, e.g. reg.p1.s4")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("-v", "--verbose", action="store_true", help="print full tracebacks")
+    parser.add_argument(
+        "--memcheck", action="store_true", help="the compute-sanitizer workload, no timing"
+    )
     args = parser.parse_args(argv)
     interpret = args.dry_run or jax.default_backend() != "gpu"
+    if args.memcheck:
+        return memcheck_workload(interpret)
     cases = DRY_RUN_CASES if args.dry_run else CASES
     if args.cases:
         cases = tuple(
