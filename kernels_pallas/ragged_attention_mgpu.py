@@ -35,12 +35,18 @@ shared-memory transforms are imported from ``paged_decode_mgpu.py``):
   what the interpreter runs) or registers (compiled only).
 - Normalize; store the tile's ``q_len x G`` real rows by TMA. Their count differs from tile to
   tile (a decode row's ``G``, a chunk tile's up to 64) and a TMA box is static, so the rows go
-  out in at most seven copies of 64, 32, ..., 1 rows (the binary digits of the count); the
-  natural-log LSE, when asked for, as guarded scalar stores.
+  out in one copy a binary digit of the count (64 rows, or up to six copies of 32, 16, ..., 1);
+  the natural-log LSE, when asked for, as guarded scalar stores.
+
+Around the kernel, ``ragged_attention_mgpu`` copies ``q`` into the head-major rows and the
+output back to token order: two XLA transposes that the probe counts in the ragged arm's time.
+A 4-D TMA box ``[tokens, 1, G, D]`` over ``q`` viewed as ``[T, KVH, G, D]`` lands the same
+``(token, g)`` rows in shared memory and could read ``q`` in place (not tried).
 
 Split-KV is left out of this prototype: every tile reads all the keys it sees in one program.
-For a step of long prefixes (a few requests at 32K, or a chunk after a long prefix) that leaves
-the GPU underfilled; ``plan_ragged``'s docstring says how it would split. Bounds as in the
+A step of few decode rows at long context (4 rows at 32K: 32 programs of 2K pages on 132 SMs)
+leaves the GPU underfilled and its time set by one program; ``plan_ragged``'s docstring says
+how it would split. Bounds as in the
 decode kernel: page ranges are cut to ``page_indices``, page numbers to the pool, a tile's rows
 to its 64-row tile and to ``q``; a padding item (request outside the batch) stores nothing.
 """
