@@ -43,12 +43,18 @@ output back to token order: two XLA transposes that the probe counts in the ragg
 A 4-D TMA box ``[tokens, 1, G, D]`` over ``q`` viewed as ``[T, KVH, G, D]`` lands the same
 ``(token, g)`` rows in shared memory and could read ``q`` in place (not tried).
 
-Split-KV is left out of this prototype: every tile reads all the keys it sees in one program.
-A step of few decode rows at long context (4 rows at 32K: 32 programs of 2K pages on 132 SMs)
-leaves the GPU underfilled and its time set by one program; ``plan_ragged``'s docstring says
-how it would split. Bounds as in the
-decode kernel: page ranges are cut to ``page_indices``, page numbers to the pool, a tile's rows
-to its 64-row tile and to ``q``; a padding item (request outside the batch) stores nothing.
+Split-KV, optional. Unsplit, every tile reads all the keys it sees in one program, and the
+step is one launch. A step of few decode rows at long context (4 rows at 32K: 32 programs of
+2K pages on 132 SMs) then leaves the GPU underfilled, its time set by one program. With
+``plan_ragged(max_pages_per_item=N)`` a longer tile becomes several items over consecutive
+page ranges; the kernel (``write_final=False``) writes each item's partial state, all 64 tile
+rows, and ``merge_partial_states`` (``kernels_pallas/merge_states.py``, a second launch)
+merges each tile's items; ``run_ragged_plan`` runs either form. How to pick ``N`` is left open
+(no heuristic yet; ``paged.plan_decode`` sizes its chunks from the grid it wants to fill).
+
+Bounds as in the decode kernel: page ranges are cut to ``page_indices``, page numbers to the
+pool, a tile's rows to its 64-row tile and to ``q``; a padding item (request outside the batch,
+or a tile starting past ``q``) stores nothing.
 """
 
 from __future__ import annotations
@@ -63,6 +69,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from kernels_pallas.merge_states import merge_partial_states
 from kernels_pallas.online_softmax import LN_2, LOG2_E
 from kernels_pallas.paged_decode import unsigned_min
 from kernels_pallas.paged_decode_mgpu import (
@@ -83,18 +90,28 @@ STORE_CHUNKS = (64, 32, 16, 8, 4, 2, 1)
 
 
 class RaggedPlan(NamedTuple):
-    """The work items of one ragged step (host NumPy int32 arrays, ``[W]`` each).
+    """The work items of one ragged step (host NumPy int32 arrays).
+
+    A tile is ``q_len`` consecutive new tokens of one request; it is one work item, or, split,
+    several over consecutive page ranges (consecutive in the lists) whose partial states are
+    merged.
 
     Attributes:
-      work_request: the item's request; -1 for padding (stores nothing).
-      work_q_start: the item's first new token, an index into ``q``'s ``T`` tokens.
-      work_q_len: its new tokens (``q_len x G`` rows, at most 64 with their tile offset).
-      work_causal_base: keys the item's first token sees (``seq_len - n + l + 1`` for token
-        ``l`` of the request's ``n``); token ``i`` of the item sees ``causal_base + i``.
-      work_page_start, work_page_end: the item's pages in ``page_indices``: the request's first
-        ``ceil(num_keys / page_size)``, ``num_keys = causal_base + q_len - 1`` (what the last
-        token sees).
-      work_last_page_len: keys in the item's last page (``num_keys`` less the full pages).
+      work_request: ``[W]``, the item's request; -1 for padding (stores nothing).
+      work_q_start: ``[W]``, its tile's first new token, an index into ``q``'s ``T`` tokens.
+      work_q_len: ``[W]``, its tile's new tokens (``q_len x G`` rows, at most 64 with their
+        offset in the TMA tile).
+      work_causal_base: ``[W]``, keys of the item's range the tile's first token sees: its
+        position plus one (``seq_len - n + l + 1`` for token ``l`` of the request's ``n``) less
+        the item's first key; token ``i`` of the tile sees ``causal_base + i`` of them (0 or
+        less: none).
+      work_page_start, work_page_end: ``[W]``, the item's pages in ``page_indices``. The tile's
+        pages are the request's first ``ceil(num_keys / page_size)``, ``num_keys`` what its last
+        token sees; an unsplit item has them all.
+      work_last_page_len: ``[W]``, keys in the item's last page.
+      merge_indptr: ``[num_tiles + 1]``, tile ``j``'s items are ``merge_indptr[j]:merge_indptr[j
+        + 1]`` (``merge_states.py``'s form).
+      token_tile: ``[T]``, the tile of each new token.
     """
 
     work_request: np.ndarray
@@ -104,10 +121,23 @@ class RaggedPlan(NamedTuple):
     work_page_start: np.ndarray
     work_page_end: np.ndarray
     work_last_page_len: np.ndarray
+    merge_indptr: np.ndarray
+    token_tile: np.ndarray
 
     @property
     def num_work_items(self) -> int:
         return int(self.work_request.shape[0])
+
+    @property
+    def work_arrays(self) -> tuple:
+        """The seven ``work_*`` arrays, in the kernel's operand order."""
+        return tuple(self[:7])
+
+    @property
+    def write_final(self) -> bool:
+        """Whether every tile is one item (the kernel writes the output itself); else the
+        items write partial states to merge (host-side: reads ``merge_indptr``)."""
+        return bool(np.all(np.diff(np.asarray(self.merge_indptr)) == 1))
 
 
 def plan_ragged(
@@ -118,23 +148,25 @@ def plan_ragged(
     page_size: int,
     group_size: int,
     num_work_items: int | None = None,
+    max_pages_per_item: int | None = None,
 ) -> RaggedPlan:
-    """Cuts every request's new tokens into query tiles: the kernel's work items (host side).
+    """Cuts every request's new tokens into query tiles, and long tiles into items (host side).
 
     For request ``b`` with ``n > 0`` new tokens and ``seq_len`` keys, tiles are taken in token
     order: a tile starting at token ``t`` (of ``q``) sits at row offset ``o = (t x G) mod 8`` in
-    its TMA tile and takes ``min(tokens left, (64 - o) // G)`` tokens. Items are ordered by the
-    keys they read, most first, so the longest programs start first (a decode row at 4K
-    context before the early tiles of a chunk, which read few pages).
+    its TMA tile and takes ``min(tokens left, (64 - o) // G)`` tokens. Its keys are what its
+    last token sees; pages past them are never listed. Tiles are ordered by the keys they read,
+    most first, so the longest programs start first (a decode row at 4K context before the
+    early tiles of a chunk, which read few pages).
 
-    Split-KV (not in this prototype): an item reading more than a threshold of pages (say the
-    pages that fill the GPU when divided among the items, as ``paged.plan_decode`` sizes its
-    chunks) would become several items over consecutive page ranges, each writing a partial
-    state ``(o, lse)`` of its ``q_len x G`` rows, merged by ``kernels_pallas/merge_states.py``
-    (``merge_partial_states`` with a ``merge_indptr`` over each (tile, KV head)'s items), as the
-    decode kernel's split plans are. The kernel would take ``write_final=False`` and a causal
-    base relative to the item's first key (``paged_decode_mgpu``'s ``item_first_position``).
-    Every item here reads its tile's whole key range in one program.
+    Split-KV (``max_pages_per_item``): a tile of more pages becomes items of at most that many
+    consecutive pages, each writing a partial state ``(o, lse)`` of its 64 tile rows that
+    ``kernels_pallas/merge_states.py`` merges (``merge_partial_states`` over ``merge_indptr``,
+    ``64 x KVH`` rows a tile), as the decode kernel's split plans are; the kernel then runs
+    with ``write_final=False`` and a second launch merges. A step of few decode rows at long
+    context needs it to fill the GPU. The threshold is the caller's (the prototype has no
+    heuristic yet: ``paged.plan_decode`` sizes its chunks from the grid it wants to fill, and
+    the same rule would carry over); None (the default) splits nothing, one launch.
 
     Args:
       qo_indptr: ``[B + 1]`` ints, CSR offsets of each request's new tokens (concrete).
@@ -142,27 +174,33 @@ def plan_ragged(
         already holds the new tokens).
       page_size: tokens a page.
       group_size: query heads a KV head, ``G`` (1 to 8).
-      num_work_items: pad the lists to this many items (request -1) for a static shape; None
-        for exactly as many as needed.
+      num_work_items: pad the work lists to this many items (request -1) for a static shape;
+        None for exactly as many as needed.
+      max_pages_per_item: split tiles of more pages than this (>= 1), or None.
 
     Returns:
       A ``RaggedPlan``.
 
     Raises:
-      ValueError: for a ``group_size`` outside 1 to 8, ``qo_indptr`` and the table of different
-        batches, a request with more new tokens than keys, or ``num_work_items`` below the
-        items needed.
+      ValueError: for a ``group_size`` outside 1 to 8, a ``max_pages_per_item`` below 1,
+        ``qo_indptr`` and the table of different batches, a request with more new tokens than
+        keys, or ``num_work_items`` below the items needed.
 
     Example:
       >>> # A decode row at 36 keys, an idle slot, a 20-token chunk after 12 keys (G = 4).
       >>> plan = plan_ragged([0, 1, 1, 21], [0, 3, 3, 5], [4, 0, 16], page_size=16, group_size=4)
       >>> plan.work_request.tolist(), plan.work_q_start.tolist(), plan.work_q_len.tolist()
       ([0, 2, 2], [0, 16, 1], [1, 5, 15])
-      >>> plan.work_causal_base.tolist(), plan.work_page_end.tolist()
-      ([36, 28, 13], [3, 5, 5])
+      >>> plan.work_causal_base.tolist(), plan.work_page_end.tolist(), plan.write_final
+      ([36, 28, 13], [3, 5, 5], True)
+      >>> split = plan_ragged([0, 1], [0, 3], [4], page_size=16, group_size=4, max_pages_per_item=2)
+      >>> split.work_page_start.tolist(), split.work_causal_base.tolist(), split.write_final
+      ([0, 2], [36, 4], False)
     """
     if not 1 <= group_size <= 8:
         raise ValueError(f"group_size must be 1 to 8, got {group_size}")
+    if max_pages_per_item is not None and max_pages_per_item < 1:
+        raise ValueError(f"max_pages_per_item must be >= 1 or None, got {max_pages_per_item}")
     qo_indptr = np.asarray(qo_indptr, np.int64)
     page_indptr = np.asarray(page_indptr, np.int64)
     last_page_len = np.asarray(last_page_len, np.int64)
@@ -174,7 +212,7 @@ def plan_ragged(
         )
     pages = np.diff(page_indptr)
     seq_lens = np.where(pages > 0, (pages - 1) * page_size + last_page_len, 0)
-    items = []
+    tiles = []  # (keys, request, first token, tokens, keys its first token sees)
     for b in range(batch):
         first, stop = int(qo_indptr[b]), int(qo_indptr[b + 1])
         if stop - first > seq_lens[b]:
@@ -188,30 +226,38 @@ def plan_ragged(
             offset = (token * group_size) % TMA_TILE_ROWS
             q_len = min(stop - token, (TILE_ROWS - offset) // group_size)
             causal_base = prefix + (token - first) + 1
-            num_keys = causal_base + q_len - 1
-            num_pages = -(-num_keys // page_size)
+            tiles.append((causal_base + q_len - 1, b, token, q_len, causal_base))
+            token += q_len
+    tiles.sort(key=lambda tile: -tile[0])  # stable: equal key counts keep token order
+    items, merge_indptr = [], [0]
+    token_tile = np.zeros(int(qo_indptr[-1]), np.int32)
+    for index, (num_keys, b, token, q_len, causal_base) in enumerate(tiles):
+        token_tile[token : token + q_len] = index
+        num_pages = -(-num_keys // page_size)
+        step = num_pages if max_pages_per_item is None else max_pages_per_item
+        for first_page in range(0, num_pages, step):
+            end_page = min(first_page + step, num_pages)
+            last = num_keys - (num_pages - 1) * page_size if end_page == num_pages else page_size
             items.append(
                 (
-                    num_keys,
                     b,
                     token,
                     q_len,
-                    causal_base,
-                    int(page_indptr[b]),
-                    int(page_indptr[b]) + num_pages,
-                    num_keys - (num_pages - 1) * page_size,
+                    causal_base - first_page * page_size,
+                    int(page_indptr[b]) + first_page,
+                    int(page_indptr[b]) + end_page,
+                    last,
                 )
             )
-            token += q_len
-    items.sort(key=lambda item: -item[0])  # stable: equal key counts keep token order
+        merge_indptr.append(len(items))
     count = len(items) if num_work_items is None else num_work_items
     if count < len(items):
         raise ValueError(f"num_work_items={num_work_items} is below the {len(items)} items needed")
     columns = np.zeros((7, count), np.int32)
     columns[0] = -1  # padding items: no request
     if items:
-        columns[:, : len(items)] = np.asarray(items, np.int64)[:, 1:].T
-    return RaggedPlan(*columns)
+        columns[:, : len(items)] = np.asarray(items, np.int64).T
+    return RaggedPlan(*columns, np.asarray(merge_indptr, np.int32), token_tile)
 
 
 def ragged_mgpu_kernel(
@@ -226,10 +272,13 @@ def ragged_mgpu_kernel(
     q_ref,  # [KVH * T_pad * G, D], GMEM, rows (KV head, token, g)
     k_pages_ref,  # [num_pages, KVH, page_size, D], GMEM
     v_pages_ref,  # [num_pages, KVH, page_size, D], GMEM
-    o_ref,  # [KVH * T_pad * G, D] q.dtype, GMEM, q's rows
-    lse_ref,  # [KVH * T_pad * G] float32, GMEM (only with write_lse)
+    # Outputs, final (write_final: q's rows, the LSE only with write_lse) or an item's partial
+    # state, all 64 tile rows (the merge reads rows row_offset .. of its tile):
+    o_ref,  # [KVH * T_pad * G, D] q.dtype | [W * KVH * 64, D] float32, GMEM
+    lse_ref,  # [KVH * T_pad * G] | [W * KVH * 64] float32, GMEM
     *,
     batch: int,
+    write_final: bool,
     group_size: int,
     padded_tokens: int,
     pages_per_step: int,
@@ -386,6 +435,17 @@ def ragged_mgpu_kernel(
         o_smem[...] = out.astype(o_ref.dtype)
         lse_smem[...] = lse
         plgpu.commit_smem()
+        if not write_final:
+            # The item's own 64-row block: one static copy each, 256-byte aligned.
+            first_out = (work * k_pages_ref.shape[1] + kv_head) * TILE_ROWS
+
+            @pl.when(jnp.logical_not(is_padding))
+            def _():
+                plgpu.copy_smem_to_gmem(o_smem, o_ref.at[pl.ds(first_out, TILE_ROWS)])
+                plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[pl.ds(first_out, TILE_ROWS)])
+
+            plgpu.wait_smem_to_gmem(0)
+            return
         # query_rows = sum of its binary digits: one static-sized copy a digit, the larger
         # first; the rows before a digit's copy are the count's higher digits.
         for chunk in STORE_CHUNKS:
@@ -434,6 +494,7 @@ def padded_token_count(num_tokens: int) -> int:
         "index_window",
         "probs_in_smem",
         "return_lse",
+        "write_final",
         "interpret",
     ),
 )
@@ -458,9 +519,12 @@ def ragged_attention_mgpu(
     index_window: int = MAX_INDEX_WINDOW,
     probs_in_smem: bool = False,
     return_lse: bool = False,
+    write_final: bool = True,
     interpret: bool | plgpu.InterpretGPUParams = False,
 ):
     """One launch of ragged paged attention over a ``RaggedPlan``'s work items (HND layout).
+
+    ``run_ragged_plan`` runs a whole plan (and the merge of a split one); this is the kernel.
 
     Args:
       q: ``[T, H, D]`` bfloat16 or float16, every new token of the step packed request by
@@ -475,12 +539,16 @@ def ragged_attention_mgpu(
       pages_per_step, num_stages, index_window: the page pipeline's shape, as in
         ``paged_decode_mgpu``.
       probs_in_smem: ``p @ V`` from shared memory (interpretable) or registers (compiled only).
-      return_lse: also write the natural-log LSE.
+      return_lse: also write the natural-log LSE (final output only).
+      write_final: write the output (every tile one item); False writes each item's partial
+        state for ``merge_partial_states`` (a split plan).
       interpret: Mosaic GPU's interpret mode (CPU); needs ``probs_in_smem=True``.
 
     Returns:
-      ``o [T, H, D]`` in q's dtype, and ``lse [T, H]`` float32 with ``return_lse``. A token no
-      item covers is left unwritten (``plan_ragged`` covers each once).
+      ``o [T, H, D]`` in q's dtype, and ``lse [T, H]`` float32 with ``return_lse``; a token no
+      item covers is left unwritten (``plan_ragged`` covers each once). With
+      ``write_final=False``, partial states ``(o [W, KVH, 64, D], lse [W, KVH, 64])`` float32,
+      all 64 rows of each item's tile (a padding item's left unwritten).
 
     Raises:
       ValueError: for shapes, dtypes or static parameters the kernel does not take, and work
@@ -508,10 +576,22 @@ def ragged_attention_mgpu(
     padded_tokens = padded_token_count(num_tokens)
     num_work = work_request.shape[0]
     total_rows = num_kv_heads * padded_tokens * group_size
-    out_type = (
-        jax.ShapeDtypeStruct((total_rows, head_dim), q.dtype),
-        jax.ShapeDtypeStruct((total_rows,), jnp.float32),
-    )
+    if write_final:
+        out_type = (
+            jax.ShapeDtypeStruct((total_rows, head_dim), q.dtype),
+            jax.ShapeDtypeStruct((total_rows,), jnp.float32),
+        )
+    else:
+        partial_count = num_work * num_kv_heads * TILE_ROWS
+        out_type = (
+            jax.ShapeDtypeStruct((partial_count, head_dim), jnp.float32),
+            jax.ShapeDtypeStruct((partial_count,), jnp.float32),
+        )
+    if not write_final and (num_work == 0 or num_tokens == 0):
+        return (
+            jnp.zeros((num_work, num_kv_heads, TILE_ROWS, head_dim), jnp.float32),
+            jnp.full((num_work, num_kv_heads, TILE_ROWS), -jnp.inf, jnp.float32),
+        )
     if num_work == 0 or num_tokens == 0:
         o = jnp.zeros(q.shape, q.dtype)
         lse = jnp.full(q.shape[:-1], -jnp.inf, jnp.float32)
@@ -523,6 +603,7 @@ def ragged_attention_mgpu(
     kernel = functools.partial(
         ragged_mgpu_kernel,
         batch=batch,
+        write_final=write_final,
         group_size=group_size,
         padded_tokens=padded_tokens,
         pages_per_step=pages_per_step,
@@ -531,7 +612,7 @@ def ragged_attention_mgpu(
         logit_scale_log2=sm_scale * LOG2_E,
         logits_soft_cap=logits_soft_cap,
         sm_scale=sm_scale,
-        write_lse=return_lse,
+        write_lse=return_lse and write_final,
         probs_in_smem=probs_in_smem,
     )
     o_rows, lse_rows = plgpu.kernel(
@@ -544,8 +625,14 @@ def ragged_attention_mgpu(
         interpret=_interpret_params(interpret),
         kernel_name=f"ragged_attention_mgpu_p{pages_per_step}_s{num_stages}"
         + ("_psmem" if probs_in_smem else "_preg")
-        + ("_lse" if return_lse else ""),
+        + ("_lse" if return_lse and write_final else "")
+        + ("" if write_final else "_partial"),
     )(*work, page_indices, q_rows, k_pages, v_pages)
+    if not write_final:
+        return (
+            o_rows.reshape(num_work, num_kv_heads, TILE_ROWS, head_dim),
+            lse_rows.reshape(num_work, num_kv_heads, TILE_ROWS),
+        )
 
     def token_order(rows, *trailing):
         rows = rows.reshape(num_kv_heads, padded_tokens, group_size, *trailing)
@@ -554,3 +641,88 @@ def ragged_attention_mgpu(
 
     o = token_order(o_rows, head_dim)
     return (o, token_order(lse_rows)) if return_lse else o
+
+
+def run_ragged_plan(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    page_indices: jax.Array,
+    plan: RaggedPlan,
+    *,
+    batch: int,
+    write_final: bool,
+    sm_scale: float,
+    logits_soft_cap: float | None = None,
+    return_lse: bool = False,
+    interpret: bool | plgpu.InterpretGPUParams = False,
+    **launch,
+):
+    """A whole ragged step over a plan: the kernel, and for a split plan the merge.
+
+    Unsplit (``write_final``): one launch writes ``o``. Split: the kernel writes each item's
+    partial state, ``merge_partial_states`` merges each tile's items (its 64 rows a KV head as
+    ``64 x KVH`` "heads"), and a gather puts the tiles' real rows back in token order.
+
+    Args:
+      q, k_pages, v_pages, page_indices, batch, sm_scale, logits_soft_cap, return_lse,
+        interpret, launch: as ``ragged_attention_mgpu`` (``launch``: ``pages_per_step``,
+        ``num_stages``, ``index_window``, ``probs_in_smem``).
+      plan: ``plan_ragged``'s plan, as NumPy or device arrays (traced under ``jit``).
+      write_final: ``plan.write_final``, read on the host when the plan was made (static).
+
+    Returns:
+      ``o [T, H, D]`` in q's dtype, and ``lse [T, H]`` float32 with ``return_lse``.
+    """
+    work = [jnp.asarray(a) for a in plan.work_arrays]
+    common = dict(batch=batch, sm_scale=sm_scale, logits_soft_cap=logits_soft_cap)
+    if write_final:
+        return ragged_attention_mgpu(
+            q,
+            k_pages,
+            v_pages,
+            page_indices,
+            *work,
+            **common,
+            return_lse=return_lse,
+            interpret=interpret,
+            **launch,
+        )
+    partial_o, partial_lse = ragged_attention_mgpu(
+        q,
+        k_pages,
+        v_pages,
+        page_indices,
+        *work,
+        **common,
+        write_final=False,
+        interpret=interpret,
+        **launch,
+    )
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads = k_pages.shape[1]
+    group_size = num_q_heads // num_kv_heads
+    merge_indptr = jnp.asarray(plan.merge_indptr)
+    o_tiles, lse_tiles = merge_partial_states(
+        partial_o,
+        partial_lse,
+        merge_indptr,
+        num_q_heads=num_kv_heads * TILE_ROWS,
+        out_dtype=q.dtype,
+        interpret=bool(interpret),
+    )  # [num_tiles, KVH * 64, ...]: tile j's rows, KV head major
+    # Token t of tile j, head (kv, g): row (j * KVH + kv) * 64 + offset_j + (t - start_j) G + g.
+    tile = jnp.asarray(plan.token_tile)
+    tile_start = work[1][merge_indptr[tile]]
+    tile_row = (
+        lax.rem(tile_start * group_size, TMA_TILE_ROWS)
+        + (jnp.arange(num_tokens, dtype=jnp.int32) - tile_start) * group_size
+    )
+    kv = jnp.arange(num_kv_heads, dtype=jnp.int32)[None, :, None]
+    g = jnp.arange(group_size, dtype=jnp.int32)[None, None, :]
+    rows = (tile[:, None, None] * num_kv_heads + kv) * TILE_ROWS + tile_row[:, None, None] + g
+    rows = rows.reshape(num_tokens, num_q_heads)
+    o = o_tiles.reshape(-1, head_dim)[rows]
+    if return_lse:
+        return o, lse_tiles.reshape(-1)[rows]
+    return o

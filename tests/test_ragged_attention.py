@@ -26,6 +26,7 @@ from kernels_pallas.ragged_attention_mgpu import (
     TMA_TILE_ROWS,
     plan_ragged,
     ragged_attention_mgpu,
+    run_ragged_plan,
 )
 from paged.attention_reference import decode_attention_reference
 from paged.ragged_attention import ragged_attention_reference, validate_ragged_inputs
@@ -215,8 +216,14 @@ def test_bad_inputs_are_rejected_with_their_values(change, message):
         st.tuples(st.integers(0, 40), st.integers(0, 50)), min_size=1, max_size=6
     ),
     group=st.sampled_from([1, 2, 3, 4, 8]),
+    max_pages_per_item=st.sampled_from([None, 1, 2]),
 )
-def test_plan_covers_every_query_row_once_within_its_tile(new_and_prefix, group):
+def test_plan_covers_every_query_row_once_within_its_tile(
+    new_and_prefix, group, max_pages_per_item
+):
+    """Every new token is in exactly one tile, which fits its 64-row tile from its TMA offset;
+    a tile's items are consecutive and split its pages (those its last token sees) in order,
+    each with the causal base counted from its own first key."""
     new_tokens = [n for n, _ in new_and_prefix]
     seq_lens = [n + p for n, p in new_and_prefix]
     table = paged.PageTable.from_seq_lens(seq_lens, PAGE_SIZE)
@@ -227,28 +234,43 @@ def test_plan_covers_every_query_row_once_within_its_tile(new_and_prefix, group)
         np.asarray(table.last_page_len),
         page_size=PAGE_SIZE,
         group_size=group,
-        num_work_items=len(new_tokens) + sum(new_tokens) + 2,
+        num_work_items=4 * (len(new_tokens) + sum(new_tokens)) + 2,
+        max_pages_per_item=max_pages_per_item,
     )
     covered = np.zeros(qo_indptr[-1], int)
     indptr = np.asarray(table.page_indptr)
-    for b, start, count, base, page_start, page_end, last in zip(*plan, strict=True):
-        if b == -1:
-            continue
+    merge_indptr = plan.merge_indptr
+    assert merge_indptr[0] == 0 and np.all(np.diff(merge_indptr) >= 1)
+    for tile in range(len(merge_indptr) - 1):
+        items = range(merge_indptr[tile], merge_indptr[tile + 1])
+        b, start, count = (field[items.start] for field in plan.work_arrays[:3])
         assert count >= 1
         assert (start * group) % TMA_TILE_ROWS + count * group <= TILE_ROWS
         assert qo_indptr[b] <= start and start + count <= qo_indptr[b + 1]
         covered[start : start + count] += 1
+        np.testing.assert_array_equal(plan.token_tile[start : start + count], tile)
         # The first token's key count from its position; the pages those of the last token.
         position = seq_lens[b] - new_tokens[b] + (start - qo_indptr[b])
-        assert base == position + 1
-        num_keys = base + count - 1
-        assert page_start == indptr[b]
-        assert (page_end - page_start - 1) * PAGE_SIZE + last == num_keys
-        assert 1 <= last <= PAGE_SIZE
+        num_keys = position + count
+        expected_page = indptr[b]
+        for item in items:
+            assert plan.work_request[item] == b and plan.work_q_start[item] == start
+            assert plan.work_q_len[item] == count
+            assert plan.work_page_start[item] == expected_page
+            pages = plan.work_page_end[item] - expected_page
+            assert 1 <= pages <= (max_pages_per_item or pages)
+            first_key = (expected_page - indptr[b]) * PAGE_SIZE
+            assert plan.work_causal_base[item] == position + 1 - first_key
+            expected_page = plan.work_page_end[item]
+            last = plan.work_last_page_len[item]
+            assert 1 <= last <= PAGE_SIZE
+        # The last item ends at the last token's key.
+        assert (expected_page - indptr[b] - 1) * PAGE_SIZE + last == num_keys
     np.testing.assert_array_equal(covered, 1)
     real = plan.work_request >= 0
-    assert real.sum() >= (np.asarray(new_tokens) > 0).sum()
+    assert real.sum() == merge_indptr[-1]
     assert np.all(~real[real.sum() :])  # padding items last
+    assert plan.write_final == (len(merge_indptr) - 1 == merge_indptr[-1])
 
 
 def test_plan_rejects_what_it_cannot_plan():
@@ -260,9 +282,22 @@ def test_plan_rejects_what_it_cannot_plan():
         plan_ragged([0, 1], [0, 1, 2], [1, 1], page_size=16, group_size=1)
     with pytest.raises(ValueError, match="num_work_items=1 is below the 2 items needed"):
         plan_ragged([0, 1, 2], [0, 1, 2], [1, 1], page_size=16, group_size=1, num_work_items=1)
+    with pytest.raises(ValueError, match="max_pages_per_item must be >= 1 or None, got 0"):
+        plan_ragged([0, 1], [0, 1], [1], page_size=16, group_size=1, max_pages_per_item=0)
 
 
-def run_kernel(q, qo_indptr, cache, table, *, num_work_items=None, interpret=None, **launch):
+def run_kernel(
+    q,
+    qo_indptr,
+    cache,
+    table,
+    *,
+    num_work_items=None,
+    max_pages_per_item=None,
+    interpret=None,
+    **launch,
+):
+    """The whole ragged step through ``run_ragged_plan`` (kernel, and merge when split)."""
     plan = plan_ragged(
         np.asarray(qo_indptr),
         np.asarray(table.page_indptr),
@@ -270,14 +305,17 @@ def run_kernel(q, qo_indptr, cache, table, *, num_work_items=None, interpret=Non
         page_size=PAGE_SIZE,
         group_size=q.shape[1] // cache.num_kv_heads,
         num_work_items=num_work_items,
+        max_pages_per_item=max_pages_per_item,
     )
-    return ragged_attention_mgpu(
+    assert plan.write_final == (max_pages_per_item is None)  # the mixed steps here do split
+    return run_ragged_plan(
         q,
         cache.k_pages,
         cache.v_pages,
         table.page_indices,
-        *(jnp.asarray(a) for a in plan),
+        plan,
         batch=table.batch_size,
+        write_final=plan.write_final,
         sm_scale=q.shape[-1] ** -0.5,
         interpret=(not ON_GPU) if interpret is None else interpret,
         **launch,
@@ -288,25 +326,26 @@ def run_kernel(q, qo_indptr, cache, table, *, num_work_items=None, interpret=Non
     "dtype,group,launch",
     [
         # Windows of 4 page numbers (the 80-token decode row's 5 pages take two), two pages a
-        # step, soft cap, LSE; then one page a step, one window.
+        # step, soft cap; then split-KV (one page an item, merged), one page a step.
         (
             jnp.bfloat16,
             4,
             dict(index_window=4, pages_per_step=2, num_stages=3, logits_soft_cap=3.0),
         ),
-        (jnp.float16, 2, dict()),
+        (jnp.float16, 2, dict(max_pages_per_item=1)),
     ],
 )
 def test_kernel_matches_reference_on_a_mixed_step(dtype, group, launch):
-    """Off the GPU, under the interpreter's happens-before race detector: the double-buffered
-    index windows, the pipeline's slots, the V rows zeroed in place, p in shared memory and
-    the output rows stored in several copies plus LSE scalars after the commit are read and
-    written in order."""
+    """The unsplit case runs, off the GPU, under the interpreter's happens-before race
+    detector: the double-buffered index windows, the pipeline's slots, the V rows zeroed in
+    place, p in shared memory and the output rows stored in several copies plus LSE scalars
+    after the commit are read and written in order."""
     q, qo_indptr, cache, table = make_step(
         5, MIXED_NEW_TOKENS, MIXED_SEQ_LENS, group=group, head_dim=64, dtype=dtype
     )
     interpret = None
-    if not ON_GPU:
+    detect_races = not ON_GPU and "max_pages_per_item" not in launch  # once is enough
+    if detect_races:
         # Private JAX module: if a JAX version moves it, the test skips rather than fails.
         gpu_callbacks = pytest.importorskip("jax._src.pallas.mosaic_gpu.interpret.gpu_callbacks")
         from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -330,7 +369,7 @@ def test_kernel_matches_reference_on_a_mixed_step(dtype, group, launch):
     assert np.linalg.norm(out - ref_o) / np.linalg.norm(ref_o) < TOLERANCE_16_BIT
     # The LSE is float32 arithmetic on 16-bit logits: within float32 rounding of its size.
     np.testing.assert_allclose(np.asarray(lse), ref_lse, rtol=1e-5, atol=1e-5)
-    if not ON_GPU:
+    if detect_races:
         assert not gpu_callbacks.get_races().races_found
 
 
@@ -355,7 +394,7 @@ def test_bad_plans_and_tables_stay_inside_the_arrays():
         group_size=4,
         num_work_items=4,
     )
-    fields = [np.array(a) for a in plan]
+    fields = [np.array(a) for a in plan.work_arrays]
     # Item 2: request 1 again, starting far past q; item 3: request 1's tokens with q_len 1000.
     fields[0][2:], fields[1][2], fields[1][3], fields[2][2:] = 1, 10**6, 1, 1000
     for f in fields[3:]:
@@ -380,16 +419,17 @@ def test_bad_plans_and_tables_stay_inside_the_arrays():
 
 
 def test_every_variant_lowers_for_an_h200():
-    """Both p paths, with and without the LSE, at Llama-3-8B's head shape (32/8 x 128,
-    bfloat16), lower through Mosaic GPU to its dialect for CUDA (PTX and the shared-memory
-    limit are checked only when compiling on the GPU)."""
+    """Both p paths, final (with and without the LSE) and partial, at Llama-3-8B's head shape
+    (32/8 x 128, bfloat16), lower through Mosaic GPU to its dialect for CUDA (PTX and the
+    shared-memory limit are checked only when compiling on the GPU)."""
 
     def int32(n):
         return jax.ShapeDtypeStruct((n,), jnp.int32)
 
     pool = jax.ShapeDtypeStruct((1024, 8, PAGE_SIZE, 128), jnp.bfloat16)
     q = jax.ShapeDtypeStruct((300, 32, 128), jnp.bfloat16)
-    for probs_in_smem, return_lse, pages_per_step in ((True, True, 1), (False, False, 2)):
+    variants = ((True, True, 1, True), (False, False, 2, True), (False, True, 1, False))
+    for probs_in_smem, return_lse, pages_per_step, write_final in variants:
         traced = ragged_attention_mgpu.trace(
             q,
             pool,
@@ -402,9 +442,10 @@ def test_every_variant_lowers_for_an_h200():
             pages_per_step=pages_per_step,
             probs_in_smem=probs_in_smem,
             return_lse=return_lse,
+            write_final=write_final,
         )
         text = traced.lower(lowering_platforms=("cuda",)).as_text()
-        assert "mosaic_gpu" in text, (probs_in_smem, return_lse)
+        assert "mosaic_gpu" in text, (probs_in_smem, return_lse, write_final)
 
 
 def test_probe_dry_run(tmp_path):

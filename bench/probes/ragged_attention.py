@@ -16,7 +16,9 @@ output for all ``B + chunk`` new tokens:
 - ``ragged:<p path>.p<pages_per_step>.s<num_stages>``: the one launch of
   ``kernels_pallas/ragged_attention_mgpu.py`` over ``plan_ragged``'s items (made once on the host,
   as a step's plan would be; no split-KV), p from registers (``reg``) or shared memory
-  (``smem``).
+  (``smem``);
+- ``ragged-split<N>:...``: the same with split-KV, ``N`` pages an item at most, and the merge
+  launch (``run_ragged_plan``); ``--max-pages-per-item N`` sets ``N`` for every variant.
 
 First the ragged arms' outputs are compared with ``two_launches``' (largest absolute difference
 of ``o``); an arm further than ``MAX_DIFFERENCE`` is a MISMATCH and not timed, an arm that fails
@@ -42,8 +44,9 @@ platform allocator so that every array is its own allocation::
 It covers decode rows (one token, a page plus one, more pages than a 4-entry index window),
 idle slots, chunks after a prefix and without one, tiles at every offset of their TMA tile
 (``G = 2``) and full 64-row tiles (``G = 8``), a pool and ``page_indices`` sized exactly to the
-pages in use, the last token's rows at the end of ``q``, padding items, both p paths, one and
-two pages a step, and a table with page numbers outside the pool; it exits 1 if a valid
+pages in use, the last token's rows at the end of ``q``, padding items, a split plan (partial
+states, then the merge), both p paths, one and two pages a step, and a table with page
+numbers outside the pool; it exits 1 if a valid
 input's result is off (relative error 1e-2 against the reference on the CPU).
 """
 
@@ -63,7 +66,7 @@ import numpy as np
 import paged
 from bench.harness import num_rotating_sets
 from bench.harness.timing import TimedLoop
-from kernels_pallas.ragged_attention_mgpu import plan_ragged, ragged_attention_mgpu
+from kernels_pallas.ragged_attention_mgpu import plan_ragged, run_ragged_plan
 
 # (decode rows, their context, chunk, prefix): issue 18's mixed steps.
 CASES = (
@@ -77,9 +80,16 @@ CASES = (
 DRY_RUN_CASES = ((2, 17, 9, 33),)  # a chunk after a prefix, tiles at an odd offset
 SHAPE = dict(num_q_heads=32, num_kv_heads=8, head_dim=128, page_size=16)
 DRY_RUN_SHAPE = dict(num_q_heads=8, num_kv_heads=2, head_dim=64, page_size=16)
-# (p path, pages_per_step, num_stages).
-VARIANTS = (("reg", 1, 4), ("reg", 2, 3), ("smem", 1, 4))
-DRY_RUN_VARIANTS = (("smem", 1, 4),)
+# (p path, pages_per_step, num_stages): the register path, the compiled default (the
+# shared-memory path, what the interpreter runs, with --variants smem.p1.s4).
+VARIANTS = (("reg", 1, 4), ("reg", 2, 3))
+# (max_pages_per_item, p path, pages_per_step, num_stages): split-KV plus the merge launch.
+# 64 pages (1K keys) a program: a decode row at 4K becomes 4 items.
+SPLIT_VARIANTS = ((64, "reg", 1, 4),)
+# A dry run's one ragged arm is split (one page an item): the kernel and the merge, the plans
+# as operands of the timed program.
+DRY_RUN_VARIANTS = ()
+DRY_RUN_SPLIT_VARIANTS = ((1, "smem", 1, 4),)
 MAX_DIFFERENCE = 5e-2  # of o against the two launches' (bfloat16 outputs of order 1)
 
 
@@ -184,21 +194,25 @@ def make_mixed_step(
     )
 
 
-def arms_for(step: MixedStep, variants, interpret: bool, *, parts: bool = True):
+def arms_for(step: MixedStep, variants, split_variants, interpret: bool, *, parts: bool = True):
     """name -> ``step_fn(set_index, operands) -> o [T, H, D]`` (or a part of it, with
-    ``parts``), the operands, and the ragged plan (plans made once, on the host, from set 0's
-    table)."""
+    ``parts``), the operands, and the unsplit ragged plan (plans made once, on the host, from
+    set 0's table, as a step's plans are)."""
     num_kv_heads = step.k_pages.shape[1]
     num_q_heads, head_dim = step.queries.shape[-2:]
     sm_scale = head_dim**-0.5
     decode_plan = paged.plan_decode(step.decode_table(0), num_q_heads, num_kv_heads, head_dim)
-    ragged_plan = plan_ragged(
-        step.qo_indptr,
-        step.page_indptr,
-        step.last_page_len,
-        page_size=step.page_size,
-        group_size=num_q_heads // num_kv_heads,
-    )
+    plans = {
+        max_pages: plan_ragged(
+            step.qo_indptr,
+            step.page_indptr,
+            step.last_page_len,
+            page_size=step.page_size,
+            group_size=num_q_heads // num_kv_heads,
+            max_pages_per_item=max_pages or None,
+        )
+        for max_pages in {0} | {v[0] for v in split_variants}  # 0: unsplit
+    }
     batch = step.batch
 
     def decode_part(set_index, operands):
@@ -230,34 +244,45 @@ def arms_for(step: MixedStep, variants, interpret: bool, *, parts: bool = True):
     arms = {"two_launches": two_launches}
     if parts:
         arms.update(decode_only=decode_part, chunk_only=chunk_part)
-    for probs_path, pages_per_step, num_stages in variants:
 
-        def ragged(set_index, operands, probs_path=probs_path, pps=pages_per_step, s=num_stages):
-            queries, k_pages, v_pages, page_indices, _, plan = operands
-            return ragged_attention_mgpu(
+    def ragged_arm(max_pages, probs_path, pages_per_step, num_stages):
+        write_final = plans[max_pages].write_final  # read on the host, static in the program
+
+        def ragged(set_index, operands):
+            queries, k_pages, v_pages, page_indices, _, ragged_plans = operands
+            return run_ragged_plan(
                 queries[set_index],
                 k_pages,
                 v_pages,
                 page_indices[set_index],
-                *plan,
+                ragged_plans[max_pages],
                 batch=batch + 1,
+                write_final=write_final,
                 sm_scale=sm_scale,
-                pages_per_step=pps,
-                num_stages=s,
+                pages_per_step=pages_per_step,
+                num_stages=num_stages,
                 probs_in_smem=probs_path == "smem",
                 interpret=interpret,
             )
 
-        arms["ragged:" + variant_name(probs_path, pages_per_step, num_stages)] = ragged
+        return ragged
+
+    for variant in variants:
+        arms["ragged:" + variant_name(*variant)] = ragged_arm(0, *variant)
+    for max_pages, *variant in split_variants:
+        arms[f"ragged-split{max_pages}:" + variant_name(*variant)] = ragged_arm(max_pages, *variant)
     operands = (
         step.queries,
         step.k_pages,
         step.v_pages,
         step.page_indices,
         jax.device_put(decode_plan),
-        tuple(jnp.asarray(a) for a in ragged_plan),
+        {
+            max_pages: type(plan)(*(jnp.asarray(a) for a in plan))
+            for max_pages, plan in plans.items()
+        },
     )
-    return arms, operands, ragged_plan
+    return arms, operands, plans[0]
 
 
 def memcheck_workload(interpret: bool) -> int:
@@ -306,6 +331,15 @@ def memcheck_workload(interpret: bool) -> int:
             group_size=group,
             num_work_items=plan.num_work_items + 3,
         )
+        split = plan_ragged(  # split-KV, padded: partial states and the merge
+            qo_indptr,
+            np.asarray(table.page_indptr),
+            np.asarray(table.last_page_len),
+            page_size=page_size,
+            group_size=group,
+            num_work_items=plan.num_work_items * 8,
+            max_pages_per_item=2,
+        )
         bad_indices = np.asarray(table.page_indices).copy()
         bad_indices[0], bad_indices[-1] = 10 * num_pages, -3
         for probs_path in paths:
@@ -313,15 +347,17 @@ def memcheck_workload(interpret: bool) -> int:
                 for name, work, indices in (
                     ("plan", plan, table.page_indices),
                     ("padded plan", padded, table.page_indices),
+                    ("split plan", split, table.page_indices),
                     ("pages outside the pool", plan, jnp.asarray(bad_indices)),
                 ):
-                    o = ragged_attention_mgpu(
+                    o = run_ragged_plan(
                         q,
                         k_pages,
                         v_pages,
                         indices,
-                        *(jnp.asarray(a) for a in work),
+                        work,
                         batch=len(seq_lens),
+                        write_final=work.write_final,
                         sm_scale=head_dim**-0.5,
                         pages_per_step=pages_per_step,
                         index_window=4 if pages_per_step == 1 else 256,
@@ -359,6 +395,12 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--cases", default=None, help="comma-separated BxCONTEXT+CHUNK@PREFIX")
     parser.add_argument("--variants", default=None, help="comma-separated, e.g. reg.p1.s4")
+    parser.add_argument(
+        "--max-pages-per-item",
+        type=int,
+        default=None,
+        help="split arms: this many pages an item, for every variant (0: no split arms)",
+    )
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("-v", "--verbose", action="store_true", help="print full tracebacks")
     parser.add_argument(
@@ -377,6 +419,11 @@ def main(argv=None) -> int:
             for case in args.cases.split(",")
         )
     variants = DRY_RUN_VARIANTS if args.dry_run else VARIANTS
+    split_variants = DRY_RUN_SPLIT_VARIANTS if args.dry_run else SPLIT_VARIANTS
+    if args.max_pages_per_item is not None:
+        split_variants = tuple(
+            (args.max_pages_per_item, *v) for v in (variants if args.max_pages_per_item else ())
+        )
     if args.variants:
         variants = tuple(
             (name.split(".")[0], int(name.split(".")[1][1:]), int(name.split(".")[2][1:]))
@@ -387,7 +434,9 @@ def main(argv=None) -> int:
     for case in cases:
         name = case_name(*case)
         step = make_mixed_step(*case, **shape, num_sets=2 if args.dry_run else None)
-        arms, operands, plan = arms_for(step, variants, interpret, parts=not args.dry_run)
+        arms, operands, plan = arms_for(
+            step, variants, split_variants, interpret, parts=not args.dry_run
+        )
         arm_names = list(dict.fromkeys(arm_names + list(arms)))
         common = dict(
             case=name,
@@ -414,7 +463,7 @@ def main(argv=None) -> int:
                 continue
             if arm == "two_launches":  # runs first: the output the others must match
                 expected = o
-            if arm.startswith("ragged:"):
+            if arm.startswith("ragged"):
                 diff = float(np.max(np.abs(o - expected)))
                 ok = bool(np.isfinite(o).all()) and diff <= MAX_DIFFERENCE
                 row.update(status="ok" if ok else "mismatch", max_abs_diff_o=diff)
@@ -496,7 +545,7 @@ def print_table(rows, arm_names, *, dry_run):
         ratios = [
             f"{arm}={timed['two_launches'] / us:.2f}x"
             for arm, us in timed.items()
-            if arm.startswith("ragged:")
+            if arm.startswith("ragged")
         ]
         print(f"{case:<24} " + " ".join(ratios))
 
