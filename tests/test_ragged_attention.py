@@ -457,16 +457,26 @@ def test_probe_dry_run(tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="compiled Mosaic GPU kernels need a GPU")
-@pytest.mark.parametrize("probs_in_smem", [True, False])
-def test_benchmark_shapes_on_gpu(probs_in_smem):
+@pytest.mark.parametrize(
+    "probs_in_smem,max_pages_per_item", [(True, None), (False, None), (False, 8)]
+)
+def test_benchmark_shapes_on_gpu(probs_in_smem, max_pages_per_item):
     """32 decode rows at 512 tokens and a 300-token chunk after a 1000-token prefix, 32/8 x 128
-    bfloat16, compiled, against the float64 reference."""
+    bfloat16, compiled (both p paths; split-KV too), against the float64 reference."""
     new_tokens = (1,) * 32 + (300,)
     seq_lens = (512,) * 32 + (1300,)
     q, qo_indptr, cache, table = make_step(
         6, new_tokens, seq_lens, group=4, head_dim=128, dtype=jnp.bfloat16, num_kv_heads=8
     )
-    o, lse = run_kernel(q, qo_indptr, cache, table, probs_in_smem=probs_in_smem, return_lse=True)
+    o, lse = run_kernel(
+        q,
+        qo_indptr,
+        cache,
+        table,
+        probs_in_smem=probs_in_smem,
+        max_pages_per_item=max_pages_per_item,
+        return_lse=True,
+    )
     ref_o, ref_lse = reference64(q, qo_indptr, cache, table)
     out = np.asarray(o.astype(jnp.float32), np.float64)
     assert np.linalg.norm(out - ref_o) / np.linalg.norm(ref_o) < TOLERANCE_16_BIT
