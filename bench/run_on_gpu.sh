@@ -13,6 +13,7 @@
 # Issue 18 (the engine's step, version 2): serving-batch, serving-single, serving-load-a and -b,
 # engine-overlap, engine-dispatch (where a step's host time goes); one device command each.
 # Issues 19 and 21: sparse-tests, quest-scores, tune-decode, check-decode. Issue 20: mla-decode.
+# Issue 18 (one ragged launch for a mixed step, prototype): ragged-attention.
 # The stage names are unchanged since bench/ was split into harness/, suites/, tuning/, probes/
 # and memcheck/; only the modules they run moved (prefill is now `python -m bench prefill`).
 # Each stage has its own timeout, but a chain of stages can outlast one device command (600 s):
@@ -168,6 +169,17 @@ for stage in "$@"; do
       fi
       timeout 300 python3 -m bench.probes.mla_decode ${MLA_PROBE_ARGS:-} 2>&1 \
         | tee "$out/mla_decode_probe.log" | grep -E '^H=|^copy|FAILED|MISMATCH' ;;
+    ragged-attention)  # issue 18: the ragged kernel's tests compiled (gpu-marked included), then
+      # the probe: one ragged launch against the engine's two (decode + chunk), checked, timed
+      # (not yet run; 570 s at most; the probe's JSON is rewritten after each case, so a cut run
+      # keeps what it finished). RAGGED_PROBE_ONLY=1 skips the tests; RAGGED_PROBE_ARGS=
+      # "--cases 32x4096+2048@4096 --variants reg.p1.s4" runs a part.
+      if [ -z "${RAGGED_PROBE_ONLY:-}" ]; then
+        timeout 180 python3 -m pytest -q -p no:cacheprovider tests/test_ragged_attention.py 2>&1 \
+          | tee "$out/gpu_ragged_tests.log" | tail -n 4
+      fi
+      timeout 390 python3 -m bench.probes.ragged_attention --out "$out" ${RAGGED_PROBE_ARGS:-} 2>&1 \
+        | tee "$out/ragged_attention_probe.log" | grep -vE '^#|^$' ;;
     *) echo "unknown stage $stage" ;;
   esac
 done
