@@ -481,3 +481,18 @@ def test_benchmark_shapes_on_gpu(probs_in_smem, max_pages_per_item):
     out = np.asarray(o.astype(jnp.float32), np.float64)
     assert np.linalg.norm(out - ref_o) / np.linalg.norm(ref_o) < TOLERANCE_16_BIT
     np.testing.assert_allclose(np.asarray(lse), ref_lse, rtol=1e-5, atol=1e-5)
+
+
+def test_probe_split_arms_follow_the_chosen_variants():
+    """``--max-pages-per-item`` splits the variants finally chosen (``--variants`` included),
+    in a dry run too; 0 leaves no split arm."""
+    chosen = probe.chosen_variants(
+        probe.parse_args(["--variants", "reg.p1.s4", "--max-pages-per-item", "32"])
+    )
+    assert chosen == ((("reg", 1, 4),), ((32, "reg", 1, 4),))
+    chosen = probe.chosen_variants(
+        probe.parse_args(["--dry-run", "--variants", "smem.p2.s3", "--max-pages-per-item", "1"])
+    )
+    assert chosen == ((("smem", 2, 3),), ((1, "smem", 2, 3),))
+    assert probe.chosen_variants(probe.parse_args(["--max-pages-per-item", "0"]))[1] == ()
+    assert probe.chosen_variants(probe.parse_args([])) == (probe.VARIANTS, probe.SPLIT_VARIANTS)

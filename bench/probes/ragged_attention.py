@@ -387,7 +387,25 @@ def first_line(error: BaseException) -> str:
     return text[0][:300] if text else type(error).__name__
 
 
-def main(argv=None) -> int:
+def chosen_variants(args) -> tuple[tuple, tuple]:
+    """``(variants, split_variants)`` from the defaults, ``--variants`` and
+    ``--max-pages-per-item``; the split arms are made from the variants finally chosen, so
+    ``--variants reg.p1.s4 --max-pages-per-item 32`` splits exactly ``reg.p1.s4``."""
+    variants = DRY_RUN_VARIANTS if args.dry_run else VARIANTS
+    split_variants = DRY_RUN_SPLIT_VARIANTS if args.dry_run else SPLIT_VARIANTS
+    if args.variants:
+        variants = tuple(
+            (name.split(".")[0], int(name.split(".")[1][1:]), int(name.split(".")[2][1:]))
+            for name in args.variants.split(",")
+        )
+    if args.max_pages_per_item is not None:
+        split_variants = tuple(
+            (args.max_pages_per_item, *v) for v in (variants if args.max_pages_per_item else ())
+        )
+    return variants, split_variants
+
+
+def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None, help="folder for ragged_attention_probe.json")
     parser.add_argument(
@@ -406,7 +424,11 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--memcheck", action="store_true", help="the compute-sanitizer workload, no timing"
     )
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     interpret = args.dry_run or jax.default_backend() != "gpu"
     if args.memcheck:
         return memcheck_workload(interpret)
@@ -418,17 +440,7 @@ def main(argv=None) -> int:
             )
             for case in args.cases.split(",")
         )
-    variants = DRY_RUN_VARIANTS if args.dry_run else VARIANTS
-    split_variants = DRY_RUN_SPLIT_VARIANTS if args.dry_run else SPLIT_VARIANTS
-    if args.max_pages_per_item is not None:
-        split_variants = tuple(
-            (args.max_pages_per_item, *v) for v in (variants if args.max_pages_per_item else ())
-        )
-    if args.variants:
-        variants = tuple(
-            (name.split(".")[0], int(name.split(".")[1][1:]), int(name.split(".")[2][1:]))
-            for name in args.variants.split(",")
-        )
+    variants, split_variants = chosen_variants(args)
     shape = DRY_RUN_SHAPE if args.dry_run else SHAPE
     rows, arm_names, status = [], [], 0
     for case in cases:
