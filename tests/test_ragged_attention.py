@@ -12,6 +12,8 @@ in the ``gpu``-marked test.
 
 from __future__ import annotations
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -496,3 +498,25 @@ def test_probe_split_arms_follow_the_chosen_variants():
     assert chosen == ((("smem", 2, 3),), ((1, "smem", 2, 3),))
     assert probe.chosen_variants(probe.parse_args(["--max-pages-per-item", "0"]))[1] == ()
     assert probe.chosen_variants(probe.parse_args([])) == (probe.VARIANTS, probe.SPLIT_VARIANTS)
+
+
+def test_probe_reports_ragged_arms_unchecked_when_the_two_launches_fail(tmp_path, monkeypatch):
+    """A failing ``two_launches`` (the output the ragged arms are checked against) is a result:
+    the ragged arms are reported unchecked, not run, and the probe ends with status 1 and its
+    JSON, rather than dying on a comparison with nothing."""
+    arms_for = probe.arms_for
+
+    def broken_two_launches(*args, **kwargs):
+        arms, operands, plan = arms_for(*args, **kwargs)
+
+        def fails(set_index, operands):
+            raise RuntimeError("two launches do not compile")
+
+        return dict(arms, two_launches=fails), operands, plan
+
+    monkeypatch.setattr(probe, "arms_for", broken_two_launches)
+    assert probe.main(["--dry-run", "--out", str(tmp_path)]) == 1
+    rows = json.loads((tmp_path / "ragged_attention_probe.json").read_text())["rows"]
+    statuses = {row["arm"]: row["status"] for row in rows}
+    assert statuses.pop("two_launches") == "failed"
+    assert statuses and set(statuses.values()) == {"unchecked"}
