@@ -82,6 +82,7 @@ from kernels_pallas.paged_decode_mgpu import (
     _transforms,
     validate_mgpu_decode_arguments,
 )
+from kernels_pallas.platform import is_concrete
 
 TMA_TILE_ROWS = 8  # a tiled TMA copy of the query starts on an 8-row boundary
 # The row counts one output store may copy: a tile's q_len x G rows are at most 64, written as
@@ -673,7 +674,20 @@ def run_ragged_plan(
 
     Returns:
       ``o [T, H, D]`` in q's dtype, and ``lse [T, H]`` float32 with ``return_lse``.
+
+    Raises:
+      ValueError: ``write_final=True`` for a concrete plan that splits a tile (each item
+        would write its own page range's state as the final output: wrong rows, silently).
     """
+    merge_indptr = plan.merge_indptr
+    if write_final and is_concrete(merge_indptr):
+        tile_items = np.diff(np.asarray(merge_indptr))
+        if np.any(tile_items != 1):
+            raise ValueError(
+                f"write_final=True but the plan splits tile {int(np.argmax(tile_items != 1))} "
+                f"into {int(tile_items[tile_items != 1][0])} items: pass "
+                "write_final=plan.write_final (False), so that their states are merged"
+            )
     work = [jnp.asarray(a) for a in plan.work_arrays]
     common = dict(batch=batch, sm_scale=sm_scale, logits_soft_cap=logits_soft_cap)
     if write_final:

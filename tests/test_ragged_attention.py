@@ -520,3 +520,23 @@ def test_probe_reports_ragged_arms_unchecked_when_the_two_launches_fail(tmp_path
     statuses = {row["arm"]: row["status"] for row in rows}
     assert statuses.pop("two_launches") == "failed"
     assert statuses and set(statuses.values()) == {"unchecked"}
+
+
+def test_a_split_plan_run_as_final_is_refused():
+    """``write_final`` is passed beside the plan (static under ``jit``); True with a concrete
+    split plan would store each item's page-range state as the output, so it is refused."""
+    q, qo_indptr, cache, table = make_step(8, (1,), (40,), group=4, head_dim=64, dtype=jnp.bfloat16)
+    plan = plan_ragged(
+        np.asarray(qo_indptr),
+        np.asarray(table.page_indptr),
+        np.asarray(table.last_page_len),
+        page_size=PAGE_SIZE,
+        group_size=4,
+        max_pages_per_item=1,
+    )
+    assert not plan.write_final
+    with pytest.raises(ValueError, match=r"write_final=True but the plan splits tile 0 into 3"):
+        run_ragged_plan(
+            q, cache.k_pages, cache.v_pages, table.page_indices, plan, batch=1,
+            write_final=True, sm_scale=0.125, probs_in_smem=True, interpret=True,
+        )  # fmt: skip
