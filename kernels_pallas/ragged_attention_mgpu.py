@@ -184,7 +184,8 @@ def plan_ragged(
 
     Raises:
       ValueError: for a ``group_size`` outside 1 to 8, a ``max_pages_per_item`` below 1,
-        ``qo_indptr`` and the table of different batches, a request with more new tokens than
+        a ``qo_indptr`` not starting at 0 or decreasing, ``qo_indptr`` and the table of
+        different batches, a request with more new tokens than
         keys, or ``num_work_items`` below the items needed.
 
     Example:
@@ -205,6 +206,19 @@ def plan_ragged(
     qo_indptr = np.asarray(qo_indptr, np.int64)
     page_indptr = np.asarray(page_indptr, np.int64)
     last_page_len = np.asarray(last_page_len, np.int64)
+    # A token before qo_indptr[0] or under a decreasing step would be in no tile: left
+    # unwritten by the kernel, garbage with no error. (paged.ragged_attention's checks, for
+    # the plan's raw arrays.)
+    if qo_indptr.ndim != 1 or qo_indptr.shape[0] < 1:
+        raise ValueError(f"qo_indptr must be 1-D with B + 1 >= 1 entries, got {qo_indptr.shape}")
+    if qo_indptr[0] != 0:
+        raise ValueError(f"qo_indptr must start at 0, got qo_indptr[0]={qo_indptr[0]}")
+    if np.any(np.diff(qo_indptr) < 0):
+        b = int(np.argmax(np.diff(qo_indptr) < 0))
+        raise ValueError(
+            f"qo_indptr must be non-decreasing, but qo_indptr[{b}]={qo_indptr[b]} > "
+            f"qo_indptr[{b + 1}]={qo_indptr[b + 1]}"
+        )
     batch = qo_indptr.shape[0] - 1
     if page_indptr.shape != (batch + 1,) or last_page_len.shape != (batch,):
         raise ValueError(

@@ -286,6 +286,15 @@ def test_plan_rejects_what_it_cannot_plan():
         plan_ragged([0, 1, 2], [0, 1, 2], [1, 1], page_size=16, group_size=1, num_work_items=1)
     with pytest.raises(ValueError, match="max_pages_per_item must be >= 1 or None, got 0"):
         plan_ragged([0, 1], [0, 1], [1], page_size=16, group_size=1, max_pages_per_item=0)
+    # Tokens outside every tile would be left unwritten by the kernel.
+    with pytest.raises(ValueError, match=r"qo_indptr must start at 0, got qo_indptr\[0\]=1"):
+        plan_ragged([1, 2], [0, 1], [2], page_size=16, group_size=1)
+    with pytest.raises(
+        ValueError, match=r"non-decreasing, but qo_indptr\[1\]=2 > qo_indptr\[2\]=1"
+    ):
+        plan_ragged([0, 2, 1], [0, 1, 2], [2, 2], page_size=16, group_size=1)
+    with pytest.raises(ValueError, match=r"qo_indptr must be 1-D with B \+ 1 >= 1 entries"):
+        plan_ragged([], [0], [], page_size=16, group_size=1)
 
 
 def run_kernel(
