@@ -553,3 +553,20 @@ def test_a_split_plan_run_as_final_is_refused():
             q, cache.k_pages, cache.v_pages, table.page_indices, plan, batch=1,
             write_final=True, sm_scale=0.125, probs_in_smem=True, interpret=True,
         )  # fmt: skip
+
+
+def test_probe_check_is_relative_per_part():
+    """The probe's check of a ragged arm against the two launches: relative, the decode rows
+    and the chunk each on their own. Decode rows at long context have small outputs (here
+    0.03): an absolute bound passed rows 12% off, and one norm over the step let a chunk of
+    outputs of order 1 hide them."""
+    rng = np.random.default_rng(0)
+    decode = rng.standard_normal((4, 2, 8)) * 0.03
+    chunk = rng.standard_normal((6, 2, 8))
+    expected = np.concatenate([decode, chunk])
+    wrong_rows = np.concatenate([decode * 0.88, chunk])
+    errors = probe.part_errors(wrong_rows, expected, batch=4)
+    assert errors["decode"] == pytest.approx(0.12) and errors["chunk"] == 0.0
+    assert np.max(np.abs(wrong_rows - expected)) < 0.05  # what the old bound let through
+    assert max(errors.values()) > probe.TOLERANCE
+    assert np.isnan(probe.part_errors(expected * np.nan, expected, batch=4)["chunk"])
