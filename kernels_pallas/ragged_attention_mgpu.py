@@ -82,6 +82,7 @@ from kernels_pallas.paged_decode_mgpu import (
     _transforms,
     validate_mgpu_decode_arguments,
 )
+from kernels_pallas.platform import is_concrete
 
 TMA_TILE_ROWS = 8  # a tiled TMA copy of the query starts on an 8-row boundary
 # The row counts one output store may copy: a tile's q_len x G rows are at most 64, written as
@@ -183,7 +184,8 @@ def plan_ragged(
 
     Raises:
       ValueError: for a ``group_size`` outside 1 to 8, a ``max_pages_per_item`` below 1,
-        ``qo_indptr`` and the table of different batches, a request with more new tokens than
+        a ``qo_indptr`` not starting at 0 or decreasing, ``qo_indptr`` and the table of
+        different batches, a request with more new tokens than
         keys, or ``num_work_items`` below the items needed.
 
     Example:
@@ -204,6 +206,19 @@ def plan_ragged(
     qo_indptr = np.asarray(qo_indptr, np.int64)
     page_indptr = np.asarray(page_indptr, np.int64)
     last_page_len = np.asarray(last_page_len, np.int64)
+    # A token before qo_indptr[0] or under a decreasing step would be in no tile: left
+    # unwritten by the kernel, garbage with no error. (paged.ragged_attention's checks, for
+    # the plan's raw arrays.)
+    if qo_indptr.ndim != 1 or qo_indptr.shape[0] < 1:
+        raise ValueError(f"qo_indptr must be 1-D with B + 1 >= 1 entries, got {qo_indptr.shape}")
+    if qo_indptr[0] != 0:
+        raise ValueError(f"qo_indptr must start at 0, got qo_indptr[0]={qo_indptr[0]}")
+    if np.any(np.diff(qo_indptr) < 0):
+        b = int(np.argmax(np.diff(qo_indptr) < 0))
+        raise ValueError(
+            f"qo_indptr must be non-decreasing, but qo_indptr[{b}]={qo_indptr[b]} > "
+            f"qo_indptr[{b + 1}]={qo_indptr[b + 1]}"
+        )
     batch = qo_indptr.shape[0] - 1
     if page_indptr.shape != (batch + 1,) or last_page_len.shape != (batch,):
         raise ValueError(
@@ -673,7 +688,20 @@ def run_ragged_plan(
 
     Returns:
       ``o [T, H, D]`` in q's dtype, and ``lse [T, H]`` float32 with ``return_lse``.
+
+    Raises:
+      ValueError: ``write_final=True`` for a concrete plan that splits a tile (each item
+        would write its own page range's state as the final output: wrong rows, silently).
     """
+    merge_indptr = plan.merge_indptr
+    if write_final and is_concrete(merge_indptr):
+        tile_items = np.diff(np.asarray(merge_indptr))
+        if np.any(tile_items != 1):
+            raise ValueError(
+                f"write_final=True but the plan splits tile {int(np.argmax(tile_items != 1))} "
+                f"into {int(tile_items[tile_items != 1][0])} items: pass "
+                "write_final=plan.write_final (False), so that their states are merged"
+            )
     work = [jnp.asarray(a) for a in plan.work_arrays]
     common = dict(batch=batch, sm_scale=sm_scale, logits_soft_cap=logits_soft_cap)
     if write_final:

@@ -184,7 +184,10 @@ def mla_decode_attention(
     nope, rope, scale = _validate_mla_inputs(
         q_nope, q_rope, cache, page_table, w_uk, w_uv, softmax_scale
     )
-    unsupported = kernel_unsupported(nope, cache, page_table, plan)
+    # The reference asks nothing of the kernel (nor imports its module, see _mla_decode_mgpu).
+    unsupported = (
+        None if backend == "reference" else kernel_unsupported(nope, cache, page_table, plan)
+    )
     chosen = choose_mla_backend(backend, unsupported=unsupported).backend
     if chosen == "reference":
         out, lse = mla_decode_absorbed_reference(

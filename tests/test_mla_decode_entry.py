@@ -376,3 +376,20 @@ def test_the_kernel_wrapper_refuses_bad_input_with_the_reference_errors(name):
             attend(q_latent, q_rope, cache, table, softmax_scale=0.1)
         errors.append(str(raised.value))
     assert errors[0] == errors[1] and message in errors[0]
+
+
+def test_the_reference_backend_asks_nothing_of_the_kernel(monkeypatch):
+    """``backend="reference"`` never consults the kernel's limits (whose module, imported for
+    them, costs about 0.3 s and is needed by no reference call)."""
+
+    def consulted(*args):
+        raise AssertionError("the kernel's limits were asked for a reference call")
+
+    monkeypatch.setattr(mla_decode, "kernel_unsupported", consulted)
+    rng = np.random.default_rng(7)
+    q_nope, q_rope, cache, w_uk, w_uv = random_inputs(rng, 2, 1)
+    table = scattered_table(rng, (4, 19))
+    out = mla_decode_attention(q_nope, q_rope, cache, table, w_uk, w_uv, backend="reference")
+    np.testing.assert_array_equal(
+        out, mla_decode_absorbed_reference(q_nope, q_rope, cache, table, w_uk, w_uv)[0]
+    )

@@ -12,6 +12,8 @@ in the ``gpu``-marked test.
 
 from __future__ import annotations
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -40,7 +42,9 @@ TOLERANCE_16_BIT = 1e-2  # docs/testing.md: 16-bit inputs
 # after a 16-token prefix, a 3-token chunk with no prefix (the whole prompt), a decode row of one
 # token (its own key only). At G = 4 the first chunk's first tile is a full 64-row tile (16
 # tokens from token 2), its second and the decode rows sit at offsets 0 and 4 of their TMA
-# tiles; at G = 2 the chunk is one 42-row tile at offset 4.
+# tiles; at G = 2 the chunk is one 42-row tile at offset 4. At G = 3 (odd row counts, every
+# offset) the tiles store 3 rows at offsets 0 and 3, 57 rows at 6, 6 at 7, 9 at 5 and 3 at 6:
+# every store size but 64 (the 1-row copy only ever at an odd G).
 MIXED_NEW_TOKENS = (1, 1, 0, 21, 3, 1)
 MIXED_SEQ_LENS = (80, 17, 0, 37, 3, 1)
 
@@ -284,6 +288,15 @@ def test_plan_rejects_what_it_cannot_plan():
         plan_ragged([0, 1, 2], [0, 1, 2], [1, 1], page_size=16, group_size=1, num_work_items=1)
     with pytest.raises(ValueError, match="max_pages_per_item must be >= 1 or None, got 0"):
         plan_ragged([0, 1], [0, 1], [1], page_size=16, group_size=1, max_pages_per_item=0)
+    # Tokens outside every tile would be left unwritten by the kernel.
+    with pytest.raises(ValueError, match=r"qo_indptr must start at 0, got qo_indptr\[0\]=1"):
+        plan_ragged([1, 2], [0, 1], [2], page_size=16, group_size=1)
+    with pytest.raises(
+        ValueError, match=r"non-decreasing, but qo_indptr\[1\]=2 > qo_indptr\[2\]=1"
+    ):
+        plan_ragged([0, 2, 1], [0, 1, 2], [2, 2], page_size=16, group_size=1)
+    with pytest.raises(ValueError, match=r"qo_indptr must be 1-D with B \+ 1 >= 1 entries"):
+        plan_ragged([], [0], [], page_size=16, group_size=1)
 
 
 def run_kernel(
@@ -326,13 +339,15 @@ def run_kernel(
     "dtype,group,launch",
     [
         # Windows of 4 page numbers (the 80-token decode row's 5 pages take two), two pages a
-        # step, soft cap; then split-KV (one page an item, merged), one page a step.
+        # step, soft cap; then split-KV (one page an item, merged), one page a step; then odd
+        # row counts at every TMA offset, unsplit (the output stores of 1 to 32 rows).
         (
             jnp.bfloat16,
             4,
             dict(index_window=4, pages_per_step=2, num_stages=3, logits_soft_cap=3.0),
         ),
         (jnp.float16, 2, dict(max_pages_per_item=1)),
+        (jnp.bfloat16, 3, dict()),
     ],
 )
 def test_kernel_matches_reference_on_a_mixed_step(dtype, group, launch):
@@ -344,7 +359,7 @@ def test_kernel_matches_reference_on_a_mixed_step(dtype, group, launch):
         5, MIXED_NEW_TOKENS, MIXED_SEQ_LENS, group=group, head_dim=64, dtype=dtype
     )
     interpret = None
-    detect_races = not ON_GPU and "max_pages_per_item" not in launch  # once is enough
+    detect_races = not ON_GPU and group == 4  # once is enough
     if detect_races:
         # Private JAX module: if a JAX version moves it, the test skips rather than fails.
         gpu_callbacks = pytest.importorskip("jax._src.pallas.mosaic_gpu.interpret.gpu_callbacks")
@@ -481,3 +496,77 @@ def test_benchmark_shapes_on_gpu(probs_in_smem, max_pages_per_item):
     out = np.asarray(o.astype(jnp.float32), np.float64)
     assert np.linalg.norm(out - ref_o) / np.linalg.norm(ref_o) < TOLERANCE_16_BIT
     np.testing.assert_allclose(np.asarray(lse), ref_lse, rtol=1e-5, atol=1e-5)
+
+
+def test_probe_split_arms_follow_the_chosen_variants():
+    """``--max-pages-per-item`` splits the variants finally chosen (``--variants`` included),
+    in a dry run too; 0 leaves no split arm."""
+    chosen = probe.chosen_variants(
+        probe.parse_args(["--variants", "reg.p1.s4", "--max-pages-per-item", "32"])
+    )
+    assert chosen == ((("reg", 1, 4),), ((32, "reg", 1, 4),))
+    chosen = probe.chosen_variants(
+        probe.parse_args(["--dry-run", "--variants", "smem.p2.s3", "--max-pages-per-item", "1"])
+    )
+    assert chosen == ((("smem", 2, 3),), ((1, "smem", 2, 3),))
+    assert probe.chosen_variants(probe.parse_args(["--max-pages-per-item", "0"]))[1] == ()
+    assert probe.chosen_variants(probe.parse_args([])) == (probe.VARIANTS, probe.SPLIT_VARIANTS)
+
+
+def test_probe_reports_ragged_arms_unchecked_when_the_two_launches_fail(tmp_path, monkeypatch):
+    """A failing ``two_launches`` (the output the ragged arms are checked against) is a result:
+    the ragged arms are reported unchecked, not run, and the probe ends with status 1 and its
+    JSON, rather than dying on a comparison with nothing."""
+    arms_for = probe.arms_for
+
+    def broken_two_launches(*args, **kwargs):
+        arms, operands, plan = arms_for(*args, **kwargs)
+
+        def fails(set_index, operands):
+            raise RuntimeError("two launches do not compile")
+
+        return dict(arms, two_launches=fails), operands, plan
+
+    monkeypatch.setattr(probe, "arms_for", broken_two_launches)
+    assert probe.main(["--dry-run", "--out", str(tmp_path)]) == 1
+    rows = json.loads((tmp_path / "ragged_attention_probe.json").read_text())["rows"]
+    statuses = {row["arm"]: row["status"] for row in rows}
+    assert statuses.pop("two_launches") == "failed"
+    assert statuses and set(statuses.values()) == {"unchecked"}
+
+
+def test_a_split_plan_run_as_final_is_refused():
+    """``write_final`` is passed beside the plan (static under ``jit``); True with a concrete
+    split plan would store each item's page-range state as the output, so it is refused."""
+    q, qo_indptr, cache, table = make_step(8, (1,), (40,), group=4, head_dim=64, dtype=jnp.bfloat16)
+    plan = plan_ragged(
+        np.asarray(qo_indptr),
+        np.asarray(table.page_indptr),
+        np.asarray(table.last_page_len),
+        page_size=PAGE_SIZE,
+        group_size=4,
+        max_pages_per_item=1,
+    )
+    assert not plan.write_final
+    with pytest.raises(ValueError, match=r"write_final=True but the plan splits tile 0 into 3"):
+        run_ragged_plan(
+            q, cache.k_pages, cache.v_pages, table.page_indices, plan, batch=1,
+            write_final=True, sm_scale=0.125, probs_in_smem=True, interpret=True,
+        )  # fmt: skip
+
+
+def test_probe_check_is_relative_per_part():
+    """The probe's check of a ragged arm against the two launches: relative, the decode rows
+    and the chunk each on their own. Decode rows at long context have small outputs (here
+    0.03): an absolute bound passed rows 12% off, and one norm over the step let a chunk of
+    outputs of order 1 hide them."""
+    rng = np.random.default_rng(0)
+    decode = rng.standard_normal((4, 2, 8)) * 0.03
+    chunk = rng.standard_normal((6, 2, 8))
+    expected = np.concatenate([decode, chunk])
+    wrong_rows = np.concatenate([decode * 0.88, chunk])
+    errors = probe.part_errors(wrong_rows, expected, batch=4)
+    assert errors["decode"] == pytest.approx(0.12) and errors["chunk"] == 0.0
+    assert np.max(np.abs(wrong_rows - expected)) < 0.05  # what the old bound let through
+    assert max(errors.values()) > probe.TOLERANCE
+    assert np.isnan(probe.part_errors(expected * np.nan, expected, batch=4)["chunk"])

@@ -78,7 +78,18 @@ def test_the_ramp_keeps_fast_pairs_and_divides_slow_ones(head_dim, theta, scalin
     assert fast.any() and slow.any()  # both limits are exercised
     np.testing.assert_array_equal(yarn[fast], plain[fast].astype(np.float32))
     np.testing.assert_array_equal(yarn[slow], (plain[slow] / scaling.factor).astype(np.float32))
-    low, high = yarn_ramp_bounds(head_dim, theta, scaling)
+
+    # The ramp's ends from the turn counts, rounded outward (floor and ceil: in two of these
+    # cases rounding to nearest moves an end, so the rule is pinned, not only DeepSeek's).
+    def pair_index(turns):
+        original = scaling.original_max_position_embeddings
+        return head_dim * math.log(original / (2 * math.pi * turns)) / (2 * math.log(theta))
+
+    low, high = math.floor(pair_index(scaling.beta_fast)), math.ceil(pair_index(scaling.beta_slow))
+    assert yarn_ramp_bounds(head_dim, theta, scaling) == (low, high)
+    weight = np.clip((np.arange(head_dim // 2) - low) / (high - low), 0, 1)
+    expected = (1 - weight) * plain + weight * plain / scaling.factor
+    np.testing.assert_allclose(yarn, expected, rtol=2**-23, atol=0)
     inside = (np.arange(head_dim // 2) > low) & (np.arange(head_dim // 2) < high)
     assert np.all(yarn[inside] < plain[inside]) and np.all(
         yarn[inside] > plain[inside] / scaling.factor

@@ -20,9 +20,11 @@ output for all ``B + chunk`` new tokens:
 - ``ragged-split<N>:...``: the same with split-KV, ``N`` pages an item at most, and the merge
   launch (``run_ragged_plan``); ``--max-pages-per-item N`` sets ``N`` for every variant.
 
-First the ragged arms' outputs are compared with ``two_launches``' (largest absolute difference
-of ``o``); an arm further than ``MAX_DIFFERENCE`` is a MISMATCH and not timed, an arm that fails
-to compile is reported and left out. Then every arm is timed with the suite's method
+First the ragged arms' outputs are compared with ``two_launches``' (``part_errors``: the
+relative error of the decode rows' ``o`` and of the chunk's, each part on its own); an arm with
+either above ``TOLERANCE`` is a MISMATCH and not timed, an arm that fails
+to compile is reported and left out (if ``two_launches`` fails, the ragged arms are reported
+unchecked and not run). Then every arm is timed with the suite's method
 (``bench.harness.timing.TimedLoop``: rotating input sets over one pool for a cold L2, dispatch
 amortized in one jitted loop, median of repeats), a table is printed, and the rows go to
 ``--out/ragged_attention_probe.json`` (rewritten after every case, so a run cut short keeps
@@ -90,7 +92,12 @@ SPLIT_VARIANTS = ((64, "reg", 1, 4),)
 # as operands of the timed program.
 DRY_RUN_VARIANTS = ()
 DRY_RUN_SPLIT_VARIANTS = ((1, "smem", 1, 4),)
-MAX_DIFFERENCE = 5e-2  # of o against the two launches' (bfloat16 outputs of order 1)
+# ||o - two_launches|| / ||two_launches|| of each part (docs/testing.md's bound for 16-bit
+# outputs; both sides are rounded to bfloat16, about 2e-3 apart). Relative, per part: at 4K keys
+# a decode row's o is of order 0.03 (a softmax over ~1500 effective keys averages the values),
+# so an absolute bound of 5e-2 passed a decode arm that dropped 4 pages of every row (12%
+# error), and in one norm over the step the chunk's early tokens (o of order 1) hide the rows.
+TOLERANCE = 1e-2
 
 
 def case_name(batch, context, chunk, prefix) -> str:
@@ -382,12 +389,41 @@ def memcheck_workload(interpret: bool) -> int:
     return 0 if worst < 1e-2 and finite else 1
 
 
+def part_errors(o: np.ndarray, expected: np.ndarray, batch: int) -> dict[str, float]:
+    """``||o - expected|| / ||expected||`` over the decode rows (``[:batch]``) and over the
+    chunk (``[batch:]``), each on its own (NaN anywhere gives NaN, which fails ``<``)."""
+    errors = {}
+    for part, rows in (("decode", slice(None, batch)), ("chunk", slice(batch, None))):
+        reference = np.asarray(expected[rows], np.float64)
+        difference = np.asarray(o[rows], np.float64) - reference
+        errors[part] = float(np.linalg.norm(difference) / np.linalg.norm(reference))
+    return errors
+
+
 def first_line(error: BaseException) -> str:
     text = f"{type(error).__name__}: {error}".strip().splitlines()
     return text[0][:300] if text else type(error).__name__
 
 
-def main(argv=None) -> int:
+def chosen_variants(args) -> tuple[tuple, tuple]:
+    """``(variants, split_variants)`` from the defaults, ``--variants`` and
+    ``--max-pages-per-item``; the split arms are made from the variants finally chosen, so
+    ``--variants reg.p1.s4 --max-pages-per-item 32`` splits exactly ``reg.p1.s4``."""
+    variants = DRY_RUN_VARIANTS if args.dry_run else VARIANTS
+    split_variants = DRY_RUN_SPLIT_VARIANTS if args.dry_run else SPLIT_VARIANTS
+    if args.variants:
+        variants = tuple(
+            (name.split(".")[0], int(name.split(".")[1][1:]), int(name.split(".")[2][1:]))
+            for name in args.variants.split(",")
+        )
+    if args.max_pages_per_item is not None:
+        split_variants = tuple(
+            (args.max_pages_per_item, *v) for v in (variants if args.max_pages_per_item else ())
+        )
+    return variants, split_variants
+
+
+def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None, help="folder for ragged_attention_probe.json")
     parser.add_argument(
@@ -406,7 +442,11 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--memcheck", action="store_true", help="the compute-sanitizer workload, no timing"
     )
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     interpret = args.dry_run or jax.default_backend() != "gpu"
     if args.memcheck:
         return memcheck_workload(interpret)
@@ -418,17 +458,7 @@ def main(argv=None) -> int:
             )
             for case in args.cases.split(",")
         )
-    variants = DRY_RUN_VARIANTS if args.dry_run else VARIANTS
-    split_variants = DRY_RUN_SPLIT_VARIANTS if args.dry_run else SPLIT_VARIANTS
-    if args.max_pages_per_item is not None:
-        split_variants = tuple(
-            (args.max_pages_per_item, *v) for v in (variants if args.max_pages_per_item else ())
-        )
-    if args.variants:
-        variants = tuple(
-            (name.split(".")[0], int(name.split(".")[1][1:]), int(name.split(".")[2][1:]))
-            for name in args.variants.split(",")
-        )
+    variants, split_variants = chosen_variants(args)
     shape = DRY_RUN_SHAPE if args.dry_run else SHAPE
     rows, arm_names, status = [], [], 0
     for case in cases:
@@ -452,6 +482,11 @@ def main(argv=None) -> int:
             loop = TimedLoop(step_fn, step.num_sets, operands)
             row = dict(common, arm=arm)
             rows.append(row)
+            if arm.startswith("ragged") and expected is None:  # two_launches failed: no check
+                row.update(status="unchecked", error="two_launches failed: nothing to check")
+                print(f"{name:>22} {arm:>20} UNCHECKED (two_launches failed)", flush=True)
+                status = 1
+                continue
             try:
                 o = np.asarray(loop.output(0), np.float32)
             except Exception as error:  # a variant that does not compile is a result
@@ -464,11 +499,16 @@ def main(argv=None) -> int:
             if arm == "two_launches":  # runs first: the output the others must match
                 expected = o
             if arm.startswith("ragged"):
-                diff = float(np.max(np.abs(o - expected)))
-                ok = bool(np.isfinite(o).all()) and diff <= MAX_DIFFERENCE
-                row.update(status="ok" if ok else "mismatch", max_abs_diff_o=diff)
+                errors = part_errors(o, expected, step.batch)
+                ok = bool(np.isfinite(o).all()) and max(errors.values()) < TOLERANCE
+                row.update(
+                    status="ok" if ok else "mismatch",
+                    relative_error_o=errors,
+                    max_abs_diff_o=float(np.max(np.abs(o - expected))),
+                )
                 print(
-                    f"{name:>22} {arm:>20} max|o - two_launches| = {diff:.3g}"
+                    f"{name:>22} {arm:>20} relative error of o: decode rows "
+                    f"{errors['decode']:.2e}, chunk {errors['chunk']:.2e}"
                     + ("" if ok else "  MISMATCH"),
                     flush=True,
                 )
