@@ -171,14 +171,14 @@ for stage in "$@"; do
         | tee "$out/mla_decode_probe.log" | grep -E '^H=|^copy|FAILED|MISMATCH' ;;
     ragged-attention)  # issue 18: the ragged kernel's tests compiled (gpu-marked included), then
       # the probe: one ragged launch against the engine's two (decode + chunk), checked, timed
-      # (not yet run; 570 s at most; the probe's JSON is rewritten after each case, so a cut run
+      # (not yet run; 540 s at most, room for the preamble in a 600 s command; the probe's JSON is rewritten after each case, so a cut run
       # keeps what it finished). RAGGED_PROBE_ONLY=1 skips the tests; RAGGED_PROBE_ARGS=
       # "--cases 32x4096+2048@4096 --variants reg.p1.s4" runs a part.
       if [ -z "${RAGGED_PROBE_ONLY:-}" ]; then
         timeout 180 python3 -m pytest -q -p no:cacheprovider tests/test_ragged_attention.py 2>&1 \
           | tee "$out/gpu_ragged_tests.log" | tail -n 4
       fi
-      timeout 390 python3 -m bench.probes.ragged_attention --out "$out" ${RAGGED_PROBE_ARGS:-} 2>&1 \
+      timeout 360 python3 -m bench.probes.ragged_attention --out "$out" ${RAGGED_PROBE_ARGS:-} 2>&1 \
         | tee "$out/ragged_attention_probe.log" | grep -vE '^#|^$' ;;
     *) echo "unknown stage $stage" ;;
   esac
