@@ -267,7 +267,9 @@ def main(argv: list[str] | None = None) -> int:
             teacher = (config, params)
         print(f"{name}: {wall_s:.0f} s, {metadata['evaluation']}")
 
-    if args.only == "target":
+    if args.only == "target":  # no draft: record the evaluation now
+        for name, (config, params, metadata) in results.items():
+            save_model(out / name, config, params, metadata=metadata)
         return 0
     acceptance = expected_acceptance(
         results[args.target_name][:2], results["draft"][:2], held_out_stream, 3, args.seq_len
