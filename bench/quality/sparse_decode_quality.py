@@ -511,6 +511,22 @@ def markdown_report(study: dict) -> str:
             f"| {figures['kl_bits_per_byte']:.4f} | {figures['greedy_accuracy']:.4f} "
             f"| {retrieval['bits_per_byte']:.4f} | {retrieval['exact_match']:.4f} |"
         )
+    slot_ranges = list(dense["by_slot"])
+    lines += [
+        "",
+        "Bits per byte (and agreement) by the new token's slot in its page: at slot 0 a page "
+        "rule's forced last page holds only the new token.",
+        "",
+        "| method | budget | " + " | ".join(f"slots {r}" for r in slot_ranges) + " |",
+        "| --- | --- | " + " | ".join("---" for _ in slot_ranges) + " |",
+    ]
+    for figures in results.values():
+        budget = "all" if figures["token_budget"] is None else str(figures["token_budget"])
+        cells = [
+            f"{cell['bits_per_byte']:.3f} ({cell['greedy_agreement']:.3f})"
+            for cell in figures["by_slot"].values()
+        ]
+        lines.append(f"| {figures['kind']} | {budget} | " + " | ".join(cells) + " |")
     lines += [
         "",
         "Wall time on this machine (2 cores, shared): prefill "
