@@ -341,3 +341,23 @@ def test_committed_long_context_target_loads_and_is_trained():
     nats = -jnp.take_along_axis(log_probs, tokens[:, 1:, None], axis=-1).mean()
     bits_per_byte = float(nats) / math.log(2)
     assert bits_per_byte < LONG_SNIPPET_BITS_PER_BYTE_BOUND, bits_per_byte
+
+
+def test_train_tiny_can_train_the_target_alone_under_another_name(tmp_path):
+    """``--only target --target-name``: one model written, its evaluation recorded, no draft."""
+    from serving import train_tiny
+
+    args = ["--out", str(tmp_path), "--only", "target", "--target-name", "long"]
+    args += ["--target-steps", "2", "--seq-len", "8", "--batch-size", "2"]
+    assert train_tiny.main(args) == 0
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["long.json", "long.npz"]
+    record = json.loads((tmp_path / "long.json").read_text())
+    assert record["metadata"]["training"]["seq_len"] == 8
+    assert record["metadata"]["training"]["steps"] == 2
+    assert set(record["metadata"]["evaluation"]) == {
+        "train_bits_per_byte",
+        "held_out_bits_per_byte",
+        "windows",
+    }
+    config, _ = model_files.load_model(tmp_path / "long")
+    assert config == TINY_TARGET
