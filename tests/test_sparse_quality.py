@@ -26,7 +26,12 @@ from bench.quality.sparse_decode_quality import (
     read_fraction,
     teacher_forced,
 )
-from bench.quality.sparse_selections import oracle_top_k_selection, recent_pages_selection
+from bench.quality.sparse_selections import (
+    oracle_top_k_selection,
+    quest_two_last_pages_selected,
+    recent_pages_selection,
+)
+from paged.sparse_quest import quest_page_scores, quest_selected_pages
 from serving import model, model_files
 from serving.config import TINY_TARGET, ModelConfig
 
@@ -199,6 +204,34 @@ def test_recent_pages_keep_the_first_and_the_latest_pages(token_budget):
         kept = min(pages, keep)
         want = [0, *range(pages - kept + 1, pages)] if kept > 1 else [0]
         assert blocks[indptr[b] : indptr[b + 1]].tolist() == want
+
+
+@pytest.mark.parametrize("token_budget", [8, 12, 20])
+def test_quest_two_last_pages_forces_the_page_before_the_last(token_budget):
+    seq_lens = [3, 6, 13, 30]  # 1, 2, 4 and 8 pages
+    page_lists = [[9], [4, 1], [6, 0, 11, 2], [3, 8, 5, 10, 7, 12, 13, 14]]
+    table = paged.PageTable.from_page_lists(page_lists, seq_lens, PAGE_SIZE, num_indices=16)
+    cache, q = random_cache(token_budget, table, num_pages=15)
+    bounds = paged.page_key_bounds(cache, table)
+    selected = np.asarray(quest_two_last_pages_selected(q, bounds, table, token_budget))
+    quest = np.asarray(
+        quest_selected_pages(
+            quest_page_scores(q, bounds, table, per="kv_head"), table, token_budget
+        )
+    )
+    indptr = np.asarray(table.page_indptr)
+    keep = max(token_budget // PAGE_SIZE, 2)
+    for b in range(len(seq_lens)):
+        start, end = indptr[b], indptr[b + 1]
+        for head in range(CONFIG.num_kv_heads):
+            row = selected[b, head, start:end]
+            assert row.sum() == quest[b, head].sum() == min(end - start, keep)
+            assert row[0] and row[-1]
+            if keep >= 3 and end - start >= 3:
+                assert row[-2]
+            if keep == 2 or end - start <= 2:
+                np.testing.assert_array_equal(row, quest[b, head, start:end])
+        assert not selected[b][:, :start].any() and not selected[b][:, end:].any()
 
 
 # ----------------------------------------------------------------------------------------------

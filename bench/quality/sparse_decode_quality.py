@@ -19,7 +19,9 @@ through one *method*:
   over the layer's heads, shared by every head (``bench.quality.sparse_selections``): an upper
   bound of a trained lightning indexer, which this project does not have;
 - ``recent_pages``: a ``BlockSelection`` of the first page and the most recent pages, Quest's
-  page count (only the scoring differs from Quest).
+  page count (only the scoring differs from Quest);
+- ``quest_two_last_pages``: Quest per KV head with the page before the last forced in too (an
+  ablation: does Quest lose where its last page holds few recent tokens?).
 
 Budgets are fractions of the window (``--window``): ``window / 16`` to ``window / 2`` tokens
 per (request, head), Quest rounding to whole pages. Every op runs with
@@ -58,7 +60,12 @@ import numpy as np
 
 import paged
 from bench.quality.retrieval_cases import retrieval_windows
-from bench.quality.sparse_selections import oracle_top_k_selection, recent_pages_selection
+from bench.quality.sparse_selections import (
+    oracle_top_k_selection,
+    quest_two_last_pages_selected,
+    recent_pages_selection,
+)
+from paged.sparse_quest import head_split_cache, head_split_page_table
 from serving.config import ModelConfig
 
 # _decoder is the model with its attention plugged in, the hook forward_dense and forward_paged
@@ -67,7 +74,14 @@ from serving.model import _decoder, forward_paged, new_caches
 from serving.model_files import load_model
 from serving.train_tiny import HELD_OUT_EVERY, stdlib_sources
 
-KINDS = ("dense", "quest_kv_head", "quest_query_head", "oracle_top_k", "recent_pages")
+KINDS = (
+    "dense",
+    "quest_kv_head",
+    "quest_query_head",
+    "quest_two_last_pages",
+    "oracle_top_k",
+    "recent_pages",
+)
 SPARSE_KINDS = KINDS[1:]
 FRACTIONS = (16, 8, 4, 2)  # budget = window // fraction
 BITS_PER_NAT = 1 / math.log(2)
@@ -118,6 +132,16 @@ def attend(method: Method, q: jax.Array, cache: paged.KVCache, table: paged.Page
     """One layer's attention of the new tokens ``q [B, Hq, D]`` (rotated) by ``method``."""
     if method.kind == "dense":
         return paged.decode_attention(q, cache, table, backend=BACKEND)
+    if method.kind == "quest_two_last_pages":
+        # Quest's virtual table by hand (paged.sparse.sparse_page_table's Quest branch), since
+        # the page mask is not Quest's own.
+        bounds = paged.page_key_bounds(cache, table)
+        selected = quest_two_last_pages_selected(q, bounds, table, method.token_budget)
+        view_table = head_split_page_table(table, selected, cache.num_kv_heads)
+        batch, num_heads, head_dim = q.shape
+        rows = q.reshape(batch * cache.num_kv_heads, num_heads // cache.num_kv_heads, head_dim)
+        o = paged.decode_attention(rows, head_split_cache(cache), view_table, backend=BACKEND)
+        return o.reshape(q.shape)
     if method.kind.startswith("quest_"):
         # Recomputed from the keys each step: update_page_key_bounds would give the same bounds
         # exactly (tests/test_sparse_quest.py), at the price of carrying them through the scan.
@@ -487,7 +511,9 @@ def markdown_report(study: dict) -> str:
         "selection per KV head or per query head); `oracle_top_k` (the tokens receiving the most "
         "attention summed over the layer's heads, one selection shared by every head: an *upper "
         "bound* of what a trained lightning indexer could reach, not a method one can run); "
-        "`recent_pages` (the first page and the latest pages, Quest's page count).",
+        "`recent_pages` (the first page and the latest pages, Quest's page count); "
+        "`quest_two_last_pages` (Quest per KV head with the page before the last forced in too, "
+        "the same page count: an ablation of where Quest loses).",
         "- *Agreement*: the argmax equals dense decoding's at the same position. *KL*: from dense "
         "to the method, bits per byte. *Accuracy*: the argmax equals the true byte.",
         f"- Retrieval: {dense['retrieval']['cases']} cases from the held-out files (seed "

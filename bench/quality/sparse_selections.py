@@ -1,4 +1,4 @@
-"""The two selections the sparse decode quality study adds beside Quest's.
+"""The selections the sparse decode quality study adds beside Quest's.
 
 - ``oracle_top_k_selection``: the ``top_k`` tokens of each request that receive the most
   attention from the new token, summed over the layer's query heads, one selection shared by
@@ -10,8 +10,14 @@
   and its first-and-last rule, with a page's position in its request as its score. Against
   Quest it isolates what scoring pages by the query buys.
 
-Both return selections ``paged.sparse_decode_attention`` takes (``TokenSelection``,
-``BlockSelection``), so the decode runs on the project's own virtual tables.
+- ``quest_two_last_pages_selected``: Quest per KV head with the page before the last forced
+  too, so at least one full page of recent tokens is always read (Quest's forced last page holds
+  a single token when the new token opens a page). The same page count as Quest: the forced page
+  takes the place of the lowest-ranked scored one.
+
+The first two return selections ``paged.sparse_decode_attention`` takes (``TokenSelection``,
+``BlockSelection``), so the decode runs on the project's own virtual tables; the third returns
+Quest's per-head page mask, for ``paged.sparse_quest.head_split_page_table``.
 """
 
 from __future__ import annotations
@@ -23,7 +29,12 @@ from paged.attention_reference import scaled_logits, token_mask, token_positions
 from paged.kv_cache import KVCache
 from paged.page_table import PageTable
 from paged.sparse_blocks import BlockSelection
-from paged.sparse_quest import check_token_budget, quest_selected_pages
+from paged.sparse_quest import (
+    PageKeyBounds,
+    check_token_budget,
+    quest_page_scores,
+    quest_selected_pages,
+)
 from paged.sparse_tables import MIN_INDICES, compact_rows
 from paged.sparse_tokens import TokenSelection
 
@@ -104,3 +115,23 @@ def recent_pages_selection(page_table: PageTable, token_budget: int) -> BlockSel
     size = max(batch * min(num_indices, budget_pages), MIN_INDICES)
     indptr, blocks = compact_rows(page_in_request, kept, size)
     return BlockSelection(indptr, blocks, page_table.page_size)
+
+
+def quest_two_last_pages_selected(
+    q: jax.Array, bounds: PageKeyBounds, page_table: PageTable, token_budget: int
+) -> jax.Array:
+    """Quest's per-KV-head page mask with each request's second-to-last page forced in.
+
+    Quest's rule (``quest_selected_pages``) on its scores (``per="kv_head"``), except that the
+    page before the last scores ``+inf``: after the forced first and last page it is the first
+    kept, whenever the budget keeps three pages or more.
+
+    Returns:
+      bool ``[B, num_kv_heads, nnz_padded]``, as ``quest_selected_pages``.
+    """
+    scores = quest_page_scores(q, bounds, page_table, per="kv_head")  # [B, R, nnz]
+    entry = jnp.arange(page_table.page_indices.shape[0])[None, None, :]
+    before_last = (page_table.page_indptr[1:] - 2)[:, None, None]
+    owned = before_last >= page_table.page_indptr[:-1, None, None]
+    scores = jnp.where(owned & (entry == before_last), jnp.inf, scores)
+    return quest_selected_pages(scores, page_table, token_budget)
