@@ -1,12 +1,16 @@
-"""The shape of an MLA (multi-head latent attention) decoder's attention, and random weights.
+"""The shape of an MLA (multi-head latent attention) decoder, and random attention weights.
 
-Not wired into the engine yet (``docs/mla.md``, "Not built yet"): this fixes the sizes and the
-weight layout that the latent cache (``paged.mla_cache``) and the MLA references
-(``paged.mla_reference``) take, so a model and a benchmark can share them.
+The model itself is ``serving/mla_model.py`` (not run by the engine yet: ``docs/mla.md``, "Not
+built yet"). This fixes the sizes and the weight layout that the latent cache
+(``paged.mla_cache``), the MLA references (``paged.mla_reference``) and the model take, so a
+model and a benchmark can share them.
 
 - ``MLAConfig``: widths, heads, MLA ranks, RoPE, norm epsilon and dtype (hashable).
 - ``deepseek_v2_lite_like``: DeepSeek-V2-Lite's attention shapes, with fewer layers.
 - ``init_mla_attention_params``: random attention weights of every layer.
+- ``MLAModelConfig``: a whole decoder (attention, SwiGLU MLP, vocabulary); ``MLA_TINY`` (V2-Lite's
+  attention, 2 layers, hidden 256, bytes) and ``MLA_TEST`` (test sizes); ``MLA_MODELS`` by name.
+- ``cache_bytes_per_token``: KV-cache bytes a token, latent or expanded per head.
 
 One layer's attention, with ``x`` a token's hidden state (DeepSeek-V2-Lite has no query
 compression, ``q_lora_rank`` None, so the query comes straight from ``x``):
