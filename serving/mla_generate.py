@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import pathlib
 import sys
 import time
 
@@ -36,6 +37,7 @@ import numpy as np
 import paged
 import sampling
 from sampling.tempered import tempered_probs
+from serving import model_files
 from serving.mla_config import MLA_MODELS, MLAModelConfig
 from serving.mla_model import (
     ATTENTION_FORMS,
@@ -44,7 +46,11 @@ from serving.mla_model import (
     new_mla_caches,
 )
 
-_forward = jax.jit(
+# The trained byte-level draft (serving/train_tiny.py), the one the engine's demo speculates with.
+DRAFT_WEIGHTS = pathlib.Path(model_files.__file__).parent / "weights" / "draft"
+
+# The jitted paged forward (one compiled program a step shape), shared with the speculative loop.
+forward_paged_mla_jit = jax.jit(
     forward_paged_mla,
     static_argnames=("config", "attention_form", "backend"),
     donate_argnames=("caches",),
@@ -52,13 +58,66 @@ _forward = jax.jit(
 
 
 @functools.partial(jax.jit, static_argnames=("backend",))
-def _draw(logits, key_data, num_generated, temperature, top_k, top_p, *, backend):
-    """int32[B]: a token from each row's last logits ``[B, V]`` (module docstring)."""
+def draw_tokens(logits, key_data, num_generated, row_params: dict, *, backend: str):
+    """int32[B]: a token from each row's logits ``[B, V]``, as the engine draws it.
+
+    ``tempered_probs`` at the row's temperature (one-hot at the arg max at 0), then
+    ``sampling.filtered_sample`` with its ``top_k`` and ``top_p`` (``row_params``: arrays
+    ``[B]``; ``V`` and 1.0 disable them), key ``fold_in(row key, num_generated)``.
+    """
     keys = jax.vmap(lambda data, count: jax.random.fold_in(jax.random.wrap_key_data(data), count))(
         key_data, num_generated
     )
-    probs = tempered_probs(logits.astype(jnp.float32), temperature)
-    return sampling.filtered_sample(keys, probs, top_k=top_k, top_p=top_p, backend=backend)
+    probs = tempered_probs(logits.astype(jnp.float32), row_params["temperature"])
+    return sampling.filtered_sample(
+        keys, probs, top_k=row_params["top_k"], top_p=row_params["top_p"], backend=backend
+    )
+
+
+def row_key_data(seed: int, batch: int) -> jax.Array:
+    """uint32[B, 2]: row ``b``'s key, ``fold_in(key(seed), b)``."""
+    base = jax.random.key(seed)
+    return jnp.stack([jax.random.key_data(jax.random.fold_in(base, row)) for row in range(batch)])
+
+
+def row_sampling_params(batch, vocab, temperature, top_k, top_p) -> dict:
+    """The rows' sampling parameters as ``draw_tokens`` takes them (disabled filters: ``V``,
+    1.0)."""
+    return dict(
+        temperature=jnp.full((batch,), temperature, jnp.float32),
+        top_k=jnp.full((batch,), vocab if top_k is None else top_k, jnp.int32),
+        top_p=jnp.full((batch,), 1.0 if top_p is None else top_p, jnp.float32),
+    )
+
+
+def check_generate_arguments(
+    config, prompts, max_new_tokens, chunk_size, page_size, num_pages, temperature
+) -> None:
+    """The checks ``generate_mla`` (and the speculative loop) make; ValueError naming the
+    argument and the value."""
+    if not isinstance(config, MLAModelConfig):
+        raise ValueError(f"config must be an MLAModelConfig, got {config!r}")
+    if not prompts:
+        raise ValueError("prompts must hold at least one prompt, got none")
+    for index, prompt in enumerate(prompts):
+        if len(prompt) < 1:
+            raise ValueError(f"prompts[{index}] is empty; a prompt needs at least one token")
+        bad = [t for t in prompt if not 0 <= t < config.vocab_size]
+        if bad:
+            raise ValueError(
+                f"prompts[{index}] holds token {bad[0]!r}, outside the vocabulary "
+                f"[0, {config.vocab_size})"
+            )
+    for name, value in [
+        ("max_new_tokens", max_new_tokens),
+        ("chunk_size", chunk_size),
+        ("page_size", page_size),
+        ("num_pages", num_pages),
+    ]:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    if not (isinstance(temperature, (int, float)) and temperature >= 0):
+        raise ValueError(f"temperature must be a number >= 0, got {temperature!r}")
 
 
 def _pages_for(num_tokens: int, page_size: int) -> int:
@@ -103,29 +162,9 @@ def generate_mla(
         vocabulary, a count below 1, a negative temperature, an unknown form; and
         ``paged.PoolExhaustedError`` (a ValueError) when ``num_pages`` cannot hold every row.
     """
-    if not isinstance(config, MLAModelConfig):
-        raise ValueError(f"config must be an MLAModelConfig, got {config!r}")
-    if not prompts:
-        raise ValueError("prompts must hold at least one prompt, got none")
-    for index, prompt in enumerate(prompts):
-        if len(prompt) < 1:
-            raise ValueError(f"prompts[{index}] is empty; a prompt needs at least one token")
-        bad = [t for t in prompt if not 0 <= t < config.vocab_size]
-        if bad:
-            raise ValueError(
-                f"prompts[{index}] holds token {bad[0]!r}, outside the vocabulary "
-                f"[0, {config.vocab_size})"
-            )
-    for name, value in [
-        ("max_new_tokens", max_new_tokens),
-        ("chunk_size", chunk_size),
-        ("page_size", page_size),
-        ("num_pages", num_pages),
-    ]:
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-    if not (isinstance(temperature, (int, float)) and temperature >= 0):
-        raise ValueError(f"temperature must be a number >= 0, got {temperature!r}")
+    check_generate_arguments(
+        config, prompts, max_new_tokens, chunk_size, page_size, num_pages, temperature
+    )
     if attention_form not in ATTENTION_FORMS:
         raise ValueError(f"attention_form must be one of {ATTENTION_FORMS}, got {attention_form!r}")
 
@@ -134,23 +173,15 @@ def generate_mla(
     caches = new_mla_caches(config, num_pages, page_size, dtype=params["embed"].dtype)
     final_pages = sum(_pages_for(len(p) + max_new_tokens, page_size) for p in prompts)
     num_indices = paged.bucket_size(final_pages)  # one static table shape for every step
-    base_key = jax.random.key(seed)
-    key_data = jnp.stack(
-        [jax.random.key_data(jax.random.fold_in(base_key, row)) for row in range(batch)]
-    )
-    row_temperature = jnp.full((batch,), temperature, jnp.float32)
-    row_top_k = None if top_k is None else jnp.full((batch,), top_k, jnp.int32)
-    row_top_p = None if top_p is None else jnp.full((batch,), top_p, jnp.float32)
+    key_data = row_key_data(seed, batch)
+    row_params = row_sampling_params(batch, config.vocab_size, temperature, top_k, top_p)
 
     def draw(logits, rows, num_generated):
-        pick = lambda x: None if x is None else x[rows]
-        return _draw(
+        return draw_tokens(
             logits,
             key_data[rows],
             jnp.full((len(rows),), num_generated, jnp.int32),
-            row_temperature[rows],
-            pick(row_top_k),
-            pick(row_top_p),
+            {name: values[rows] for name, values in row_params.items()},
             backend=backend,
         )
 
@@ -167,7 +198,7 @@ def generate_mla(
             )
             tokens = jnp.asarray([prompt], jnp.int32)
             for chunk in paged.prefill_chunks(table, len(prompt), chunk_size):
-                logits, caches = _forward(
+                logits, caches = forward_paged_mla_jit(
                     params,
                     config,
                     tokens[:, chunk.start : chunk.stop],
@@ -187,7 +218,7 @@ def generate_mla(
                     page_lists[row] += pool.allocate(1)
             table = paged.host_page_table(page_lists, seq_lens, page_size, num_indices=num_indices)
             last = jnp.asarray([[tokens_so_far[-1]] for tokens_so_far in generated], jnp.int32)
-            logits, caches = _forward(
+            logits, caches = forward_paged_mla_jit(
                 params,
                 config,
                 last,
@@ -222,6 +253,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--num-pages", type=int, default=64)
     parser.add_argument("--attention-form", default="auto", choices=ATTENTION_FORMS)
+    parser.add_argument(
+        "--speculative",
+        type=int,
+        default=0,
+        metavar="N",
+        help="draft N tokens a step with the trained tiny draft of serving/weights/ and verify "
+        "them with the MLA model (serving/mla_speculative.py); 0: plain decoding",
+    )
     parser.add_argument("--backend", default="auto", choices=("auto", "reference", "pallas"))
     return parser
 
@@ -234,10 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         params = init_mla_model_params(config, jax.random.key(args.seed))
         start = time.perf_counter()
-        outputs = generate_mla(
-            params,
-            config,
-            prompts,
+        common = dict(
             max_new_tokens=args.max_tokens,
             page_size=args.page_size,
             num_pages=args.num_pages,
@@ -246,9 +282,26 @@ def main(argv: list[str] | None = None) -> int:
             top_k=args.top_k,
             top_p=args.top_p,
             seed=args.seed,
-            attention_form=args.attention_form,
             backend=args.backend,
         )
+        acceptance = None
+        if args.speculative:
+            from serving.mla_speculative import speculative_generate_mla  # imports this module
+
+            draft_config, draft_params = model_files.load_model(DRAFT_WEIGHTS)
+            outputs, acceptance = speculative_generate_mla(
+                params,
+                config,
+                draft_params,
+                draft_config,
+                prompts,
+                num_speculative=args.speculative,
+                **common,
+            )
+        else:
+            outputs = generate_mla(
+                params, config, prompts, attention_form=args.attention_form, **common
+            )
         elapsed = time.perf_counter() - start
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
@@ -261,6 +314,9 @@ def main(argv: list[str] | None = None) -> int:
         "(compilation included; random weights)",
         file=sys.stderr,
     )
+    if acceptance is not None:
+        drafted, accepted = acceptance
+        print(f"drafts accepted: {accepted} of {drafted}", file=sys.stderr)
     return 0
 
 

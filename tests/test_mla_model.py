@@ -17,7 +17,9 @@ import numpy as np
 import pytest
 
 import paged
-from serving import mla_generate
+from serving import mla_generate, mla_speculative
+from serving import model as model_lib
+from serving.config import TINY_DRAFT, ModelConfig
 from serving.mla_config import (
     MLA_TEST,
     MLA_TINY,
@@ -33,6 +35,7 @@ from serving.mla_model import (
     init_mla_model_params,
     new_mla_caches,
 )
+from serving.mla_speculative import speculative_generate_mla
 
 TOLERANCE = 1e-12
 CONFIG = MLA_TEST
@@ -40,11 +43,7 @@ PAGE_SIZE = 4
 NUM_POOL_PAGES = 32
 NUM_INDICES = 16  # every table padded to this: one compiled program per step length and form
 
-_forward_paged = jax.jit(
-    forward_paged_mla,
-    static_argnames=("config", "attention_form", "backend"),
-    donate_argnames=("caches",),
-)
+_forward_paged = mla_generate.forward_paged_mla_jit  # one jit cache for every test
 _forward_dense = jax.jit(forward_dense_mla, static_argnames=("config", "backend"))
 
 
@@ -220,14 +219,75 @@ def test_sampling_with_top_k_1_is_greedy_and_a_seed_repeats(float64):
     assert all(0 <= token < CONFIG.vocab_size for row in first for token in row)
 
 
-def test_the_mla_tiny_model_generates_from_the_command_line(capsys):
-    """DeepSeek-V2-Lite's attention sizes end to end (2 layers, bfloat16, random weights)."""
-    status = mla_generate.main(
-        ["--model", "mla-tiny", "--prompt", "Hi!", "--max-tokens", "3", "--chunk-size", "2"]
+# The draft of the speculative tests: a small random Llama-style model whose LM head is zero, so
+# at temperature 0 it always proposes token 0 (the lowest-index arg max of equal logits).
+DRAFT = ModelConfig(
+    vocab_size=256,
+    hidden=32,
+    num_layers=1,
+    num_q_heads=2,
+    num_kv_heads=1,
+    head_dim=16,
+    intermediate=32,
+)
+
+
+@pytest.mark.parametrize("num_speculative", [1, 3])
+def test_speculative_greedy_generation_equals_greedy_dense(float64, num_speculative):
+    """Drafts of n tokens verified by the MLA target in one (n + 1)-token step (absorbed), over
+    latent and KV pools sharing the pages: at temperature 0 the tokens are greedy decoding's.
+    The target's LM head column 0 is scaled up so that token 0, the draft's every proposal, is
+    its choice at some positions and not others: some drafts are accepted, some rejected, and
+    rows advance by different counts. At n = 1 some steps accept their draft and emit the
+    target's bonus token where the next token depends on the context (at n = 3 all three are
+    accepted only inside runs of zeros, which do not show a miscounted position)."""
+    params = params64(2)
+    params["lm_head"] = params["lm_head"].at[:, 0].multiply(3.0)
+    draft_params = model_lib.init_params(DRAFT, jax.random.key(3))
+    draft_params["lm_head"] = jnp.zeros_like(draft_params["lm_head"])
+    generated, (drafted, accepted) = speculative_generate_mla(
+        params,
+        CONFIG,
+        draft_params,
+        DRAFT,
+        PROMPTS,
+        num_speculative=num_speculative,
+        max_new_tokens=8,
+        page_size=PAGE_SIZE,
+        num_pages=48,
+        chunk_size=3,
+        backend="reference",
     )
-    assert status == 0
+    assert generated == [greedy_dense(params, prompt, 8) for prompt in PROMPTS]
+    assert 0 < accepted < drafted
+
+
+def test_the_mla_tiny_model_runs_from_the_command_line(capsys):
+    """DeepSeek-V2-Lite's attention sizes (16 heads, R 512, P 64, N 128, V 128; 2 layers,
+    bfloat16, random weights) through a 3-token prompt and its first token: one compiled step
+    (a second would double this test's time; decode runs at these sizes from the command line,
+    at test sizes above)."""
+    assert mla_generate.main(["--model", "mla-tiny", "--prompt", "Hi!", "--max-tokens", "1"]) == 0
     out, err = capsys.readouterr()
-    assert out.startswith("[1] ") and "mla-tiny: 1 prompt(s), 3 tokens" in err
+    assert out.startswith("[1] ") and "mla-tiny: 1 prompt(s), 1 tokens" in err
+
+
+def test_the_command_line_speculates_with_the_trained_draft(capsys, monkeypatch):
+    """``--speculative N`` hands the trained tiny draft and N to the speculative loop (the loop
+    itself is tested above; here only the wiring, without compiling anything)."""
+    seen = {}
+
+    def fake_loop(params, config, draft_params, draft_config, prompts, **options):
+        seen.update(draft=draft_config, prompts=prompts, **options)
+        return [[104, 105]], (4, 1)
+
+    monkeypatch.setattr(mla_speculative, "speculative_generate_mla", fake_loop)
+    argv = ["--model", "mla-test", "--prompt", "ab", "--max-tokens", "2", "--speculative", "2"]
+    assert mla_generate.main(argv) == 0
+    out, err = capsys.readouterr()
+    assert seen["draft"] == TINY_DRAFT and seen["num_speculative"] == 2
+    assert seen["prompts"] == [[97, 98]] and seen["max_new_tokens"] == 2
+    assert out == "[1] 'hi'\n" and "drafts accepted: 1 of 4" in err
 
 
 # ----------------------------------------------------------------------------------------------
