@@ -20,6 +20,9 @@ prefill chunk once per chunk length.
 Command line (random weights from ``--seed``: the bytes are noise; the point is the path)::
 
     python -m serving.mla_generate --model mla-tiny --prompt "Hello" --max-tokens 16
+
+``--speculative N`` drafts N tokens a step with the trained tiny draft of ``serving/weights/``
+and verifies them with the MLA model (``serving/mla_speculative.py``).
 """
 
 from __future__ import annotations
