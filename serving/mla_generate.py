@@ -39,11 +39,13 @@ import numpy as np
 
 import paged
 import sampling
+from kernels_pallas.platform import resolve_backend
 from sampling.tempered import tempered_probs
 from serving import model_files
 from serving.mla_config import MLA_MODELS, MLAModelConfig
 from serving.mla_model import (
     ATTENTION_FORMS,
+    choose_attention_form,
     forward_paged_mla,
     init_mla_model_params,
     new_mla_caches,
@@ -121,6 +123,20 @@ def check_generate_arguments(
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
     if not (isinstance(temperature, (int, float)) and temperature >= 0):
         raise ValueError(f"temperature must be a number >= 0, got {temperature!r}")
+
+
+def absorbed_plan(table, config: MLAModelConfig, q_len: int, attention_form: str, backend: str):
+    """The Mosaic GPU MLA kernel's split-KV plan for a step of ``q_len`` new tokens a row over
+    ``table``, made on the host, where that kernel may run the step: the step is absorbed and
+    ``backend`` resolves to the kernels (``"pallas"``; ``"auto"`` on a GPU). Under ``jit`` the
+    kernel needs one (``paged.mla_decode_attention``); elsewhere None."""
+    if choose_attention_form(attention_form, config, q_len) != "absorbed":
+        return None
+    if resolve_backend(backend) != "pallas":
+        return None
+    from kernels_pallas.mla_decode_mgpu import plan_mla_decode  # Mosaic GPU: imported late
+
+    return plan_mla_decode(table, config.attention.num_heads, q_len)
 
 
 def _pages_for(num_tokens: int, page_size: int) -> int:
@@ -208,6 +224,9 @@ def generate_mla(
                     caches,
                     chunk.page_table,
                     attention_form=attention_form,
+                    plan=absorbed_plan(
+                        chunk.page_table, config, chunk.stop - chunk.start, attention_form, backend
+                    ),
                     backend=backend,
                 )
             first = draw(logits[:, -1], np.array([row]), 0)
@@ -228,6 +247,7 @@ def generate_mla(
                 caches,
                 table,
                 attention_form=attention_form,
+                plan=absorbed_plan(table, config, 1, attention_form, backend),
                 backend=backend,
             )
             for row, token in enumerate(np.asarray(draw(logits[:, 0], all_rows, step))):

@@ -35,6 +35,7 @@ from serving import model as model_lib
 from serving.config import ModelConfig
 from serving.mla_config import MLAModelConfig
 from serving.mla_generate import (
+    absorbed_plan,
     check_generate_arguments,
     draw_tokens,
     forward_paged_mla_jit,
@@ -64,6 +65,7 @@ def speculative_step(
     row_params: dict,
     target_table: paged.PageTable,
     draft_tables: tuple[paged.PageTable, ...],
+    target_plan: paged.DecodePlan | None = None,
     *,
     target_config: MLAModelConfig,
     draft_config: ModelConfig,
@@ -83,6 +85,7 @@ def speculative_step(
         1.0).
       target_table: rows covering ``cached + n + 1`` tokens.
       draft_tables: ``n + 1`` tables, table ``j`` covering ``cached + j + 1`` tokens.
+      target_plan: the MLA kernel's plan of ``target_table`` (``absorbed_plan``), or None.
       target_config, draft_config, num_speculative, backend: static.
 
     Returns:
@@ -109,7 +112,13 @@ def speculative_step(
     draft_token_ids = jnp.stack(drafts, axis=1)  # [B, n]
     verified = jnp.concatenate([last_token_ids[:, None], draft_token_ids], axis=1)
     target_logits, target_caches = forward_paged_mla(
-        target_params, target_config, verified, target_caches, target_table, backend=backend
+        target_params,
+        target_config,
+        verified,
+        target_caches,
+        target_table,
+        plan=target_plan,
+        backend=backend,
     )
     target_probs = speculative.sampling_distribution(
         target_logits.astype(jnp.float32), **row_params
@@ -204,6 +213,9 @@ def speculative_generate_mla(
                     target_caches,
                     chunk.page_table,
                     attention_form="auto",
+                    plan=absorbed_plan(
+                        chunk.page_table, target_config, chunk.stop - chunk.start, "auto", backend
+                    ),
                     backend=backend,
                 )
                 _, draft_caches = _forward_draft(
@@ -225,6 +237,7 @@ def speculative_generate_mla(
         while min(len(tokens) for tokens in generated) < max_new_tokens:
             for row in range(batch):
                 grow(row, page_lists, cached[row] + n + 1)
+            target_table = table(page_lists, [length + n + 1 for length in cached])
             draft_tables = tuple(
                 table(page_lists, [length + j + 1 for length in cached]) for j in range(n + 1)
             )
@@ -237,8 +250,9 @@ def speculative_generate_mla(
                 key_data,
                 jnp.asarray([len(tokens) for tokens in generated], jnp.int32),
                 row_params,
-                table(page_lists, [length + n + 1 for length in cached]),
+                target_table,
                 draft_tables,
+                absorbed_plan(target_table, target_config, n + 1, "auto", backend),
                 target_config=target_config,
                 draft_config=draft_config,
                 num_speculative=n,

@@ -432,3 +432,14 @@ def test_generate_refuses_bad_arguments(small_setup, change, message):
     arguments |= change
     with pytest.raises(ValueError, match=re.escape(message)):
         mla_generate.generate_mla(small_setup[0], CONFIG, **arguments)
+
+
+def test_the_kernel_plan_is_made_only_where_the_kernel_may_run_the_step():
+    """Under jit the Mosaic GPU kernel needs a host-made plan: the loops make one for absorbed
+    steps on the kernels' backend, and none for the reference or an un-absorbed chunk."""
+    table = paged.host_page_table([[3, 1], [2]], [20, 5], 16, num_indices=16)
+    plan = mla_generate.absorbed_plan(table, MLA_TINY, 1, "auto", "pallas")
+    assert isinstance(plan, paged.DecodePlan)
+    assert mla_generate.absorbed_plan(table, MLA_TINY, 1, "auto", "reference") is None
+    assert mla_generate.absorbed_plan(table, MLA_TINY, 171, "auto", "pallas") is None
+    assert mla_generate.absorbed_plan(table, MLA_TINY, 1, "unabsorbed", "pallas") is None
