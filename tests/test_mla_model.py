@@ -108,12 +108,15 @@ def test_whole_prompt_at_once_equals_dense(float64, form):
         assert relative_error(logits[row], expected) < TOLERANCE
 
 
-@pytest.mark.parametrize("prefill_form", ["absorbed", "unabsorbed"])
+# "auto" is absorbed for these chunks; auto rather than "absorbed" shares the compiled
+# programs with the generation tests below.
+@pytest.mark.parametrize("prefill_form", ["auto", "unabsorbed"])
 def test_chunked_prefill_then_ragged_decode_equals_dense(float64, prefill_form):
     """Prompts of 1, 5 and 11 tokens prefilled alone in chunks of 3 (chunk edges at 3, 6, 9:
     never a page edge of 4) through ``prefill_form``; then the ragged batch steps together over
     scattered pages (``"auto"``: absorbed): two decode steps, one verification-shaped step of 3
     new tokens, one more decode step. Every position's logits equal the dense forward's."""
+    assert choose_attention_form("auto", CONFIG, 3) == "absorbed"
     params = params64(1)
     rng = np.random.default_rng(2)
     prompt_lengths, step_lengths = [1, 5, 11], [1, 1, 3, 1]
@@ -254,7 +257,7 @@ def test_speculative_greedy_generation_equals_greedy_dense(float64, num_speculat
         num_speculative=num_speculative,
         max_new_tokens=8,
         page_size=PAGE_SIZE,
-        num_pages=48,
+        num_pages=NUM_POOL_PAGES,
         chunk_size=3,
         backend="reference",
     )
