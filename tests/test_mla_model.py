@@ -1,10 +1,13 @@
 """The MLA decoder: its paged forward equals its dense forward, generation over the latent cache
-equals greedy decoding of the dense model, the cache's size a token, and refusals by name.
+(plain and speculative, with a Llama-style draft) equals greedy decoding of the dense model, the
+un-absorbed prefill attention equals the absorbed reference, the cache's size a token, and
+refusals by name.
 
 Oracle: ``forward_dense_mla`` (un-absorbed, every key and value per head) in float64 over each
 request's whole sequence. The paged path runs in float64 too (x64 on, float64 parameters and
 pools), through both attention forms, so the two agree to rounding: ``TOLERANCE`` relative L2
 (measured: about 1e-15). A wrong mask, position, scale or page lookup moves logits by far more.
+The ``gpu``-marked test compares the Mosaic GPU kernel's run of ``MLA_TINY`` with the reference.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import numpy as np
 import pytest
 
 import paged
+from paged.mla_prefill import mla_prefill_attention_unabsorbed
 from serving import mla_generate, mla_speculative
 from serving import model as model_lib
 from serving.config import TINY_DRAFT, ModelConfig
@@ -480,3 +484,35 @@ def test_the_mla_kernel_runs_the_model_as_the_reference_does():
             kept.append(np.asarray(step_logits, np.float32))
         logits[backend] = np.concatenate(kept, axis=1)
     assert relative_error(logits["pallas"], logits["reference"]) < 1e-2
+
+
+# ----------------------------------------------------------------------------------------------
+# The un-absorbed prefill attention on its own
+
+
+def test_unabsorbed_prefill_attention_equals_the_absorbed_reference(float64):
+    """Ragged requests (3, 6 and 9 tokens) over scattered pages, the last 3 of each new: the
+    un-absorbed form equals ``paged.mla_decode_absorbed_reference`` to rounding."""
+    heads, rank, nope, rope, value = 2, 8, 4, 2, 3
+    rng = np.random.default_rng(6)
+    lengths = [3, 6, 9]
+    page_lists = scattered_page_lists(lengths, seed=7)
+    table = table_for(page_lists, lengths)
+    cache = paged.LatentCache(
+        jnp.asarray(rng.normal(size=(NUM_POOL_PAGES, PAGE_SIZE, rank))),
+        jnp.asarray(rng.normal(size=(NUM_POOL_PAGES, PAGE_SIZE, rope))),
+    )
+    q_nope = jnp.asarray(rng.normal(size=(3, 3, heads, nope)))
+    q_rope = jnp.asarray(rng.normal(size=(3, 3, heads, rope)))
+    w_uk = jnp.asarray(rng.normal(size=(heads, rank, nope)))
+    w_uv = jnp.asarray(rng.normal(size=(heads, rank, value)))
+    out = mla_prefill_attention_unabsorbed(q_nope, q_rope, cache, table, w_uk, w_uv)
+    expected, _ = paged.mla_decode_absorbed_reference(q_nope, q_rope, cache, table, w_uk, w_uv)
+    assert out.dtype == jnp.float64
+    assert relative_error(out, expected) < TOLERANCE
+    with pytest.raises(ValueError, match=re.escape("q_nope must have shape [B, L, H, N], got")):
+        mla_prefill_attention_unabsorbed(q_nope[:, 0], q_rope[:, 0], cache, table, w_uk, w_uv)
+    with pytest.raises(ValueError, match="q_nope has qk_nope_head_dim 4 but w_uk has 5"):
+        mla_prefill_attention_unabsorbed(
+            q_nope, q_rope, cache, table, jnp.zeros((heads, rank, 5)), w_uv
+        )
