@@ -9,7 +9,9 @@
   for a row when its next token starts a page, all freed at the end;
 - each prompt is prefilled alone, in chunks of ``chunk_size`` tokens (``paged.prefill_chunks``;
   the form of each chunk is ``attention_form``'s choice for its length);
-- then all rows decode together, one token a step (absorbed, ``paged.mla_decode_attention``);
+- then all rows decode together, one token a step (under ``"auto"`` absorbed:
+  ``paged.mla_decode_attention``, with the kernel's host plan where the kernels' backend is
+  chosen, ``absorbed_plan``);
 - each token is drawn as the engine draws it: ``sampling.tempered.tempered_probs`` (one-hot at
   the arg max at temperature 0), then ``sampling.filtered_sample`` with the row's ``top_k`` and
   ``top_p``, with the key ``fold_in(fold_in(key(seed), row), tokens generated so far)``.
