@@ -57,6 +57,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from kernels_pallas.platform import whole_array
 from kernels_pallas.row_select import largest_key_reaching, order_keys
+from kernels_pallas.x64 import runs_in_32_bits
 from paged.page_table import PageTable
 from paged.sparse_quest import check_token_budget
 
@@ -195,6 +196,7 @@ def quest_selected_pages_pallas(
     )
 
 
+@runs_in_32_bits  # x64 mode: kernels_pallas/x64.py
 @functools.partial(jax.jit, static_argnames=("block", "interpret"))
 def _selected_pages(scores, page_indptr, budget_pages, *, block, interpret):
     batch, num_rows, num_indices = scores.shape
