@@ -41,9 +41,7 @@ def table_of(lengths, num_indices=NUM_INDICES) -> PageTable:
 
 
 def check_matches_reference(scores, table, token_budget, **kwargs):
-    kept = quest_selected_pages_pallas(
-        scores, table, token_budget, interpret=not ON_GPU, **kwargs
-    )
+    kept = quest_selected_pages_pallas(scores, table, token_budget, interpret=not ON_GPU, **kwargs)
     reference = quest_selected_pages(scores, table, token_budget)
     assert kept.shape == reference.shape and kept.dtype == jnp.bool_
     np.testing.assert_array_equal(np.asarray(kept), np.asarray(reference))
@@ -52,8 +50,9 @@ def check_matches_reference(scores, table, token_budget, **kwargs):
 
 @given(
     # Requests of 0, 1, 2 and many pages (up to 2 blocks of 32 and a bit), fitting 72 entries.
-    lengths=st.lists(st.sampled_from([0, 1, 2, 3, 5, 17, 33, 40]), min_size=BATCH, max_size=BATCH)
-    .filter(lambda lengths: sum(lengths) <= NUM_INDICES),
+    lengths=st.lists(
+        st.sampled_from([0, 1, 2, 3, 5, 17, 33, 40]), min_size=BATCH, max_size=BATCH
+    ).filter(lambda lengths: sum(lengths) <= NUM_INDICES),
     # Budgets from under 2 pages (still 2 kept) to more than any request has.
     token_budget=st.integers(1, 4 * 45),
     value_indices=st.lists(
@@ -63,9 +62,7 @@ def check_matches_reference(scores, table, token_budget, **kwargs):
     ),
 )
 def test_matches_reference_with_ties_infinities_and_nan(lengths, token_budget, value_indices):
-    scores = np.asarray(SCORE_VALUES, np.float32)[value_indices].reshape(
-        BATCH, ROWS, NUM_INDICES
-    )
+    scores = np.asarray(SCORE_VALUES, np.float32)[value_indices].reshape(BATCH, ROWS, NUM_INDICES)
     check_matches_reference(jnp.asarray(scores), table_of(lengths), token_budget, block=BLOCK)
 
 
@@ -132,7 +129,7 @@ def test_bad_input_names_argument_and_value(change, error, message):
 def test_float64_scores_refused():
     with enable_x64():
         scores = jnp.zeros((BATCH, ROWS, NUM_INDICES), jnp.float64)
-        with pytest.raises(ValueError, match="scores must be float32.*float64"):
+        with pytest.raises(ValueError, match=r"scores must be float32.*float64"):
             quest_selected_pages_pallas(scores, table_of([3, 0, 1, 2]), 8, interpret=True)
 
 
@@ -154,3 +151,23 @@ def test_decode_shape_compiled():
     np.testing.assert_array_equal(
         np.asarray(kept), np.asarray(quest_selected_pages(scores, table, 2048))
     )
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the Pallas Triton backend's
+@pytest.mark.parametrize("block", [32, 1024])
+def test_lowers_to_triton_for_an_h200(monkeypatch, verify_triton_modules, block):
+    """The compiled path as far as a CPU can follow it: the kernel lowers to one Triton module
+    for an H200 that the MLIR verifier accepts (the interpreter never exercises the Triton
+    lowering rules: a loop with mixed bound types, say, fails only here)."""
+    gpu_info = pytest.importorskip("jax._src.pallas.triton.gpu_info")
+    h200 = gpu_info._get_gpu_info_impl(gpu_info.GpuVersion.H200)
+    monkeypatch.setitem(gpu_info.registry, jax.devices()[0].device_kind, lambda: h200)
+    table = table_of([40, 0, 1, 2])
+
+    def select(scores, indptr):
+        table_traced = PageTable(indptr, table.page_indices, table.last_page_len, PAGE_SIZE)
+        return quest_selected_pages_pallas(scores, table_traced, 64, block=block)
+
+    scores = jnp.zeros((BATCH, ROWS, NUM_INDICES))
+    text = jax.jit(select).trace(scores, table.page_indptr).lower(lowering_platforms=("cuda",))
+    assert f"quest_select_b{block}" in text.as_text()
