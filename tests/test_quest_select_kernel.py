@@ -171,3 +171,12 @@ def test_lowers_to_triton_for_an_h200(monkeypatch, verify_triton_modules, block)
     scores = jnp.zeros((BATCH, ROWS, NUM_INDICES))
     text = jax.jit(select).trace(scores, table.page_indptr).lower(lowering_platforms=("cuda",))
     assert f"quest_select_b{block}" in text.as_text()
+
+
+@pytest.mark.skipif(ON_GPU, reason="the smoke run is interpreted; on the GPU the probe times")
+def test_probe_smoke_run(capsys):
+    """``bench/probes/quest_select.py --smoke``: the probe's check and code paths, interpreted."""
+    from bench.probes import quest_select as probe
+
+    assert probe.main(["--smoke"]) == 0
+    assert "kernel.b32 ok" in capsys.readouterr().out
