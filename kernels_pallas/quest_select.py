@@ -14,19 +14,23 @@ the last) is found on the scores' order-preserving int32 keys (``row_select.orde
 ``-0.0`` made ``+0.0`` and NaN given the smallest key, so that key order is the reference's
 order), ``RADIX_BITS = 4`` bits a pass: 8 passes, each counting the candidates at or above 16
 thresholds at once (``row_select.largest_key_reaching`` with unit weights; float32 sums of ones
-are exact below 2^24 pages). One last pass keeps the candidates above that key and, of those
-equal to it, the earliest ``m - count_above``, by a running tie rank (a cumsum within a block,
-the ties of earlier blocks carried), which is exactly the reference's stable order; the first
-and last pages are forced. With ``m = 0`` the threshold comes out as the largest key, which no
-score has, and nothing but the forced pages is kept.
+are exact below 2^24 pages). One pass counts the candidates above that key; a last one keeps
+those and, of the candidates equal to it, the earliest ``m - count_above``, by a running tie
+rank (a cumsum within a block, the ties of earlier blocks carried), which is exactly the
+reference's stable order; the first and last pages are forced. With ``m = 0`` the threshold
+comes out as the largest key, which no score has, and nothing but the forced pages is kept.
 
-What it costs. A program reads its request's scores, ``4 n`` bytes, 9 times (8 radix passes,
-one selection pass; all but the first from L1/L2, the row being at most a few KiB), and writes
-``4 n`` bytes of flags. At B = 8 requests of 32K tokens, page size 16 (n = 2048) and R = 8 rows,
-that is 9 x 64 KiB of score reads a request in all and 512 KiB over the batch (8 KiB a row),
-against the scoring's 128 MiB of bound reads (``kernels_pallas/quest_scores.py``): the
-selection's bytes are well under 1% of the scoring's. Its time will be latency (9 dependent
-passes over 2 blocks), not bandwidth: not measured (no GPU time this session).
+What it costs. A program reads its request's scores, ``4 n`` bytes, 10 times (8 radix passes,
+one pass counting the scores above the threshold, one selection pass; all but the first from
+L1/L2, a row being at most a few KiB), and writes ``4 n`` bytes of flags. At B = 8 requests of
+32K tokens, page size 16 (n = 2048) and R = 8 rows, one pass reads 8 KiB a row, 512 KiB over
+the batch; the 10 passes 5 MiB, nearly all from cache, against the scoring's 128 MiB of bound
+reads from HBM (``kernels_pallas/quest_scores.py``). The wrapper costs more bytes than the
+kernel: it pads the ``[B * R, nnz_padded]`` scores (the reference format, ``B`` times larger
+than the rows a consumer needs: 4 MiB here, read and written) and selects over the output's
+size. The kernel's time will be latency (10 dependent passes over 2 blocks of 1024), not
+bandwidth. Not measured (no GPU time this session): ``bench/probes/quest_select.py`` checks
+and times it beside the reference on the GPU.
 
 Why the Triton lowering, not Mosaic GPU: the selection is reductions to scalars, cumsums and
 data-dependent trip counts over one short 1-D row, which is what ``row_select`` (the sampling
