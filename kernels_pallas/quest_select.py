@@ -32,13 +32,15 @@ size. The kernel's time will be latency (10 dependent passes over 2 blocks of 10
 bandwidth. Not measured (no GPU time this session): ``bench/probes/quest_select.py`` checks
 and times it beside the reference on the GPU.
 
-Why the Triton lowering, not Mosaic GPU: the selection is reductions to scalars, cumsums and
-data-dependent trip counts over one short 1-D row, which is what ``row_select`` (the sampling
-kernels' radix select and tie ranks, Triton lowering, tested and measured on the H200) already
-does; reusing it keeps one implementation of the radix select and its tie rule. In Mosaic GPU
-the row would need a register layout for 1-D vectors with scalar reductions and a prefix sum,
-which this version did not attempt. Triton is deprecated in the project: a Mosaic GPU port is
-future work (``docs/sparse_decode.md``).
+Why the Triton lowering, not Mosaic GPU (checked with jax 0.11.2 on a CPU, on a 1-D row of 256
+float32 in shared memory): Mosaic GPU's interpreter runs the comparisons, a count reduced to a
+scalar and ``jnp.cumsum``, and the compiled lowering takes the count, but it has no rule for
+``cumsum`` (``NotImplementedError``, warpgroup semantics): a Mosaic GPU kernel with this
+algorithm would pass its interpreted tests and fail to compile. The tie rank could avoid the
+prefix sum (a bisection on the position among the ties, about ``log2(n)`` more counting passes),
+which is the way to port it; this version instead reuses ``row_select`` (the sampling kernels'
+radix select, Triton lowering, tested and measured on the H200), one implementation of the
+radix select and its tie rule. Triton is deprecated in the project: the port is future work.
 
 Layout. The scores come as ``[B * R, nnz_padded + block]`` (zero-padded by the wrapper, so a
 block starting anywhere inside a request stays inside the array: no masked loads); a program
