@@ -12,7 +12,8 @@
 # (merge a suite's parts into one report with python -m bench.harness.merge_reports)
 # Issue 18 (the engine's step, version 2): serving-batch, serving-single, serving-load-a and -b,
 # engine-overlap, engine-dispatch (where a step's host time goes); one device command each.
-# Issues 19 and 21: sparse-tests, quest-scores, tune-decode, check-decode. Issue 20: mla-decode.
+# Issues 19 and 21: sparse-tests, quest-scores, quest-select, tune-decode, check-decode.
+# Issue 20: mla-decode.
 # Issue 18 (one ragged launch for a mixed step, prototype): ragged-attention.
 # The stage names are unchanged since bench/ was split into harness/, suites/, tuning/, probes/
 # and memcheck/; only the modules they run moved (prefill is now `python -m bench prefill`).
@@ -152,6 +153,11 @@ for stage in "$@"; do
         | tee "$out/gpu_quest_tests.log" | tail -n 3
       timeout 250 python3 -m bench.probes.quest_scores --batches 1,8 --context 32768 2>&1 \
         | tee "$out/quest_scores_probe.log" | tail -n 12 ;;
+    quest-select)  # issue 19: the Quest selection kernel compiled (tests), then checked and timed
+      timeout 250 python3 -m pytest -q -p no:cacheprovider tests/test_quest_select_kernel.py 2>&1 \
+        | tee "$out/gpu_quest_select_tests.log" | tail -n 3
+      timeout 250 python3 -m bench.probes.quest_select --batches 1,8 --context 32768 2>&1 \
+        | tee "$out/quest_select_probe.log" | tail -n 16 ;;
     tune-decode)  # issue 21: python -m bench tune paged_decode, four buckets (about 4 min)
       timeout 560 python3 -m bench tune paged_decode --out "$out/tuned" 2>&1 \
         | tee "$out/tune_decode.log" | tail -n 20 ;;
