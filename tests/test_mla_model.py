@@ -7,6 +7,8 @@ Oracle: ``forward_dense_mla`` (un-absorbed, every key and value per head) in flo
 request's whole sequence. The paged path runs in float64 too (x64 on, float64 parameters and
 pools), through both attention forms, so the two agree to rounding: ``TOLERANCE`` relative L2
 (measured: about 1e-15). A wrong mask, position, scale or page lookup moves logits by far more.
+The two forwards share the layer stack (projections, latent norm, RoPE, scale), so the dense
+forward is itself checked against ``numpy_mla_logits``, the model written out in NumPy.
 The ``gpu``-marked test compares the Mosaic GPU kernel's run of ``MLA_TINY`` with the reference.
 """
 
@@ -295,6 +297,77 @@ def test_the_command_line_speculates_with_the_trained_draft(capsys, monkeypatch)
     assert seen["draft"] == TINY_DRAFT and seen["num_speculative"] == 2
     assert seen["prompts"] == [[97, 98]] and seen["max_new_tokens"] == 2
     assert out == "[1] 'hi'\n" and "drafts accepted: 1 of 4" in err
+
+
+# ----------------------------------------------------------------------------------------------
+# The dense forward against an independent NumPy model
+
+
+def numpy_mla_logits(params, tokens) -> np.ndarray:
+    """float64 ``[T, V]``: ``CONFIG``'s model written out in NumPy from the textbook MLA, one
+    request at positions ``0 .. T - 1``: pre-norm layers; per head the key
+    ``concat(rmsnorm(latent) @ w_uk[h], rope(k_rope))`` and value ``rmsnorm(latent) @ w_uv[h]``;
+    the query ``concat(q_nope, rope(q_rope))``; logits scaled by ``1 / sqrt(N + P)``; RoPE on
+    pairs ``(2i, 2i + 1)`` of the ``P`` rotary values only.
+
+    Shares no code with ``serving.mla_model`` (the paged-vs-dense tests above share its layer
+    stack, so they cannot see a mistake in it). Only ``inverse_frequencies`` comes from the
+    library, and the angle is its float32 product as ``paged.rope.rope_angles`` defines it, so
+    the two agree to float64 rounding."""
+    sizes = CONFIG.attention
+    rank, nope, rope_dim = sizes.kv_lora_rank, sizes.qk_nope_head_dim, sizes.qk_rope_head_dim
+    eps = sizes.norm_eps
+    p = jax.tree.map(lambda a: np.asarray(a, np.float64), params)
+    length = len(tokens)
+    inv_freq = paged.rope.inverse_frequencies(rope_dim, sizes.rope)
+    angles = (np.arange(length, dtype=np.float32)[:, None] * inv_freq[None, :]).astype(np.float64)
+
+    def norm(x, weight):
+        return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * weight
+
+    def rope(x):  # [T, ..., P]
+        cos = np.cos(angles).reshape(length, *([1] * (x.ndim - 2)), rope_dim // 2)
+        sin = np.sin(angles).reshape(cos.shape)
+        even, odd = x[..., 0::2], x[..., 1::2]
+        out = np.empty_like(x)
+        out[..., 0::2] = even * cos - odd * sin
+        out[..., 1::2] = odd * cos + even * sin
+        return out
+
+    causal = np.tril(np.ones((length, length), bool))
+    x = p["embed"][np.asarray(tokens)]
+    residual = np.zeros_like(x)
+    for layer in p["layers"]:
+        residual = residual + x
+        normed = norm(residual, layer["attn_norm"])
+        q = np.einsum("td,dhe->the", normed, layer["w_q"])  # [T, H, N + P]
+        compressed = normed @ layer["w_dkv"]  # [T, R + P]
+        latent = norm(compressed[:, :rank], layer["latent_norm"])
+        k_rope = rope(compressed[:, rank:])  # [T, P], shared by every head
+        attention = np.zeros_like(x)
+        for head in range(sizes.num_heads):
+            query = np.concatenate([q[:, head, :nope], rope(q[:, head, nope:])], axis=-1)
+            key = np.concatenate([latent @ layer["w_uk"][head], k_rope], axis=-1)
+            value = latent @ layer["w_uv"][head]
+            scores = np.where(causal, query @ key.T / np.sqrt(nope + rope_dim), -np.inf)
+            weights = np.exp(scores - scores.max(axis=-1, keepdims=True))
+            weights /= weights.sum(axis=-1, keepdims=True)
+            attention += (weights @ value) @ layer["w_o"][head]
+        residual = residual + attention
+        normed = norm(residual, layer["mlp_norm"])
+        gate = normed @ layer["w_gate"]
+        x = (gate / (1 + np.exp(-gate)) * (normed @ layer["w_up"])) @ layer["w_down"]
+    return norm(residual + x, p["final_norm"]) @ p["lm_head"]
+
+
+def test_dense_forward_equals_a_numpy_mla_model(float64):
+    """``forward_dense_mla`` equals ``numpy_mla_logits`` to float64 rounding, over 11 tokens
+    (positions up to 10: a RoPE on the wrong values, a missing rotation, a wrong scale or a
+    missing latent norm moves the logits by far more than ``TOLERANCE``)."""
+    params = params64(seed=3)
+    tokens = np.random.default_rng(5).integers(0, CONFIG.vocab_size, 11).tolist()
+    expected = numpy_mla_logits(params, tokens)
+    assert relative_error(dense_logits(params, tokens), expected) < TOLERANCE
 
 
 # ----------------------------------------------------------------------------------------------
