@@ -271,6 +271,86 @@ def test_speculative_greedy_generation_equals_greedy_dense(float64, num_speculat
     assert 0 < accepted < drafted
 
 
+def cached_tokens(cache, pages, length) -> list[np.ndarray]:
+    """The pool's entries of the first ``length`` tokens on ``pages`` (in order), per array:
+    ``[latent, rope key]`` of a ``LatentCache``, ``[key, value]`` of an NHD ``KVCache``."""
+    if isinstance(cache, paged.LatentCache):
+        pools = [cache.latent_pages, cache.rope_key_pages]
+    else:
+        pools = [cache.k_pages, cache.v_pages]
+    return [
+        np.asarray(pool)[pages].reshape(len(pages) * PAGE_SIZE, *pool.shape[2:])[:length]
+        for pool in pools
+    ]
+
+
+def test_a_speculative_step_leaves_both_caches_as_a_prefill_of_the_verified_tokens(float64):
+    """One ``speculative_step`` (n = 3) after a 7-token prompt: the target's latent cache and the
+    draft's KV cache then hold, at positions 7 to 10, the last token and the 3 drafts (the
+    draft proposes token 0 always), as a one-shot prefill of those 11 tokens writes them. The
+    generation tests cannot see the draft's cache (that draft's proposals ignore it): a last
+    draft pass that does not write ``d_n``, or a draft table one token short, fails here.
+    Target float64 (to rounding); the draft float32, the incremental and one-shot passes
+    rounding differently (measured 1e-7 relative; ``1e-6``)."""
+    n, prompt, last = 3, PROMPTS[0], 42
+    params = params64(2)
+    draft_params = model_lib.init_params(DRAFT, jax.random.key(3))
+    draft_params["lm_head"] = jnp.zeros_like(draft_params["lm_head"])
+    pages = scattered_page_lists([16], seed=8)[0]  # room for the 11 tokens and more
+
+    def table(length):
+        return table_for([pages], [length])
+
+    def fresh_caches():
+        target = new_mla_caches(CONFIG, NUM_POOL_PAGES, PAGE_SIZE, dtype=jnp.float64)
+        return target, model_lib.new_caches(DRAFT, NUM_POOL_PAGES, PAGE_SIZE, layout="NHD")
+
+    def prefill(tokens, target, draft):
+        tokens = jnp.asarray([tokens], jnp.int32)
+        _, target = _forward_paged(
+            params, CONFIG, tokens, target, table(tokens.shape[1]), backend="reference"
+        )
+        _, draft = mla_speculative._forward_draft(
+            draft_params, DRAFT, tokens, draft, table(tokens.shape[1]), backend="reference"
+        )
+        return target, draft
+
+    target, draft = prefill(prompt, *fresh_caches())
+    token_ids, num_accepted, target, draft = mla_speculative.speculative_step(
+        params,
+        draft_params,
+        target,
+        draft,
+        jnp.asarray([last], jnp.int32),
+        mla_generate.row_key_data(0, 1),
+        jnp.asarray([1], jnp.int32),
+        mla_generate.row_sampling_params(1, CONFIG.vocab_size, 0.0, None, None),
+        table(len(prompt) + n + 1),
+        tuple(table(len(prompt) + j + 1) for j in range(n + 1)),
+        target_config=CONFIG,
+        draft_config=DRAFT,
+        num_speculative=n,
+        backend="reference",
+    )
+    verified = [*prompt, last, *[0] * n]
+    expected_target, expected_draft = prefill(verified, *fresh_caches())
+    for actual_caches, expected_caches, tolerance in [
+        (target, expected_target, TOLERANCE),
+        (draft, expected_draft, 1e-6),
+    ]:
+        for actual, expected in zip(actual_caches, expected_caches, strict=True):
+            for got, want in zip(
+                cached_tokens(actual, pages, len(verified)),
+                cached_tokens(expected, pages, len(verified)),
+                strict=True,
+            ):
+                assert relative_error(got, want) < tolerance
+    # The step's tokens: greedy over the verified sequence (accepted drafts, then the target's).
+    count = int(num_accepted[0])
+    emitted = np.asarray(token_ids)[0, : count + 1].tolist()
+    assert emitted == greedy_dense(params, [*prompt, last], count + 1)
+
+
 def test_the_mla_tiny_model_runs_from_the_command_line(capsys):
     """DeepSeek-V2-Lite's attention sizes (16 heads, R 512, P 64, N 128, V 128; 2 layers,
     bfloat16, random weights) through a 3-token prompt and its first token: one compiled step
