@@ -14,6 +14,7 @@ The ``gpu``-marked test compares the Mosaic GPU kernel's run of ``MLA_TINY`` wit
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import jax
@@ -583,7 +584,11 @@ def test_bad_configs_and_parameters_are_refused(small_setup):
         (dict(prompts=[[1], []]), "prompts[1] is empty; a prompt needs at least one token"),
         (dict(prompts=[[1, 300]]), "prompts[0] holds token 300, outside the vocabulary [0, 256)"),
         (dict(max_new_tokens=0), "max_new_tokens must be an int >= 1, got 0"),
-        (dict(temperature=-1.0), "temperature must be a number >= 0, got -1.0"),
+        (dict(temperature=-1.0), "temperature must be a finite number >= 0, got -1.0"),
+        (dict(temperature=float("inf")), "temperature must be a finite number >= 0, got inf"),
+        (dict(top_k=0), "top_k must be an int >= 1 (or None for no top-k), got 0"),
+        (dict(top_p=0.0), "top_p must be a number in (0, 1] (or None), got 0.0"),
+        (dict(top_p=1.5), "top_p must be a number in (0, 1] (or None), got 1.5"),
         (dict(num_pages=1), "cannot allocate 3 pages: only 1 of 1 are free"),
     ],
 )
@@ -592,6 +597,33 @@ def test_generate_refuses_bad_arguments(small_setup, change, message):
     arguments |= change
     with pytest.raises(ValueError, match=re.escape(message)):
         mla_generate.generate_mla(small_setup[0], CONFIG, **arguments)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(num_speculative=0), "num_speculative must be an int >= 1, got 0"),
+        (dict(num_speculative=True), "num_speculative must be an int >= 1, got True"),
+        (dict(draft_config=CONFIG), "draft_config must be a serving.config.ModelConfig, got"),
+        (
+            dict(draft_config=dataclasses.replace(DRAFT, vocab_size=128)),
+            "the draft's vocab_size=128 differs from the target's 256",
+        ),
+        (dict(top_p=0.0), "top_p must be a number in (0, 1] (or None), got 0.0"),
+    ],
+)
+def test_speculative_generate_refuses_bad_arguments(small_setup, change, message):
+    arguments = dict(
+        draft_params=None,
+        draft_config=DRAFT,
+        prompts=[[1, 2, 3]],
+        num_speculative=2,
+        max_new_tokens=2,
+        page_size=PAGE_SIZE,
+    )
+    arguments |= change
+    with pytest.raises(ValueError, match=re.escape(message)):
+        speculative_generate_mla(small_setup[0], CONFIG, **arguments)
 
 
 def test_the_kernel_plan_is_made_only_where_the_kernel_may_run_the_step():
