@@ -40,6 +40,7 @@ from serving.mla_model import (
     forward_dense_mla,
     forward_paged_mla,
     init_mla_model_params,
+    mla_model_param_shapes,
     new_mla_caches,
 )
 from serving.mla_speculative import speculative_generate_mla
@@ -563,6 +564,15 @@ def test_bad_caches_and_tables_are_refused(small_setup):
             _forward_with(small_setup, **arguments)
 
 
+def test_the_test_model_has_no_square_weight():
+    """Every weight of ``MLA_TEST`` has axes of distinct widths, so ``validate_mla_model_params``
+    refuses any of them stored transposed (with hidden = N + P, ``w_q`` would pass)."""
+    shapes = jax.tree.leaves(
+        mla_model_param_shapes(MLA_TEST), is_leaf=lambda leaf: isinstance(leaf, tuple)
+    )
+    assert all(len(set(shape)) == len(shape) for shape in shapes)
+
+
 def test_bad_configs_and_parameters_are_refused(small_setup):
     params = small_setup[0]
     with pytest.raises(ValueError, match=re.escape("vocab_size must be an int >= 1, got 0")):
@@ -570,9 +580,9 @@ def test_bad_configs_and_parameters_are_refused(small_setup):
     with pytest.raises(ValueError, match=re.escape("attention must be an MLAConfig, got 16")):
         MLAModelConfig(attention=16)
     other = MLAModelConfig(
-        attention=MLAConfig(hidden=24, num_layers=2, num_heads=2, kv_lora_rank=32), vocab_size=256
+        attention=MLAConfig(hidden=28, num_layers=2, num_heads=2, kv_lora_rank=32), vocab_size=256
     )
-    with pytest.raises(ValueError, match=re.escape("params 'layers.0.w_q' has shape (24, 4, 24)")):
+    with pytest.raises(ValueError, match=re.escape("params 'layers.0.w_q' has shape (28, 4, 24)")):
         forward_dense_mla(params, other, jnp.asarray([[1]], jnp.int32))
     with pytest.raises(ValueError, match=re.escape("config must be an MLAModelConfig, got")):
         forward_dense_mla(params, MLA_TEST.attention, jnp.asarray([[1]], jnp.int32))
