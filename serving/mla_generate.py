@@ -119,6 +119,9 @@ def check_generate_arguments(
     for index, prompt in enumerate(prompts):
         if len(prompt) < 1:
             raise ValueError(f"prompts[{index}] is empty; a prompt needs at least one token")
+        not_ids = [t for t in prompt if isinstance(t, bool) or not isinstance(t, (int, np.integer))]
+        if not_ids:  # a float would be truncated to an id by jnp.asarray(..., int32)
+            raise ValueError(f"prompts[{index}] holds {not_ids[0]!r}, not an integer token id")
         bad = [t for t in prompt if not 0 <= t < config.vocab_size]
         if bad:
             raise ValueError(

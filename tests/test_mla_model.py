@@ -593,6 +593,7 @@ def test_bad_configs_and_parameters_are_refused(small_setup):
     [
         (dict(prompts=[[1], []]), "prompts[1] is empty; a prompt needs at least one token"),
         (dict(prompts=[[1, 300]]), "prompts[0] holds token 300, outside the vocabulary [0, 256)"),
+        (dict(prompts=[[1, 2.5]]), "prompts[0] holds 2.5, not an integer token id"),
         (dict(max_new_tokens=0), "max_new_tokens must be an int >= 1, got 0"),
         (dict(temperature=-1.0), "temperature must be a finite number >= 0, got -1.0"),
         (dict(temperature=float("inf")), "temperature must be a finite number >= 0, got inf"),
