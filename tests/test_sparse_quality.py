@@ -448,3 +448,15 @@ def test_train_tiny_can_train_the_target_alone_under_another_name(tmp_path):
     }
     config, _ = model_files.load_model(tmp_path / "long")
     assert config == TINY_TARGET
+
+
+def test_train_tiny_refuses_a_target_named_as_the_draft(tmp_path, capsys):
+    """Both models trained, a target named 'draft' would be overwritten by the draft: refused
+    before any data is read."""
+    from serving import train_tiny
+
+    with pytest.raises(SystemExit) as exit_info:
+        train_tiny.main(["--out", str(tmp_path), "--target-name", "draft"])
+    assert exit_info.value.code == 2
+    assert "--target-name draft would overwrite the draft" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
