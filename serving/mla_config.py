@@ -255,10 +255,11 @@ MLA_TINY = MLAModelConfig(
     vocab_size=256,
     intermediate=512,
 )
-# The same structure at test sizes (every width distinct, so a transposed weight fails a shape).
+# The same structure at test sizes (the widths of every weight's axes distinct, so a transposed
+# weight fails a shape: w_q is [hidden, H, N + P], and hidden = N + P = 24 would hide it).
 MLA_TEST = MLAModelConfig(
     attention=MLAConfig(
-        hidden=24,
+        hidden=28,
         num_layers=2,
         num_heads=4,
         kv_lora_rank=32,

@@ -98,10 +98,20 @@ def row_sampling_params(batch, vocab, temperature, top_k, top_p) -> dict:
 
 
 def check_generate_arguments(
-    config, prompts, max_new_tokens, chunk_size, page_size, num_pages, temperature
+    config,
+    prompts,
+    max_new_tokens,
+    chunk_size,
+    page_size,
+    num_pages,
+    temperature,
+    top_k=None,
+    top_p=None,
 ) -> None:
     """The checks ``generate_mla`` (and the speculative loop) make; ValueError naming the
-    argument and the value."""
+    argument and the value. The sampling parameters follow ``serving.requests.SamplingParams``'s
+    rules (under ``jit`` the samplers cannot refuse them: ``top_k = 0`` or ``top_p = 0`` would
+    draw silently)."""
     if not isinstance(config, MLAModelConfig):
         raise ValueError(f"config must be an MLAModelConfig, got {config!r}")
     if not prompts:
@@ -109,6 +119,9 @@ def check_generate_arguments(
     for index, prompt in enumerate(prompts):
         if len(prompt) < 1:
             raise ValueError(f"prompts[{index}] is empty; a prompt needs at least one token")
+        not_ids = [t for t in prompt if isinstance(t, bool) or not isinstance(t, (int, np.integer))]
+        if not_ids:  # a float would be truncated to an id by jnp.asarray(..., int32)
+            raise ValueError(f"prompts[{index}] holds {not_ids[0]!r}, not an integer token id")
         bad = [t for t in prompt if not 0 <= t < config.vocab_size]
         if bad:
             raise ValueError(
@@ -123,8 +136,16 @@ def check_generate_arguments(
     ]:
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-    if not (isinstance(temperature, (int, float)) and temperature >= 0):
-        raise ValueError(f"temperature must be a number >= 0, got {temperature!r}")
+    if isinstance(temperature, bool) or not (
+        isinstance(temperature, (int, float)) and 0 <= temperature < float("inf")
+    ):
+        raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+        raise ValueError(f"top_k must be an int >= 1 (or None for no top-k), got {top_k!r}")
+    if top_p is not None and (
+        isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1
+    ):
+        raise ValueError(f"top_p must be a number in (0, 1] (or None), got {top_p!r}")
 
 
 def absorbed_plan(table, config: MLAModelConfig, q_len: int, attention_form: str, backend: str):
@@ -180,11 +201,12 @@ def generate_mla(
 
     Raises:
       ValueError: naming the argument, for an empty prompt list or prompt, a token outside the
-        vocabulary, a count below 1, a negative temperature, an unknown form; and
+        vocabulary, a count below 1, a negative or infinite temperature, a top_k below 1, a
+        top_p outside (0, 1], an unknown form; and
         ``paged.PoolExhaustedError`` (a ValueError) when ``num_pages`` cannot hold every row.
     """
     check_generate_arguments(
-        config, prompts, max_new_tokens, chunk_size, page_size, num_pages, temperature
+        config, prompts, max_new_tokens, chunk_size, page_size, num_pages, temperature, top_k, top_p
     )
     if attention_form not in ATTENTION_FORMS:
         raise ValueError(f"attention_form must be one of {ATTENTION_FORMS}, got {attention_form!r}")

@@ -91,7 +91,7 @@ def init_mla_model_params(config: MLAModelConfig, key: jax.Array) -> dict:
       >>> from serving.mla_config import MLA_TEST
       >>> params = init_mla_model_params(MLA_TEST, jax.random.key(0))
       >>> params["layers"][0]["w_uk"].shape, params["lm_head"].shape
-      ((4, 32, 16), (24, 256))
+      ((4, 32, 16), (28, 256))
     """
     if not isinstance(config, MLAModelConfig):
         raise ValueError(f"config must be an MLAModelConfig, got {config!r}")

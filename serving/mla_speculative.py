@@ -162,7 +162,15 @@ def speculative_generate_mla(
         vocabulary differs from the target's; ``num_speculative`` below 1.
     """
     check_generate_arguments(
-        target_config, prompts, max_new_tokens, chunk_size, page_size, num_pages, temperature
+        target_config,
+        prompts,
+        max_new_tokens,
+        chunk_size,
+        page_size,
+        num_pages,
+        temperature,
+        top_k,
+        top_p,
     )
     if not isinstance(draft_config, ModelConfig):
         raise ValueError(f"draft_config must be a serving.config.ModelConfig, got {draft_config!r}")

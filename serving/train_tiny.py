@@ -198,6 +198,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--target-lr", type=float, default=3e-3)
     parser.add_argument("--draft-lr", type=float, default=5e-3)
     args = parser.parse_args(argv)
+    if args.only == "both" and args.target_name == "draft":
+        parser.error("--target-name draft would overwrite the draft (train it with --only target)")
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 

@@ -7,11 +7,14 @@ Oracle: ``forward_dense_mla`` (un-absorbed, every key and value per head) in flo
 request's whole sequence. The paged path runs in float64 too (x64 on, float64 parameters and
 pools), through both attention forms, so the two agree to rounding: ``TOLERANCE`` relative L2
 (measured: about 1e-15). A wrong mask, position, scale or page lookup moves logits by far more.
+The two forwards share the layer stack (projections, latent norm, RoPE, scale), so the dense
+forward is itself checked against ``numpy_mla_logits``, the model written out in NumPy.
 The ``gpu``-marked test compares the Mosaic GPU kernel's run of ``MLA_TINY`` with the reference.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import jax
@@ -37,6 +40,7 @@ from serving.mla_model import (
     forward_dense_mla,
     forward_paged_mla,
     init_mla_model_params,
+    mla_model_param_shapes,
     new_mla_caches,
 )
 from serving.mla_speculative import speculative_generate_mla
@@ -269,6 +273,86 @@ def test_speculative_greedy_generation_equals_greedy_dense(float64, num_speculat
     assert 0 < accepted < drafted
 
 
+def cached_tokens(cache, pages, length) -> list[np.ndarray]:
+    """The pool's entries of the first ``length`` tokens on ``pages`` (in order), per array:
+    ``[latent, rope key]`` of a ``LatentCache``, ``[key, value]`` of an NHD ``KVCache``."""
+    if isinstance(cache, paged.LatentCache):
+        pools = [cache.latent_pages, cache.rope_key_pages]
+    else:
+        pools = [cache.k_pages, cache.v_pages]
+    return [
+        np.asarray(pool)[pages].reshape(len(pages) * PAGE_SIZE, *pool.shape[2:])[:length]
+        for pool in pools
+    ]
+
+
+def test_a_speculative_step_leaves_both_caches_as_a_prefill_of_the_verified_tokens(float64):
+    """One ``speculative_step`` (n = 3) after a 7-token prompt: the target's latent cache and the
+    draft's KV cache then hold, at positions 7 to 10, the last token and the 3 drafts (the
+    draft proposes token 0 always), as a one-shot prefill of those 11 tokens writes them. The
+    generation tests cannot see the draft's cache (that draft's proposals ignore it): a last
+    draft pass that does not write ``d_n``, or a draft table one token short, fails here.
+    Target float64 (to rounding); the draft float32, the incremental and one-shot passes
+    rounding differently (measured 1e-7 relative; ``1e-6``)."""
+    n, prompt, last = 3, PROMPTS[0], 42
+    params = params64(2)
+    draft_params = model_lib.init_params(DRAFT, jax.random.key(3))
+    draft_params["lm_head"] = jnp.zeros_like(draft_params["lm_head"])
+    pages = scattered_page_lists([16], seed=8)[0]  # room for the 11 tokens and more
+
+    def table(length):
+        return table_for([pages], [length])
+
+    def fresh_caches():
+        target = new_mla_caches(CONFIG, NUM_POOL_PAGES, PAGE_SIZE, dtype=jnp.float64)
+        return target, model_lib.new_caches(DRAFT, NUM_POOL_PAGES, PAGE_SIZE, layout="NHD")
+
+    def prefill(tokens, target, draft):
+        tokens = jnp.asarray([tokens], jnp.int32)
+        _, target = _forward_paged(
+            params, CONFIG, tokens, target, table(tokens.shape[1]), backend="reference"
+        )
+        _, draft = mla_speculative._forward_draft(
+            draft_params, DRAFT, tokens, draft, table(tokens.shape[1]), backend="reference"
+        )
+        return target, draft
+
+    target, draft = prefill(prompt, *fresh_caches())
+    token_ids, num_accepted, target, draft = mla_speculative.speculative_step(
+        params,
+        draft_params,
+        target,
+        draft,
+        jnp.asarray([last], jnp.int32),
+        mla_generate.row_key_data(0, 1),
+        jnp.asarray([1], jnp.int32),
+        mla_generate.row_sampling_params(1, CONFIG.vocab_size, 0.0, None, None),
+        table(len(prompt) + n + 1),
+        tuple(table(len(prompt) + j + 1) for j in range(n + 1)),
+        target_config=CONFIG,
+        draft_config=DRAFT,
+        num_speculative=n,
+        backend="reference",
+    )
+    verified = [*prompt, last, *[0] * n]
+    expected_target, expected_draft = prefill(verified, *fresh_caches())
+    for actual_caches, expected_caches, tolerance in [
+        (target, expected_target, TOLERANCE),
+        (draft, expected_draft, 1e-6),
+    ]:
+        for actual, expected in zip(actual_caches, expected_caches, strict=True):
+            for got, want in zip(
+                cached_tokens(actual, pages, len(verified)),
+                cached_tokens(expected, pages, len(verified)),
+                strict=True,
+            ):
+                assert relative_error(got, want) < tolerance
+    # The step's tokens: greedy over the verified sequence (accepted drafts, then the target's).
+    count = int(num_accepted[0])
+    emitted = np.asarray(token_ids)[0, : count + 1].tolist()
+    assert emitted == greedy_dense(params, [*prompt, last], count + 1)
+
+
 def test_the_mla_tiny_model_runs_from_the_command_line(capsys):
     """DeepSeek-V2-Lite's attention sizes (16 heads, R 512, P 64, N 128, V 128; 2 layers,
     bfloat16, random weights) through a 3-token prompt and its first token: one compiled step
@@ -295,6 +379,77 @@ def test_the_command_line_speculates_with_the_trained_draft(capsys, monkeypatch)
     assert seen["draft"] == TINY_DRAFT and seen["num_speculative"] == 2
     assert seen["prompts"] == [[97, 98]] and seen["max_new_tokens"] == 2
     assert out == "[1] 'hi'\n" and "drafts accepted: 1 of 4" in err
+
+
+# ----------------------------------------------------------------------------------------------
+# The dense forward against an independent NumPy model
+
+
+def numpy_mla_logits(params, tokens) -> np.ndarray:
+    """float64 ``[T, V]``: ``CONFIG``'s model written out in NumPy from the textbook MLA, one
+    request at positions ``0 .. T - 1``: pre-norm layers; per head the key
+    ``concat(rmsnorm(latent) @ w_uk[h], rope(k_rope))`` and value ``rmsnorm(latent) @ w_uv[h]``;
+    the query ``concat(q_nope, rope(q_rope))``; logits scaled by ``1 / sqrt(N + P)``; RoPE on
+    pairs ``(2i, 2i + 1)`` of the ``P`` rotary values only.
+
+    Shares no code with ``serving.mla_model`` (the paged-vs-dense tests above share its layer
+    stack, so they cannot see a mistake in it). Only ``inverse_frequencies`` comes from the
+    library, and the angle is its float32 product as ``paged.rope.rope_angles`` defines it, so
+    the two agree to float64 rounding."""
+    sizes = CONFIG.attention
+    rank, nope, rope_dim = sizes.kv_lora_rank, sizes.qk_nope_head_dim, sizes.qk_rope_head_dim
+    eps = sizes.norm_eps
+    p = jax.tree.map(lambda a: np.asarray(a, np.float64), params)
+    length = len(tokens)
+    inv_freq = paged.rope.inverse_frequencies(rope_dim, sizes.rope)
+    angles = (np.arange(length, dtype=np.float32)[:, None] * inv_freq[None, :]).astype(np.float64)
+
+    def norm(x, weight):
+        return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * weight
+
+    def rope(x):  # [T, ..., P]
+        cos = np.cos(angles).reshape(length, *([1] * (x.ndim - 2)), rope_dim // 2)
+        sin = np.sin(angles).reshape(cos.shape)
+        even, odd = x[..., 0::2], x[..., 1::2]
+        out = np.empty_like(x)
+        out[..., 0::2] = even * cos - odd * sin
+        out[..., 1::2] = odd * cos + even * sin
+        return out
+
+    causal = np.tril(np.ones((length, length), bool))
+    x = p["embed"][np.asarray(tokens)]
+    residual = np.zeros_like(x)
+    for layer in p["layers"]:
+        residual = residual + x
+        normed = norm(residual, layer["attn_norm"])
+        q = np.einsum("td,dhe->the", normed, layer["w_q"])  # [T, H, N + P]
+        compressed = normed @ layer["w_dkv"]  # [T, R + P]
+        latent = norm(compressed[:, :rank], layer["latent_norm"])
+        k_rope = rope(compressed[:, rank:])  # [T, P], shared by every head
+        attention = np.zeros_like(x)
+        for head in range(sizes.num_heads):
+            query = np.concatenate([q[:, head, :nope], rope(q[:, head, nope:])], axis=-1)
+            key = np.concatenate([latent @ layer["w_uk"][head], k_rope], axis=-1)
+            value = latent @ layer["w_uv"][head]
+            scores = np.where(causal, query @ key.T / np.sqrt(nope + rope_dim), -np.inf)
+            weights = np.exp(scores - scores.max(axis=-1, keepdims=True))
+            weights /= weights.sum(axis=-1, keepdims=True)
+            attention += (weights @ value) @ layer["w_o"][head]
+        residual = residual + attention
+        normed = norm(residual, layer["mlp_norm"])
+        gate = normed @ layer["w_gate"]
+        x = (gate / (1 + np.exp(-gate)) * (normed @ layer["w_up"])) @ layer["w_down"]
+    return norm(residual + x, p["final_norm"]) @ p["lm_head"]
+
+
+def test_dense_forward_equals_a_numpy_mla_model(float64):
+    """``forward_dense_mla`` equals ``numpy_mla_logits`` to float64 rounding, over 11 tokens
+    (positions up to 10: a RoPE on the wrong values, a missing rotation, a wrong scale or a
+    missing latent norm moves the logits by far more than ``TOLERANCE``)."""
+    params = params64(seed=3)
+    tokens = np.random.default_rng(5).integers(0, CONFIG.vocab_size, 11).tolist()
+    expected = numpy_mla_logits(params, tokens)
+    assert relative_error(dense_logits(params, tokens), expected) < TOLERANCE
 
 
 # ----------------------------------------------------------------------------------------------
@@ -409,6 +564,15 @@ def test_bad_caches_and_tables_are_refused(small_setup):
             _forward_with(small_setup, **arguments)
 
 
+def test_the_test_model_has_no_square_weight():
+    """Every weight of ``MLA_TEST`` has axes of distinct widths, so ``validate_mla_model_params``
+    refuses any of them stored transposed (with hidden = N + P, ``w_q`` would pass)."""
+    shapes = jax.tree.leaves(
+        mla_model_param_shapes(MLA_TEST), is_leaf=lambda leaf: isinstance(leaf, tuple)
+    )
+    assert all(len(set(shape)) == len(shape) for shape in shapes)
+
+
 def test_bad_configs_and_parameters_are_refused(small_setup):
     params = small_setup[0]
     with pytest.raises(ValueError, match=re.escape("vocab_size must be an int >= 1, got 0")):
@@ -416,9 +580,9 @@ def test_bad_configs_and_parameters_are_refused(small_setup):
     with pytest.raises(ValueError, match=re.escape("attention must be an MLAConfig, got 16")):
         MLAModelConfig(attention=16)
     other = MLAModelConfig(
-        attention=MLAConfig(hidden=24, num_layers=2, num_heads=2, kv_lora_rank=32), vocab_size=256
+        attention=MLAConfig(hidden=28, num_layers=2, num_heads=2, kv_lora_rank=32), vocab_size=256
     )
-    with pytest.raises(ValueError, match=re.escape("params 'layers.0.w_q' has shape (24, 4, 24)")):
+    with pytest.raises(ValueError, match=re.escape("params 'layers.0.w_q' has shape (28, 4, 24)")):
         forward_dense_mla(params, other, jnp.asarray([[1]], jnp.int32))
     with pytest.raises(ValueError, match=re.escape("config must be an MLAModelConfig, got")):
         forward_dense_mla(params, MLA_TEST.attention, jnp.asarray([[1]], jnp.int32))
@@ -429,8 +593,13 @@ def test_bad_configs_and_parameters_are_refused(small_setup):
     [
         (dict(prompts=[[1], []]), "prompts[1] is empty; a prompt needs at least one token"),
         (dict(prompts=[[1, 300]]), "prompts[0] holds token 300, outside the vocabulary [0, 256)"),
+        (dict(prompts=[[1, 2.5]]), "prompts[0] holds 2.5, not an integer token id"),
         (dict(max_new_tokens=0), "max_new_tokens must be an int >= 1, got 0"),
-        (dict(temperature=-1.0), "temperature must be a number >= 0, got -1.0"),
+        (dict(temperature=-1.0), "temperature must be a finite number >= 0, got -1.0"),
+        (dict(temperature=float("inf")), "temperature must be a finite number >= 0, got inf"),
+        (dict(top_k=0), "top_k must be an int >= 1 (or None for no top-k), got 0"),
+        (dict(top_p=0.0), "top_p must be a number in (0, 1] (or None), got 0.0"),
+        (dict(top_p=1.5), "top_p must be a number in (0, 1] (or None), got 1.5"),
         (dict(num_pages=1), "cannot allocate 3 pages: only 1 of 1 are free"),
     ],
 )
@@ -439,6 +608,33 @@ def test_generate_refuses_bad_arguments(small_setup, change, message):
     arguments |= change
     with pytest.raises(ValueError, match=re.escape(message)):
         mla_generate.generate_mla(small_setup[0], CONFIG, **arguments)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(num_speculative=0), "num_speculative must be an int >= 1, got 0"),
+        (dict(num_speculative=True), "num_speculative must be an int >= 1, got True"),
+        (dict(draft_config=CONFIG), "draft_config must be a serving.config.ModelConfig, got"),
+        (
+            dict(draft_config=dataclasses.replace(DRAFT, vocab_size=128)),
+            "the draft's vocab_size=128 differs from the target's 256",
+        ),
+        (dict(top_p=0.0), "top_p must be a number in (0, 1] (or None), got 0.0"),
+    ],
+)
+def test_speculative_generate_refuses_bad_arguments(small_setup, change, message):
+    arguments = dict(
+        draft_params=None,
+        draft_config=DRAFT,
+        prompts=[[1, 2, 3]],
+        num_speculative=2,
+        max_new_tokens=2,
+        page_size=PAGE_SIZE,
+    )
+    arguments |= change
+    with pytest.raises(ValueError, match=re.escape(message)):
+        speculative_generate_mla(small_setup[0], CONFIG, **arguments)
 
 
 def test_the_kernel_plan_is_made_only_where_the_kernel_may_run_the_step():

@@ -17,13 +17,19 @@ import numpy as np
 import pytest
 
 import paged
-from bench.quality.retrieval_cases import find_retrieval_cases, retrieval_windows
+from bench.quality.retrieval_cases import (
+    RetrievalCase,
+    find_retrieval_cases,
+    retrieval_windows,
+)
 from bench.quality.sparse_decode_quality import (
     SPARSE_KINDS,
     Method,
     prefill_all,
     prefix_page_table,
+    quality_figures,
     read_fraction,
+    retrieval_figures,
     teacher_forced,
 )
 from bench.quality.sparse_selections import (
@@ -118,6 +124,54 @@ def test_read_fraction():
     # 2 pages kept of 3 (10 tokens: 4 + 4 + 2): first + last = 6 of 10; of 4 (16): 8 of 16.
     assert read_fraction(Method("recent_pages", 8), context, 4) == pytest.approx((0.6 + 0.5) / 2)
     assert read_fraction(Method("oracle_top_k", 8), context, 4) == pytest.approx((0.8 + 0.5) / 2)
+
+
+def test_the_reported_figures_are_bits_per_byte_of_the_right_positions():
+    """``quality_figures`` and ``retrieval_figures`` on made-up outputs whose every figure is
+    known: log-probabilities in nats become bits, each decoded step ``i`` (position
+    ``decode_start + i``) is scored against byte ``decode_start + i + 1`` and falls in the slot
+    ``position % page_size``, and a retrieval case scores the steps that predict its name's
+    second to last bytes, no other."""
+    decode_start, steps, files, page_size = 4, 8, 2, 4
+    windows = np.arange(files * (decode_start + steps + 1)).reshape(files, -1) % 7
+    truth = windows[:, decode_start + 1 :].T  # [N, F]: the byte each step predicts
+    slot = (decode_start + np.arange(steps)) % page_size
+    outputs = {
+        "log_prob": np.repeat(-math.log(2) * (1.0 + slot)[:, None], files, axis=1),  # 1 + slot bits
+        "argmax": np.stack([truth[:, 0], truth[:, 1] + 1], axis=1),  # file 0 right, file 1 wrong
+        "kl": np.full((steps, files), 0.5 * math.log(2)),
+    }
+    dense = {"argmax": outputs["argmax"].copy()}
+    dense["argmax"][0, 0] += 1  # one disagreement in 16
+    figures = quality_figures(outputs, dense, windows, decode_start, page_size)
+    assert figures["bits_per_byte"] == pytest.approx(2.5)
+    assert figures["kl_bits_per_byte"] == pytest.approx(0.5)
+    assert figures["greedy_accuracy"] == 0.5
+    assert figures["greedy_agreement"] == 15 / 16
+    assert list(figures["by_slot"]) == ["0-0", "1-1", "2-2", "3-3"]
+    for low, cell in enumerate(figures["by_slot"].values()):
+        assert cell["bits_per_byte"] == pytest.approx(1.0 + low)
+    # decode_start = 4 is slot 0: the one disagreement is there, 1 of its 4 entries.
+    assert [cell["greedy_agreement"] for cell in figures["by_slot"].values()] == [0.75, 1, 1, 1]
+
+    # Retrieval: windows of 13 bytes, the last 4 positions (8 to 11) decoded; a 3-byte name used
+    # at offset 10 scores bytes 11 and 12, predicted by steps 2 and 3.
+    decode_start, steps = 8, 4
+    windows = np.arange(2 * 13).reshape(2, 13) % 11
+    cases = [RetrievalCase(b"abc", 0, 10, 1), RetrievalCase(b"abc", 0, 10, 1)]
+    log_prob = np.full((steps, 2), -50.0)
+    log_prob[2:] = -2 * math.log(2)  # 2 bits on each scored byte, 72 on the others
+    argmax = windows[:, 9:13].T.copy()  # step i predicts byte 9 + i, all right
+    argmax[3, 1] += 1  # file 1 misses its last byte
+    dense = {"argmax": argmax.copy()}
+    dense["argmax"][2, 0] += 1
+    figures = retrieval_figures(
+        {"log_prob": log_prob, "argmax": argmax}, dense, windows, decode_start, cases
+    )
+    assert figures["cases"] == 2
+    assert figures["bits_per_byte"] == pytest.approx(2.0)
+    assert figures["exact_match"] == 0.5
+    assert figures["greedy_agreement"] == 0.75
 
 
 @pytest.mark.parametrize(
@@ -394,3 +448,15 @@ def test_train_tiny_can_train_the_target_alone_under_another_name(tmp_path):
     }
     config, _ = model_files.load_model(tmp_path / "long")
     assert config == TINY_TARGET
+
+
+def test_train_tiny_refuses_a_target_named_as_the_draft(tmp_path, capsys):
+    """Both models trained, a target named 'draft' would be overwritten by the draft: refused
+    before any data is read."""
+    from serving import train_tiny
+
+    with pytest.raises(SystemExit) as exit_info:
+        train_tiny.main(["--out", str(tmp_path), "--target-name", "draft"])
+    assert exit_info.value.code == 2
+    assert "--target-name draft would overwrite the draft" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
