@@ -54,6 +54,15 @@ def unabsorbed_is_cheaper(
       >>> unabsorbed_is_cheaper(170, 512, 128, 64, 128), unabsorbed_is_cheaper(171, 512, 128, 64, 128)
       (False, True)
     """
+    for name, value in (
+        ("q_len", q_len),
+        ("kv_lora_rank", kv_lora_rank),
+        ("qk_nope_head_dim", qk_nope_head_dim),
+        ("qk_rope_head_dim", qk_rope_head_dim),
+        ("v_head_dim", v_head_dim),
+    ):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
     saved_per_row = 2 * (2 * kv_lora_rank + qk_rope_head_dim) - 2 * (
         qk_nope_head_dim + qk_rope_head_dim + v_head_dim
     )

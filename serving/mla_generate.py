@@ -314,7 +314,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """The command line; returns 0, or 2 for a value the library refused (named on stderr)."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.speculative and args.attention_form != "auto":
+        # The speculative loop chooses each step's form itself (absorbed verification).
+        parser.error("--attention-form applies to plain decoding only, not with --speculative")
     config = MLA_MODELS[args.model]
     prompts = [list(text.encode("utf-8")) for text in args.prompt]
     try:

@@ -712,3 +712,20 @@ def test_unabsorbed_prefill_attention_equals_the_absorbed_reference(float64):
         mla_prefill_attention_unabsorbed(
             q_nope, q_rope, cache, table, jnp.zeros((heads, rank, 5)), w_uv
         )
+
+
+def test_attention_form_with_speculative_is_a_usage_error(capsys):
+    from serving.mla_generate import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--prompt", "a", "--speculative", "2", "--attention-form", "absorbed"])
+    assert exit_info.value.code == 2
+    assert "--attention-form applies to plain decoding only" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("bad", [0, -3, 2.0, True])
+def test_unabsorbed_is_cheaper_refuses_a_bad_size(bad):
+    from paged.mla_prefill import unabsorbed_is_cheaper
+
+    with pytest.raises(ValueError, match=rf"q_len must be an int >= 1, got {bad!r}"):
+        unabsorbed_is_cheaper(bad, 512, 128, 64, 128)
