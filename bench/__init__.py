@@ -12,6 +12,8 @@ One folder a kind of script:
 - ``bench.tuning``: launch-parameter sweeps that chose kernels' defaults.
 - ``bench.probes``: one-off measurements that answered a design question.
 - ``bench.memcheck``: small workloads for ``compute-sanitizer``.
+- ``bench.quality``: quality studies, what an approximation costs a trained model (measured on
+  a CPU with the references; reports in ``docs/quality/``, not ``docs/benchmark_results/``).
 - ``bench/run_on_gpu.sh``: the stages one GPU session runs.
 
 The method is described in ``docs/benchmarking.md``. This package imports nothing heavy at

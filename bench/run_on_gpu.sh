@@ -15,7 +15,9 @@
 # Issue 18 (the engine's step, version 2): serving-batch, serving-single, serving-load-a and -b,
 # engine-overlap, engine-dispatch (where a step's host time goes), engine-multistep (the same
 # with 1, 4 and 8 decode steps a program); one device command each.
-# Issues 19 and 21: sparse-tests, quest-scores, tune-decode, check-decode. Issue 20: mla-decode.
+# Issues 19 and 21: sparse-tests, quest-scores, quest-select, tune-decode, check-decode.
+# Issue 20: mla-decode.
+# Issue 18 (one ragged launch for a mixed step, prototype): ragged-attention.
 # Issue 17: cascade-shared (the shared-level kernel's tests and probe), cascade-crossover.
 # Before any probe of a kernel never yet run on a GPU: kernels-compiled (their gpu-marked tests).
 # The stage names are unchanged since bench/ was split into harness/, suites/, tuning/, probes/
@@ -206,6 +208,11 @@ for stage in "$@"; do
       timeout 400 python3 -m bench.probes.cascade_shared --budget-s 330 \
           --cases 32x256,128x256,32x1024,128x1024,32x2048,128x2048 --out "$out/crossover" 2>&1 \
         | tee "$out/cascade_crossover.log" | tail -n 14 ;;
+    quest-select)  # issue 19: the Quest selection kernel compiled (tests), then checked and timed
+      timeout 250 python3 -m pytest -q -p no:cacheprovider tests/test_quest_select_kernel.py 2>&1 \
+        | tee "$out/gpu_quest_select_tests.log" | tail -n 3
+      timeout 250 python3 -m bench.probes.quest_select --batches 1,8 --context 32768 2>&1 \
+        | tee "$out/quest_select_probe.log" | tail -n 16 ;;
     tune-decode)  # issue 21: python -m bench tune paged_decode, four buckets (about 4 min)
       timeout 560 python3 -m bench tune paged_decode --out "$out/tuned" 2>&1 \
         | tee "$out/tune_decode.log" | tail -n 20 ;;
@@ -223,6 +230,17 @@ for stage in "$@"; do
       fi
       timeout 300 python3 -m bench.probes.mla_decode ${MLA_PROBE_ARGS:-} 2>&1 \
         | tee "$out/mla_decode_probe.log" | grep -E '^H=|^copy|FAILED|MISMATCH' ;;
+    ragged-attention)  # issue 18: the ragged kernel's tests compiled (gpu-marked included), then
+      # the probe: one ragged launch against the engine's two (decode + chunk), checked, timed
+      # (not yet run; 540 s at most, room for the preamble in a 600 s command; the probe's JSON is rewritten after each case, so a cut run
+      # keeps what it finished). RAGGED_PROBE_ONLY=1 skips the tests; RAGGED_PROBE_ARGS=
+      # "--cases 32x4096+2048@4096 --variants reg.p1.s4" runs a part.
+      if [ -z "${RAGGED_PROBE_ONLY:-}" ]; then
+        timeout 180 python3 -m pytest -q -p no:cacheprovider tests/test_ragged_attention.py 2>&1 \
+          | tee "$out/gpu_ragged_tests.log" | tail -n 4
+      fi
+      timeout 360 python3 -m bench.probes.ragged_attention --out "$out" ${RAGGED_PROBE_ARGS:-} 2>&1 \
+        | tee "$out/ragged_attention_probe.log" | grep -vE '^#|^$' ;;
     *) echo "unknown stage $stage" ;;
   esac
 done

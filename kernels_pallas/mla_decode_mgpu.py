@@ -574,7 +574,42 @@ def smem_bytes_per_program(
     return max(loop, epilogue) + rounded(2 * index_window * 4) + barriers + reduction_scratch
 
 
+def unsupported_reason(dtype, num_heads: int, kv_lora_rank: int, rope_dim: int, page_size: int):
+    """Why the kernel cannot run these sizes, or None if it can.
+
+    The kernel's own limits on input that is otherwise valid (``paged.mla_decode`` asks this
+    before it picks a backend: ``"auto"`` then takes the reference, an explicit kernel backend
+    raises with the reason); the raw entry raises it too.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> unsupported_reason(jnp.bfloat16, 16, 512, 64, 16) is None
+      True
+      >>> unsupported_reason(jnp.float32, 16, 512, 64, 16)
+      'dtype float32: the kernel takes bfloat16 or float16'
+    """
+    if not any(jnp.dtype(dtype) == d for d in SUPPORTED_DTYPES):
+        return f"dtype {jnp.dtype(dtype)}: the kernel takes bfloat16 or float16"
+    if kv_lora_rank not in SUPPORTED_KV_LORA_RANKS:
+        return f"kv_lora_rank must be one of {SUPPORTED_KV_LORA_RANKS}, got {kv_lora_rank}"
+    if rope_dim not in SUPPORTED_ROPE_DIMS:
+        return f"qk_rope_head_dim must be one of {SUPPORTED_ROPE_DIMS}, got {rope_dim}"
+    if page_size not in SUPPORTED_PAGE_SIZES:
+        return f"page_size must be one of {SUPPORTED_PAGE_SIZES}, got {page_size}"
+    if num_heads < 1 or num_heads % 8:
+        return (
+            f"num_heads must be a positive multiple of 8, got {num_heads} (a request's rows "
+            "must start on an 8-row tile of the query's TMA copy)"
+        )
+    return None
+
+
 def _check_dtype_and_shapes(q_latent, q_rope, latent_pages, rope_key_pages) -> None:
+    """The raw entry's checks. The structural ones restate, for raw arrays, what the paged
+    validation (``paged.mla_reference.validate_latent_attention_inputs``) checks of a
+    ``LatentCache`` and its queries; ``mla_decode_mgpu`` runs that one first, so through the
+    wrapper (and ``paged.mla_decode_attention``) bad input meets the reference's errors. Then
+    the kernel's limits (``unsupported_reason``)."""
     if q_latent.ndim != 4 or q_rope.ndim != 4:
         raise ValueError(
             "q_latent and q_rope must be [B, q_len, H, kv_lora_rank] and [B, q_len, H, "
@@ -595,35 +630,29 @@ def _check_dtype_and_shapes(q_latent, q_rope, latent_pages, rope_key_pages) -> N
             "agree on [num_pages, page_size]"
         )
     dtypes = {jnp.dtype(a.dtype) for a in (q_latent, q_rope, latent_pages, rope_key_pages)}
-    if len(dtypes) != 1 or not any(jnp.dtype(q_latent.dtype) == d for d in SUPPORTED_DTYPES):
+    if len(dtypes) != 1:
         raise ValueError(
             "q_latent, q_rope and the pages must share one dtype, bfloat16 or float16, got "
             f"{q_latent.dtype}, {q_rope.dtype}, {latent_pages.dtype}, {rope_key_pages.dtype}"
         )
     num_pages, page_size, kv_lora_rank = latent_pages.shape
     rope_dim = rope_key_pages.shape[2]
-    if kv_lora_rank not in SUPPORTED_KV_LORA_RANKS or q_latent.shape[3] != kv_lora_rank:
+    if q_latent.shape[3] != kv_lora_rank:
         raise ValueError(
-            f"kv_lora_rank must be one of {SUPPORTED_KV_LORA_RANKS} and the same in q_latent "
-            f"and the pages, got q_latent's {q_latent.shape[3]} and the pages' {kv_lora_rank}"
+            f"q_latent has kv_lora_rank {q_latent.shape[3]} but the pages have {kv_lora_rank}"
         )
-    if rope_dim not in SUPPORTED_ROPE_DIMS or q_rope.shape[3] != rope_dim:
+    if q_rope.shape[3] != rope_dim:
         raise ValueError(
-            f"qk_rope_head_dim must be one of {SUPPORTED_ROPE_DIMS} and the same in q_rope and "
-            f"the pages, got q_rope's {q_rope.shape[3]} and the pages' {rope_dim}"
+            f"q_rope has qk_rope_head_dim {q_rope.shape[3]} but the pages have {rope_dim}"
         )
-    if page_size not in SUPPORTED_PAGE_SIZES:
-        raise ValueError(f"page_size must be one of {SUPPORTED_PAGE_SIZES}, got {page_size}")
     if num_pages < 1:
         raise ValueError(f"the pool must hold at least one page, got num_pages={num_pages}")
     q_len, num_heads = q_latent.shape[1], q_latent.shape[2]
     if q_len < 1:
         raise ValueError(f"q_len (axis 1 of q_latent {q_latent.shape}) must be >= 1, got {q_len}")
-    if num_heads < 1 or num_heads % 8:
-        raise ValueError(
-            f"num_heads must be a positive multiple of 8, got {num_heads} (a request's rows "
-            "must start on an 8-row tile of the query's TMA copy)"
-        )
+    reason = unsupported_reason(q_latent.dtype, num_heads, kv_lora_rank, rope_dim, page_size)
+    if reason is not None:
+        raise ValueError(reason)
 
 
 def _check_launch(
@@ -876,7 +905,7 @@ def plan_mla_decode(page_table, num_heads: int, q_len: int = 1, *, fixed_split_p
     steps), so a split pays its merge only where the batch leaves SMs idle. (``plan_decode``'s
     ``head_dim`` only selects tuned defaults that the explicit grid and chunk replace.)"""
     from kernels_pallas.paged_decode_tuning import num_sms
-    from paged.plan import plan_decode  # the wrapper's one upward import (see mla_decode_mgpu)
+    from paged.plan import plan_decode  # an upward import of the wrapper (see mla_decode_mgpu)
 
     row_blocks = -(-(q_len * num_heads) // TILE_ROWS)
     return plan_decode(
@@ -909,8 +938,9 @@ def mla_decode_mgpu(
 
     A thin wrapper over ``mla_decode_mgpu_states`` for tests and benchmarks; it reads the
     cache's and table's arrays by attribute (``paged.LatentCache``, ``paged.PageTable``) and,
-    without a plan, plans on the host (``plan_mla_decode``), the one place this module reaches
-    up into ``paged/`` (wired into ``paged``, it would live there).
+    without a plan, plans on the host (``plan_mla_decode``); it validates its input with the
+    reference's checks. Those are the places this module reaches up into ``paged/`` (the public
+    entry is ``paged.mla_decode_attention``).
 
     Args:
       q_latent: ``[B, H, R]`` or ``[B, L, H, R]``, the absorbed queries.
@@ -927,19 +957,18 @@ def mla_decode_mgpu(
       ``(o_latent [B, (L,) H, R] float32, lse [B, (L,) H] float32)``, lse in natural log.
 
     Raises:
-      ValueError: what ``mla_decode_mgpu_states`` refuses; a plan made for another table
+      ValueError: what ``paged.mla_reference.validate_latent_attention_inputs`` refuses (the
+        reference's checks of the queries, the cache and the table, run first), then what
+        ``mla_decode_mgpu_states`` refuses; a plan made for another table
         (``paged.plan.validate_plan``).
     """
+    from paged.mla_reference import validate_latent_attention_inputs
     from paged.plan import validate_plan
 
     single_token = q_latent.ndim == 3
-    if single_token:
-        q_latent, q_rope = q_latent[:, None], q_rope[:, None]
-    if q_latent.ndim != 4:
-        raise ValueError(f"q_latent must be [B, H, R] or [B, L, H, R], got {q_latent.shape}")
+    # The reference's checks first (one validation path): bad input fails here as it does there.
+    q_latent, q_rope = validate_latent_attention_inputs(q_latent, q_rope, cache, page_table)
     batch, q_len, num_heads, kv_lora_rank = q_latent.shape
-    if page_table.batch_size != batch:
-        raise ValueError(f"page_table has {page_table.batch_size} requests but q_latent {batch}")
     if plan is None:
         plan = plan_mla_decode(page_table, num_heads, q_len, fixed_split_pages=fixed_split_pages)
     validate_plan(plan, page_table)

@@ -10,7 +10,8 @@ and ``per="kv_head"`` keeps the largest ``U`` over the ``G`` query heads of each
 ``per="query_head"`` each. Scores come out as the reference's ``[B, R, nnz_padded]`` (``R =
 KVH`` or ``H``), ``-inf`` where entry ``j`` of ``page_indices`` is not one of request ``b``'s
 pages and for a page with empty bounds. Not yet wired into ``paged.sparse_decode_attention``;
-selection (the top pages) stays in the reference (``quest_selected_pages``).
+selection (the top pages) is ``quest_selected_pages`` or its kernel, ``kernels_pallas/
+quest_select.py`` (not yet used by ``sparse_decode_attention`` either).
 
 What it costs. Scoring is memory bound: each page row of ``kmin`` and ``kmax`` (``D`` float32,
 512 bytes at ``D = 128``) serves only the ``G`` query heads of its KV head, two products, a
@@ -85,14 +86,11 @@ summation, applied to both), so the tests compare with ``atol = 2 D u sum_i |t_i
 (``t_i`` the chosen product), computed from the inputs; a real indexing error moves a score by
 a whole term, far more.
 
-Selection by kernel (not built): keeping the top ``m`` of a request's ``n`` scores for each
-head is a top-k over ragged rows of at most a few thousand floats (8 KiB at 2048 pages), small
-next to the scoring's reads. A radix select on the scores' order-preserving integer keys (a
-histogram pass per 8 bits, the row held in shared memory) finds the ``m``-th largest without
-sorting; one more pass keeps the pages above it, the earliest of the pages equal to it up to
-``m`` (the reference's tie rule), with the first and last page forced. It could run in the
-scoring program's epilogue if one program owned a whole request and head, which the work split
-above gives up for balance; a second small kernel over ``[B, R, n]`` is the simpler path.
+Selection by kernel: ``kernels_pallas/quest_select.py``, a second small kernel over ``[B, R, n]``
+(a radix threshold select on the scores' order-preserving integer keys, then the earliest ties,
+the first and last page forced; equal to the reference bit for bit). It could instead run in
+this kernel's epilogue if one program owned a whole request and head, which the work split above
+gives up for balance.
 
 Mosaic GPU's interpreter (``interpret=True``, ``plgpu.InterpretGPUParams()``) runs the whole
 kernel on a CPU: TMA, barriers, the register-layout loads, broadcasts and reductions. The

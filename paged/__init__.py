@@ -11,12 +11,16 @@ Public API (names are part of the contract):
   ``cascade_levels_from_nested_prefixes``, ``cascade_decode_attention`` (``backend=``): decode
   with shared prefixes split into levels, merged exactly
 - ``merge_state``, ``merge_states``: exact merging of partial attention states
-- ``RopeParams``, ``Llama3Scaling``, ``apply_rope``, ``inverse_frequencies``: rotary embedding
+- ``RopeParams``, ``Llama3Scaling``, ``apply_rope``, ``inverse_frequencies``: rotary embedding;
+  ``YarnScaling``, ``yarn_inverse_frequencies``, ``yarn_mscale``, ``apply_rope_frequencies``:
+  YaRN's frequencies and temperature (DeepSeek's long context)
 - ``rope_append_kv`` (``backend=``): RoPE on new tokens' q and k, k and v written into pages
 - ``prefill_chunks``, ``PrefillChunk``, ``truncated_page_table``, ``new_token_positions``,
   ``prefill_attention`` (``backend=``): chunked prefill against the paged cache
 - ``LatentCache``, ``new_latent_cache``, ``append_latent``: the MLA latent cache (a latent and
-  a RoPE key a token, under the same CSR page table); ``mla_decode_absorbed_reference`` and
+  a RoPE key a token, under the same CSR page table); ``mla_decode_attention``
+  (``backend="auto" | "reference" | "pallas_mgpu"``; ``"auto"`` is the reference until the
+  kernel is measured on the H200), and ``mla_decode_absorbed_reference`` and
   ``mla_decode_unabsorbed_reference``: MLA decode, the two formulations (``docs/mla.md``)
 - ``sparse_decode_attention`` (``backend=``) with a ``QuestSelection`` (``PageKeyBounds``,
   ``page_key_bounds``, ``update_page_key_bounds``), a ``TokenSelection``
@@ -36,6 +40,7 @@ from paged.cascade import (
 from paged.decode import decode_attention
 from paged.kv_cache import KVCache, append_kv, new_kv_cache
 from paged.mla_cache import LatentCache, append_latent, new_latent_cache
+from paged.mla_decode import mla_decode_attention
 from paged.mla_reference import mla_decode_absorbed_reference, mla_decode_unabsorbed_reference
 from paged.page_table import (
     PageTable,
@@ -53,7 +58,16 @@ from paged.prefill import (
     prefill_chunks,
     truncated_page_table,
 )
-from paged.rope import Llama3Scaling, RopeParams, apply_rope, inverse_frequencies
+from paged.rope import (
+    Llama3Scaling,
+    RopeParams,
+    YarnScaling,
+    apply_rope,
+    apply_rope_frequencies,
+    inverse_frequencies,
+    yarn_inverse_frequencies,
+    yarn_mscale,
+)
 from paged.rope_append import rope_append_kv
 from paged.sparse import sparse_decode_attention
 from paged.sparse_blocks import BlockSelection
@@ -82,9 +96,11 @@ __all__ = [
     "RopeParams",
     "SharedLevel",
     "TokenSelection",
+    "YarnScaling",
     "append_kv",
     "append_latent",
     "apply_rope",
+    "apply_rope_frequencies",
     "bucket_size",
     "cascade_decode_attention",
     "cascade_levels_from_nested_prefixes",
@@ -97,6 +113,7 @@ __all__ = [
     "merge_state",
     "merge_states",
     "mla_decode_absorbed_reference",
+    "mla_decode_attention",
     "mla_decode_unabsorbed_reference",
     "new_kv_cache",
     "new_latent_cache",
@@ -112,4 +129,6 @@ __all__ = [
     "update_page_key_bounds",
     "validate_cascade_levels",
     "validate_page_table",
+    "yarn_inverse_frequencies",
+    "yarn_mscale",
 ]

@@ -216,8 +216,9 @@ def append_latent(
       batch_indices: int ``[nnz]``, the request of each token.
       positions: int ``[nnz]``, each token's position in its request.
       rope: the model's RoPE parameters, or None for keys rotated already. (DeepSeek's
-        checkpoints pair elements as ``RopeParams(interleaved=True)`` does; YaRN frequencies are
-        not implemented in ``paged.rope``.)
+        checkpoints pair elements as ``RopeParams(interleaved=True)`` does; ``RopeParams`` does
+        not carry YaRN: rotate with ``paged.rope.apply_rope_frequencies`` and
+        ``yarn_inverse_frequencies`` and pass None.)
 
     Returns:
       The updated cache.

@@ -47,21 +47,36 @@ from paged.kv_cache import KVCache
 from paged.mla_cache import LatentCache, validate_latent_cache
 from paged.page_table import PageTable, check_holds_new_tokens, validate_page_table
 from paged.prefill import new_token_positions
+from paged.rope import YarnScaling
 
 
-def default_softmax_scale(qk_nope_head_dim: int, qk_rope_head_dim: int) -> float:
-    """``1 / sqrt(qk_nope_head_dim + qk_rope_head_dim)``: 1/sqrt(192) for DeepSeek-V2.
+def default_softmax_scale(
+    qk_nope_head_dim: int, qk_rope_head_dim: int, *, yarn: YarnScaling | None = None
+) -> float:
+    """``1 / sqrt(qk_nope_head_dim + qk_rope_head_dim)``: 1/sqrt(192) for DeepSeek-V2, times
+    YaRN's ``mscale ** 2`` when the model uses YaRN.
 
     The scale belongs to the model's query-key head dimension (128 + 64), not to the width of the
     latent-space dot product (512 + 64 = 576) that the absorbed form computes; the two give
-    different attention. Under YaRN the model multiplies it by ``mscale ** 2``; pass that product
-    as ``softmax_scale``.
+    different attention. Under YaRN (``paged.rope.YarnScaling``) DeepSeek multiplies it by
+    ``mscale ** 2``, ``mscale = 0.1 * mscale_all_dim * ln(factor) + 1``
+    (``paged.rope.yarn_mscale``): pass ``yarn=`` here and the result as ``softmax_scale``.
+
+    Raises:
+      ValueError: for a ``yarn`` that is neither None nor a ``YarnScaling``.
 
     Example:
       >>> default_softmax_scale(128, 64) == 1 / 192 ** 0.5
       True
+      >>> round(default_softmax_scale(128, 64, yarn=YarnScaling(factor=40.0)), 6)  # DeepSeek-V3
+      0.135234
     """
-    return 1.0 / math.sqrt(qk_nope_head_dim + qk_rope_head_dim)
+    scale = 1.0 / math.sqrt(qk_nope_head_dim + qk_rope_head_dim)
+    if yarn is None:
+        return scale
+    if not isinstance(yarn, YarnScaling):
+        raise ValueError(f"yarn must be a paged.rope.YarnScaling or None, got {yarn!r}")
+    return scale * yarn.softmax_scale_multiplier
 
 
 def _check_softmax_scale(softmax_scale) -> float:
@@ -272,6 +287,55 @@ def project_latent_output(o_latent: jax.Array, w_uv: jax.Array) -> jax.Array:
     )
 
 
+def validate_latent_attention_inputs(
+    q_latent: jax.Array,
+    q_rope: jax.Array,
+    cache: LatentCache,
+    page_table: PageTable,
+    *,
+    holds_new_tokens: bool = True,
+) -> tuple[jax.Array, jax.Array]:
+    """The checks of latent-space attention's queries, cache and table, shared by the reference
+    (``mla_latent_attention_state``) and the kernel's wrapper
+    (``kernels_pallas.mla_decode_mgpu.mla_decode_mgpu``), so both refuse bad input alike.
+
+    Args:
+      q_latent: ``[B, H, R]`` or ``[B, L, H, R]``.
+      q_rope: ``[B, H, P]`` or ``[B, L, H, P]``.
+      cache: the latent pool (``validate_latent_cache``).
+      page_table: B requests, checked against the pool (values when concrete).
+      holds_new_tokens: also check (concrete tables) that every non-empty request holds its
+        ``L`` new tokens; off for a part of a split plan.
+
+    Returns:
+      Both queries as ``[B, L, H, D]``.
+
+    Raises:
+      ValueError: naming the argument and the value.
+    """
+    validate_latent_cache(cache)
+    latent_q = _with_q_len_axis("q_latent", q_latent)
+    rope_q = _with_q_len_axis("q_rope", q_rope)
+    if q_latent.ndim != q_rope.ndim or latent_q.shape[:3] != rope_q.shape[:3]:
+        raise ValueError(
+            f"q_latent {q_latent.shape} and q_rope {q_rope.shape} must agree on every axis but "
+            "the last ([B, H] or [B, q_len, H])"
+        )
+    if latent_q.shape[3] != cache.kv_lora_rank:
+        raise ValueError(
+            f"q_latent has width {latent_q.shape[3]} but the cache's kv_lora_rank is "
+            f"{cache.kv_lora_rank}"
+        )
+    if rope_q.shape[3] != cache.qk_rope_head_dim:
+        raise ValueError(
+            f"q_rope has qk_rope_head_dim {rope_q.shape[3]} but the cache has "
+            f"{cache.qk_rope_head_dim}"
+        )
+    batch, q_len = latent_q.shape[:2]
+    _check_cache_and_table(cache, page_table, batch, q_len if holds_new_tokens else 1)
+    return latent_q, rope_q
+
+
 def mla_latent_attention_state(
     q_latent: jax.Array,
     q_rope: jax.Array,
@@ -315,30 +379,13 @@ def mla_latent_attention_state(
         bad ``softmax_scale`` or page table, positions of the wrong shape.
     """
     scale = _check_softmax_scale(softmax_scale)
-    latent_q = _with_q_len_axis("q_latent", q_latent)
-    rope_q = _with_q_len_axis("q_rope", q_rope)
-    if q_latent.ndim != q_rope.ndim or latent_q.shape[:3] != rope_q.shape[:3]:
-        raise ValueError(
-            f"q_latent {q_latent.shape} and q_rope {q_rope.shape} must agree on every axis but "
-            "the last ([B, H] or [B, q_len, H])"
-        )
+    # A part of a split plan may hold fewer than q_len tokens: no length check then.
+    latent_q, rope_q = validate_latent_attention_inputs(
+        q_latent, q_rope, cache, page_table, holds_new_tokens=query_positions is None
+    )
     batch, q_len = latent_q.shape[:2]
-    if latent_q.shape[3] != cache.kv_lora_rank:
-        raise ValueError(
-            f"q_latent has width {latent_q.shape[3]} but the cache's kv_lora_rank is "
-            f"{cache.kv_lora_rank}"
-        )
-    if rope_q.shape[3] != cache.qk_rope_head_dim:
-        raise ValueError(
-            f"q_rope has qk_rope_head_dim {rope_q.shape[3]} but the cache has "
-            f"{cache.qk_rope_head_dim}"
-        )
     if query_positions is None:
-        _check_cache_and_table(cache, page_table, batch, q_len)
         query_positions = new_token_positions(page_table, q_len)
-    else:
-        # A part of a split plan may hold fewer than q_len tokens: no length check then.
-        _check_cache_and_table(cache, page_table, batch, 1)
     if query_positions.shape != (batch, q_len):
         raise ValueError(
             f"query_positions must have shape [{batch}, {q_len}] ([B, q_len]), got "

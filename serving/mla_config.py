@@ -1,12 +1,16 @@
-"""The shape of an MLA (multi-head latent attention) decoder's attention, and random weights.
+"""The shape of an MLA (multi-head latent attention) decoder, and random attention weights.
 
-Not wired into the engine yet (``docs/mla.md``, "Not built yet"): this fixes the sizes and the
-weight layout that the latent cache (``paged.mla_cache``) and the MLA references
-(``paged.mla_reference``) take, so a model and a benchmark can share them.
+The model itself is ``serving/mla_model.py`` (not run by the engine yet: ``docs/mla.md``, "Not
+built yet"). This fixes the sizes and the weight layout that the latent cache
+(``paged.mla_cache``), the MLA references (``paged.mla_reference``) and the model take, so a
+model and a benchmark can share them.
 
 - ``MLAConfig``: widths, heads, MLA ranks, RoPE, norm epsilon and dtype (hashable).
 - ``deepseek_v2_lite_like``: DeepSeek-V2-Lite's attention shapes, with fewer layers.
 - ``init_mla_attention_params``: random attention weights of every layer.
+- ``MLAModelConfig``: a whole decoder (attention, SwiGLU MLP, vocabulary); ``MLA_TINY`` (V2-Lite's
+  attention, 2 layers, hidden 256, bytes) and ``MLA_TEST`` (test sizes); ``MLA_MODELS`` by name.
+- ``cache_bytes_per_token``: KV-cache bytes a token, latent or expanded per head.
 
 One layer's attention, with ``x`` a token's hidden state (DeepSeek-V2-Lite has no query
 compression, ``q_lora_rank`` None, so the query comes straight from ``x``):
@@ -16,8 +20,10 @@ compression, ``q_lora_rank`` None, so the query comes straight from ``x``):
     (cache: latent, k_rope)  -> attention with w_uk [H, R, N], w_uv [H, R, V] -> [H, V]
     out = sum_h attention[h] @ w_o[h]   [hidden]
 
-YaRN (DeepSeek's long-context RoPE) is not modelled: ``paged.rope`` has no YaRN frequencies, so
-``softmax_scale`` is the plain ``1 / sqrt(N + P)``.
+YaRN (DeepSeek's long-context RoPE) is not modelled here: these configurations keep their
+original context, so ``softmax_scale`` is the plain ``1 / sqrt(N + P)``. ``paged.rope`` has the
+YaRN frequencies and ``paged.mla_reference.default_softmax_scale(..., yarn=)`` its ``mscale``
+for a configuration that needs them.
 """
 
 from __future__ import annotations
@@ -183,3 +189,123 @@ def init_mla_attention_params(config: MLAConfig, key: jax.Array) -> list[dict[st
             layer[name] = (piece.reshape(shapes[name]) / math.sqrt(size)).astype(config.jnp_dtype)
         layers.append(layer)
     return layers
+
+
+# ----------------------------------------------------------------------------------------------
+# The whole decoder (serving/mla_model.py)
+
+
+@dataclasses.dataclass(frozen=True)
+class MLAModelConfig:
+    """A whole MLA decoder: its attention (``MLAConfig``), a SwiGLU MLP and a vocabulary
+    (hashable: a static argument under ``jit``).
+
+    The layer is the Llama-style one of ``serving/model.py`` with MLA in place of grouped-query
+    attention: RMSNorm, MLA, residual add, RMSNorm, SwiGLU MLP, residual add; a final RMSNorm and
+    an untied LM head. Every norm uses ``attention.norm_eps``; weights are ``attention.dtype``.
+
+    Attributes:
+      attention: the attention's sizes; its ``hidden`` and ``num_layers`` are the model's.
+      vocab_size: tokens in the vocabulary (256: bytes, the tiny draft's vocabulary).
+      intermediate: the MLP's hidden width.
+
+    Raises:
+      ValueError: naming the field, for an ``attention`` that is not an ``MLAConfig`` or a size
+        below 1.
+
+    Example:
+      >>> MLA_TINY.attention.num_heads, MLA_TINY.vocab_size, MLA_TINY.num_layers
+      (16, 256, 2)
+    """
+
+    attention: MLAConfig
+    vocab_size: int = 256
+    intermediate: int = 512
+
+    def __post_init__(self):
+        if not isinstance(self.attention, MLAConfig):
+            raise ValueError(f"attention must be an MLAConfig, got {self.attention!r}")
+        for name in ("vocab_size", "intermediate"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+
+    @property
+    def hidden(self) -> int:
+        return self.attention.hidden
+
+    @property
+    def num_layers(self) -> int:
+        return self.attention.num_layers
+
+    @property
+    def norm_eps(self) -> float:
+        return self.attention.norm_eps
+
+    @property
+    def jnp_dtype(self) -> jnp.dtype:
+        return self.attention.jnp_dtype
+
+
+# DeepSeek-V2-Lite's attention (16 heads, latent 512, RoPE 64, qk_nope 128, v 128) in a decoder
+# small enough for a CPU: hidden 256, 2 layers, byte vocabulary (the tiny draft's, so it could
+# propose tokens for it). Random weights (``serving.mla_model.init_mla_model_params``).
+MLA_TINY = MLAModelConfig(
+    attention=MLAConfig(hidden=256, num_layers=2, num_heads=16, dtype="bfloat16"),
+    vocab_size=256,
+    intermediate=512,
+)
+# The same structure at test sizes (the widths of every weight's axes distinct, so a transposed
+# weight fails a shape: w_q is [hidden, H, N + P], and hidden = N + P = 24 would hide it).
+MLA_TEST = MLAModelConfig(
+    attention=MLAConfig(
+        hidden=28,
+        num_layers=2,
+        num_heads=4,
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=12,
+        dtype="float32",
+    ),
+    vocab_size=256,
+    intermediate=40,
+)
+MLA_MODELS = {"mla-tiny": MLA_TINY, "mla-test": MLA_TEST}
+
+# What ``cache_bytes_per_token`` measures: MLA's latent cache, or the same attention's keys and
+# values expanded per head (what a grouped-query cache with one KV head a query head stores).
+CACHE_LAYOUTS = ("latent", "expanded")
+
+
+def cache_bytes_per_token(config: MLAConfig | MLAModelConfig, layout: str) -> int:
+    """KV-cache bytes one token occupies in the whole model (every layer), in ``config.dtype``.
+
+    - ``"latent"``: ``num_layers * (R + P) * itemsize``: a latent and a RoPE key a layer.
+    - ``"expanded"``: ``num_layers * H * (N + P + V) * itemsize``: each head's key (``N``
+      non-rotary values and the ``P`` RoPE values, which the latent stores once for all heads)
+      and its value. (``paged.mla_reference.expand_latent_cache`` pads keys and values to one
+      width, ``max(N + P, V)``, for a plain ``KVCache``: ``2 H max(N + P, V)`` values, more.)
+
+    DeepSeek-V2-Lite (27 layers, bfloat16): latent ``27 * 576 * 2`` = 31104 bytes a token;
+    expanded ``27 * 16 * 320 * 2`` = 276480 (``2 * 16 * 128`` keys and values plus
+    ``16 * 64`` RoPE keys = 5120 values a layer, against 576): 8.9x.
+
+    Raises:
+      ValueError: for a config that is neither, or an unknown layout.
+
+    Example:
+      >>> cache_bytes_per_token(deepseek_v2_lite_like(1), "latent")
+      1152
+    """
+    if isinstance(config, MLAModelConfig):
+        config = config.attention
+    if not isinstance(config, MLAConfig):
+        raise ValueError(f"config must be an MLAConfig or MLAModelConfig, got {config!r}")
+    if layout == "latent":
+        per_layer = config.latent_bytes_per_token
+    elif layout == "expanded":
+        per_layer = config.expanded_bytes_per_token
+    else:
+        raise ValueError(f"layout must be one of {CACHE_LAYOUTS}, got {layout!r}")
+    return config.num_layers * per_layer

@@ -2,7 +2,9 @@
 
 ``python -m serving.train_tiny --out serving/weights`` writes ``target.{npz,json}`` and
 ``draft.{npz,json}`` (``serving.model_files.save_model``). The committed files and the exact command
-that made them are recorded in ``serving/weights/README.md``.
+that made them are recorded in ``serving/weights/README.md``. ``--only target --target-name
+target_long --seq-len 2048 --batch-size 2`` trains the target alone, with the same recipe on
+longer windows (the same bytes per step), for the sparse decode quality study.
 
 Data: every ``.py`` file under ``sysconfig.get_paths()["stdlib"]`` except test suites and
 installed packages (``test``, ``tests``, ``idle_test``, ``site-packages`` directories), sorted by
@@ -41,6 +43,7 @@ from serving.model_files import load_model, save_model
 EXCLUDED_DIRECTORIES = ("test", "tests", "idle_test", "site-packages")
 HELD_OUT_EVERY = 20  # file i (sorted) is held out when i % 20 == 19
 EVAL_WINDOWS = 64
+EVAL_CHUNK_BYTES = 64 * 256  # windows evaluated together: the 256-byte recipe's 64 at once
 BITS_PER_NAT = 1 / math.log(2)
 
 
@@ -148,10 +151,20 @@ def train(
 
 
 def evaluate(config, params, stream: np.ndarray, seed: int, seq_len: int) -> float:
-    """Next-byte loss in bits per byte on ``EVAL_WINDOWS`` fixed windows of ``stream``."""
+    """Next-byte loss in bits per byte on ``EVAL_WINDOWS`` fixed windows of ``stream``.
+
+    The windows go through the model in chunks of at most ``EVAL_CHUNK_BYTES`` bytes (all 64 at
+    once for 256-byte windows, as before): dense attention holds every score, quadratic in the
+    window length, and 64 windows of 2048 bytes would need gigabytes.
+    """
     batch = windows(stream, np.random.default_rng(seed), EVAL_WINDOWS, seq_len + 1)
     loss = jax.jit(lambda params, batch: next_byte_loss(params, config, batch))
-    return float(loss(params, jnp.asarray(batch))) * BITS_PER_NAT
+    chunk = max(1, min(EVAL_WINDOWS, EVAL_CHUNK_BYTES // seq_len))
+    total_nats = 0.0
+    for start in range(0, EVAL_WINDOWS, chunk):
+        part = batch[start : start + chunk]
+        total_nats += float(loss(params, jnp.asarray(part))) * part.shape[0]
+    return total_nats / EVAL_WINDOWS * BITS_PER_NAT
 
 
 def expected_acceptance(target, draft, stream: np.ndarray, seed: int, seq_len: int) -> float:
@@ -168,6 +181,15 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m serving.train_tiny", description=__doc__.splitlines()[0]
     )
     parser.add_argument("--out", required=True, help="directory for target.* and draft.*")
+    parser.add_argument(
+        "--only",
+        choices=("both", "target"),
+        default="both",
+        help="'target': train the target alone (no draft, no acceptance figure)",
+    )
+    parser.add_argument(
+        "--target-name", default="target", help="file stem of the target under --out"
+    )
     parser.add_argument("--seed", type=int, default=0, help="initialization and data order")
     parser.add_argument("--target-steps", type=int, default=600)
     parser.add_argument("--draft-steps", type=int, default=800)
@@ -176,6 +198,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--target-lr", type=float, default=3e-3)
     parser.add_argument("--draft-lr", type=float, default=5e-3)
     args = parser.parse_args(argv)
+    if args.only == "both" and args.target_name == "draft":
+        parser.error("--target-name draft would overwrite the draft (train it with --only target)")
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
@@ -198,12 +222,12 @@ def main(argv: list[str] | None = None) -> int:
         + " ".join(sys.argv[1:] if argv is None else argv),
     }
 
+    models = [(args.target_name, TINY_TARGET, args.target_steps, args.target_lr)]
+    if args.only == "both":
+        models.append(("draft", TINY_DRAFT, args.draft_steps, args.draft_lr))
     results = {}
     teacher = None
-    for name, config, steps, lr in [
-        ("target", TINY_TARGET, args.target_steps, args.target_lr),
-        ("draft", TINY_DRAFT, args.draft_steps, args.draft_lr),
-    ]:
+    for name, config, steps, lr in models:
         print(f"{name}: {param_count(init_params(config, jax.random.key(0)))} parameters")
         started = time.perf_counter()
         params, recent_nats = train(
@@ -245,8 +269,12 @@ def main(argv: list[str] | None = None) -> int:
             teacher = (config, params)
         print(f"{name}: {wall_s:.0f} s, {metadata['evaluation']}")
 
+    if args.only == "target":  # no draft: record the evaluation now
+        for name, (config, params, metadata) in results.items():
+            save_model(out / name, config, params, metadata=metadata)
+        return 0
     acceptance = expected_acceptance(
-        results["target"][:2], results["draft"][:2], held_out_stream, 3, args.seq_len
+        results[args.target_name][:2], results["draft"][:2], held_out_stream, 3, args.seq_len
     )
     print(f"expected acceptance of a drafted byte (temperature 1, held out): {acceptance:.3f}")
     for name, (config, params, metadata) in results.items():

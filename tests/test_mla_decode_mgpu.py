@@ -429,7 +429,7 @@ def test_a_plan_for_another_table_is_refused():
     stale = plan_mla_decode(scattered_table(rng, (20, 33)), 16)
     with pytest.raises(ValueError, match="stale"):
         run(q_latent, q_rope, cache, table, plan=stale)
-    with pytest.raises(ValueError, match="page_table has 2 requests but q_latent 1"):
+    with pytest.raises(ValueError, match="page_table describes 2 requests but the batch has 1"):
         run(q_latent[:1], q_rope[:1], cache, table)
 
 
