@@ -38,7 +38,8 @@ The pipeline, for one program (one work item, one KV head; one warpgroup of 128 
   (``probs_in_smem=True``: the path Mosaic GPU's interpreter can run on a CPU) or fed from
   registers (``False``, the default on the GPU: no shared-memory round trip; FlashAttention-3's
   way, compiled only).
-- Page numbers come in windows of ``index_window`` (at most 256, one TMA each) into two
+- Page numbers come in windows of ``index_window`` (at most 252, one copy each, from a 16-byte
+  aligned start: ``index_windows.py``) into two
   alternating buffers: window ``k + 1`` is copied while window ``k``'s pages stream. A work item
   of more pages than one window runs one pipeline a window, so the pipeline drains and refills
   once every ``index_window`` pages (one copy latency each; the planner's chunks usually fit one
@@ -89,13 +90,19 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from kernels_pallas.index_windows import (
+    MAX_INDEX_WINDOW,
+    aligned_window_start,
+    default_index_window,
+    index_buffer_entries,
+    pad_page_indices,
+)
 from kernels_pallas.online_softmax import LN_2, LOG2_E, MASKED_LOGIT
 from kernels_pallas.paged_decode import head_major, partial_rows, token_major, unsigned_min
 from kernels_pallas.x64 import runs_in_32_bits
 
 TILE_ROWS = 64  # a WGMMA tile's rows: one warpgroup
 MAX_GROUP = 8  # query heads per KV head (the tile holds q_len x G rows: max_query_len)
-MAX_INDEX_WINDOW = 256  # a TMA box has at most 256 elements a dimension
 PAGE_SIZE = 16  # the WGMMA K dimension of p @ V is one page
 SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16)
 SUPPORTED_HEAD_DIMS = (64, 128)
@@ -170,6 +177,10 @@ def paged_decode_mgpu_kernel(
     num_item_pages = jnp.maximum(page_end - page_start, 0)
     num_tokens = jnp.where(num_item_pages > 0, (num_item_pages - 1) * page_size + last_page_len, 0)
     num_windows = pl.cdiv(num_item_pages, index_window)
+    # Windows are copied from the multiple of 4 entries at or below the item's first (a bulk
+    # copy starts on 16 bytes: kernels_pallas/index_windows.py); the item's pages begin at entry
+    # `index_shift` of each window's buffer.
+    index_start, index_shift = aligned_window_start(page_start)
     first_row = (request * num_kv_heads + kv_head) * query_rows
     row_offset = lax.rem(first_row, 8)  # of the head's rows in the query tile
     causal = None
@@ -197,7 +208,9 @@ def paged_decode_mgpu_kernel(
     def copy_index_window(window, buffers, barriers):
         slot = lax.rem(window, 2)
         plgpu.copy_gmem_to_smem(
-            page_indices_ref.at[pl.ds(page_start + window * index_window, index_window)],
+            page_indices_ref.at[
+                pl.ds(index_start + window * index_window, index_buffer_entries(index_window))
+            ],
             buffers.at[slot],
             barriers.at[slot],
         )
@@ -232,7 +245,8 @@ def paged_decode_mgpu_kernel(
 
             def index_map(step, page):
                 # A bad index reads a wrong page, never past the pool (one unsigned minimum).
-                number = unsigned_min(page_numbers[step * pages_per_step + page], num_pages - 1)
+                entry = index_shift + step * pages_per_step + page
+                number = unsigned_min(page_numbers[entry], num_pages - 1)
                 return number, kv_head, 0, 0
 
             block = (None, None, page_size, head_dim)
@@ -296,7 +310,7 @@ def paged_decode_mgpu_kernel(
         scoped,
         plgpu.SMEM((TILE_ROWS, head_dim), dtype, transforms=k_transforms),
         probs_scratch,
-        plgpu.SMEM((2, index_window), jnp.int32),
+        plgpu.SMEM((2, index_buffer_entries(index_window)), jnp.int32),
         plgpu.Barrier(num_barriers=1),
         plgpu.Barrier(num_barriers=2),
     )
@@ -493,7 +507,7 @@ def paged_decode_mgpu(
     write_final: bool,
     pages_per_step: int = 1,
     num_stages: int = 4,
-    index_window: int = MAX_INDEX_WINDOW,
+    index_window: int | None = None,
     probs_in_smem: bool = False,
     interpret: bool | plgpu.InterpretGPUParams = False,
 ):
@@ -523,7 +537,7 @@ def paged_decode_mgpu(
       pages_per_step: pages of K and of V a pipeline step copies and computes (static).
       num_stages: pipeline steps in flight (``emit_pipeline``'s ``max_concurrent_steps``).
       index_window: page numbers copied to shared memory at once (a multiple of 4 and of
-        ``pages_per_step``, at most 256).
+        ``pages_per_step``, at most 252; default the largest such).
       probs_in_smem: store the softmax weights to shared memory before ``p @ V`` (runs in
         interpret mode); False feeds them from registers (compiled only).
       interpret: run in Mosaic GPU's interpret mode (CPU); needs ``probs_in_smem=True``. A
@@ -536,6 +550,8 @@ def paged_decode_mgpu(
       ValueError: for shapes, dtypes or static parameters the kernel does not take, and a
         missing table for ``L > 1`` (naming the argument and its value).
     """
+    if index_window is None and isinstance(pages_per_step, int) and pages_per_step >= 1:
+        index_window = default_index_window(pages_per_step)
     validate_mgpu_decode_arguments(
         q, k_pages, v_pages, pages_per_step, num_stages, index_window, probs_in_smem, interpret
     )
@@ -609,7 +625,7 @@ def paged_decode_mgpu(
             work_page_start,
             work_page_end,
             work_last_page_len,
-            page_indices,
+            pad_page_indices(page_indices, index_window),  # index_windows.py says why
             *table,
             q_rows.reshape(total_rows, head_dim),
             k_pages,

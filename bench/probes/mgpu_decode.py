@@ -227,7 +227,7 @@ def run_decode(q, cache, table, plan, probs_path, pages_per_step, interpret):
         pages_per_step=pages_per_step,
         # Windows of 4 page numbers with one page a step: items of more pages than a window
         # (double-buffered windows); the default 256 with two.
-        index_window=4 if pages_per_step == 1 else 256,
+        index_window=4 if pages_per_step == 1 else None,
         probs_in_smem=probs_path == "smem",
         interpret=interpret,
     )

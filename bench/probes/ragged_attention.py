@@ -367,7 +367,7 @@ def memcheck_workload(interpret: bool) -> int:
                         write_final=work.write_final,
                         sm_scale=head_dim**-0.5,
                         pages_per_step=pages_per_step,
-                        index_window=4 if pages_per_step == 1 else 256,
+                        index_window=4 if pages_per_step == 1 else None,
                         probs_in_smem=probs_path == "smem",
                         return_lse=pages_per_step == 2,
                         interpret=interpret,
