@@ -89,6 +89,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from kernels_pallas.index_windows import default_index_window, pad_page_indices
 from kernels_pallas.online_softmax import LOG2_E
 from kernels_pallas.paged_decode_mgpu import (
     H200_SMEM_PER_PROGRAM_BYTES,
@@ -271,7 +272,7 @@ def cascade_shared_mgpu(
     num_splits: int,
     pages_per_step: int = 4,
     num_stages: int = 3,
-    index_window: int = 256,
+    index_window: int | None = None,
     probs_in_smem: bool = False,
     pipeline: str = "ring",
     interpret: bool | plgpu.InterpretGPUParams = False,
@@ -294,6 +295,8 @@ def cascade_shared_mgpu(
     Returns:
       ``(o [B, L, H, D] float32, lse [B, L, H] float32)``.
     """
+    if index_window is None:
+        index_window = default_index_window(pages_per_step)
     batch, q_len, num_q_heads, head_dim = queries.shape
     num_kv_heads = k_pages.shape[1]
     group_size = num_q_heads // num_kv_heads
@@ -339,6 +342,7 @@ def cascade_shared_mgpu(
         write_final=False,
         probs_in_smem=probs_in_smem,
         pipeline=pipeline,
+        table_entries=group_page_indices.shape[0],
     )
     partial_o, partial_lse = plgpu.kernel(
         kernel,
@@ -351,7 +355,13 @@ def cascade_shared_mgpu(
         interpret=_interpret_params(interpret),
         kernel_name=f"cascade_shared_mgpu_{pipeline}_p{pages_per_step}_s{num_stages}"
         + ("_psmem" if probs_in_smem else "_preg"),
-    )(*work, group_page_indices, q_tiles.reshape(-1, head_dim), k_pages, v_pages)
+    )(
+        *work,
+        pad_page_indices(group_page_indices, index_window),  # index_windows.py says why
+        q_tiles.reshape(-1, head_dim),
+        k_pages,
+        v_pages,
+    )
     partial_o = partial_o.reshape(num_work, num_kv_heads, TILE_ROWS, head_dim)
     partial_lse = partial_lse.reshape(num_work, num_kv_heads, TILE_ROWS)
     if num_splits == 1:
@@ -397,7 +407,7 @@ def shared_level_states_mgpu(
     num_splits: int | None = None,
     pages_per_step: int = 4,
     num_stages: int = 3,
-    index_window: int = 256,
+    index_window: int | None = None,
     probs_in_smem: bool = False,
     pipeline: str = "ring",
     interpret: bool | plgpu.InterpretGPUParams = False,
@@ -464,6 +474,8 @@ def shared_level_states_mgpu(
         # 0 would fail as a ZeroDivisionError deep in the kernel trace; a negative cap equals
         # its absolute value (c x tanh(s / c) is even in c) and is refused as decode refuses it.
         raise ValueError(f"logits_soft_cap must be > 0 or None, got {logits_soft_cap}")
+    if index_window is None and isinstance(pages_per_step, int) and pages_per_step >= 1:
+        index_window = default_index_window(pages_per_step)
     _validate_arguments(
         queries,
         cache,

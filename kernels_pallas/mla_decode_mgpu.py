@@ -115,6 +115,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from kernels_pallas.index_windows import (
+    MAX_INDEX_WINDOW,
+    aligned_window_start,
+    default_index_window,
+    index_buffer_entries,
+    pad_page_indices,
+)
 from kernels_pallas.merge_states import merge_partial_states
 from kernels_pallas.online_softmax import LN_2, LOG2_E, MASKED_LOGIT
 from kernels_pallas.paged_decode import unsigned_min
@@ -132,7 +139,6 @@ def num_compute_warpgroups(transposed: bool) -> int:
     return 1 if transposed else 2
 
 
-MAX_INDEX_WINDOW = 256  # a TMA box has at most 256 elements a dimension
 SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16)
 SUPPORTED_KV_LORA_RANKS = (128, 256, 512)  # halves of at most 256 columns: a WGMMA's N
 SUPPORTED_ROPE_DIMS = (64, 128)
@@ -159,7 +165,7 @@ def mla_decode_mgpu_kernel(
     work_page_start_ref,  # [W] int32, GMEM, offset into page_indices
     work_page_end_ref,  # [W] int32, GMEM
     work_last_page_len_ref,  # [W] int32, GMEM, valid slots in the item's final page
-    page_indices_ref,  # [num_indices] int32, GMEM (at least index_window entries)
+    page_indices_ref,  # [num_indices] int32, GMEM (a multiple of 4, at least a window buffer)
     # Only when q_len > 1 (the causal bound needs each request's length), the table's
     #   page_indptr_ref,  # [B + 1] int32, GMEM
     #   request_last_page_len_ref,  # [B] int32, GMEM
@@ -216,6 +222,9 @@ def mla_decode_mgpu_kernel(
     # The windows the steps read (not the item's pages: a bad last_page_len may leave pages no
     # step reads), so every window copied is waited for before the program ends.
     num_windows = pl.cdiv(num_steps, steps_per_window)
+    # Windows copied from a 16-byte aligned start (index_windows.py): the item's pages begin
+    # at entry `index_shift` of each window's buffer.
+    index_start, index_shift = aligned_window_start(page_start)
     first_row = request * rows + row_block * TILE_ROWS  # a multiple of 8: rows is
     causal_base = None
     if q_len > 1:
@@ -244,7 +253,9 @@ def mla_decode_mgpu_kernel(
 
         def copy_index_window(window):
             plgpu.copy_gmem_to_smem(
-                page_indices_ref.at[pl.ds(page_start + window * index_window, index_window)],
+                page_indices_ref.at[
+                    pl.ds(index_start + window * index_window, index_buffer_entries(index_window))
+                ],
                 index_buffers.at[lax.rem(window, 2)],
                 index_ready.at[lax.rem(window, 2)],
             )
@@ -279,7 +290,8 @@ def mla_decode_mgpu_kernel(
 
             for page in range(pages_per_step):
                 # A bad index reads a wrong page, never past the pool (one unsigned minimum).
-                number = unsigned_min(index_buffers[buffer, offset + page], num_pages - 1)
+                entry = index_shift + offset + page
+                number = unsigned_min(index_buffers[buffer, entry], num_pages - 1)
                 rows_of_page = pl.ds(page * page_size, page_size)
                 plgpu.copy_gmem_to_smem(
                     latent_ref.at[number], latent_ring.at[slot, rows_of_page], slot_ready.at[slot]
@@ -506,7 +518,7 @@ def mla_decode_mgpu_kernel(
     pl.run_scoped(
         scoped,
         plgpu.RefUnion(loop_buffers, output_buffers),
-        plgpu.SMEM((2, index_window), jnp.int32),
+        plgpu.SMEM((2, index_buffer_entries(index_window)), jnp.int32),
         plgpu.Barrier(num_arrivals=2, num_barriers=1),  # the two query copies
         plgpu.Barrier(num_barriers=2),
         plgpu.Barrier(num_arrivals=2 * pages_per_step, num_barriers=num_stages),
@@ -571,7 +583,8 @@ def smem_bytes_per_program(
     # Pallas reserves a scratch for reductions whenever a kernel reduces (CompilerParams'
     # reduction_scratch_bytes, 2 KiB by default).
     reduction_scratch = 2048
-    return max(loop, epilogue) + rounded(2 * index_window * 4) + barriers + reduction_scratch
+    index_buffers = rounded(2 * index_buffer_entries(index_window) * 4)
+    return max(loop, epilogue) + index_buffers + barriers + reduction_scratch
 
 
 def unsupported_reason(dtype, num_heads: int, kv_lora_rank: int, rope_dim: int, page_size: int):
@@ -728,7 +741,7 @@ def mla_decode_mgpu_states(
     last_page_len: jax.Array | None = None,
     softmax_scale: float,
     num_stages: int = 2,
-    index_window: int = MAX_INDEX_WINDOW,
+    index_window: int | None = None,
     probs_in_smem: bool = False,
     transposed: bool | None = None,
     interpret: bool | plgpu.InterpretGPUParams = False,
@@ -750,7 +763,7 @@ def mla_decode_mgpu_states(
       softmax_scale: the model's logit scale (``1 / sqrt(qk_nope + qk_rope)``, not of R + P).
       num_stages: ring slots of 64 tokens (2 fit the H200 at R = 512).
       index_window: page numbers copied to shared memory at once (a multiple of 4 and of the
-        ``64 / page_size`` pages of a step, at most 256).
+        ``64 / page_size`` pages of a step, at most 252; default the largest such, 248 or 252).
       probs_in_smem: ``p`` through shared memory (the interpreter's path) instead of
         registers (the 64-row tile); with ``transposed``, ``p`` is always in shared memory and
         this selects how the accumulator is updated (a fresh one added: the interpreter's way).
@@ -780,6 +793,12 @@ def mla_decode_mgpu_states(
             f"transposed must be None, False, or True for at most {TRANSPOSED_MAX_ROWS} query "
             f"rows (its [R, rows] float32 accumulator), got {transposed!r} for q_len x "
             f"num_heads = {rows}"
+        )
+    page_size = latent_pages.shape[1]
+    if index_window is None:  # the largest window for this page size's pages a step
+        supported = page_size in SUPPORTED_PAGE_SIZES  # else _check_launch names the size
+        index_window = (
+            default_index_window(BLOCK_TOKENS // page_size) if supported else MAX_INDEX_WINDOW
         )
     _check_launch(
         num_stages,
@@ -825,8 +844,7 @@ def mla_decode_mgpu_states(
         )
     # The index window is one TMA box: the array must be at least that long (the padding is
     # past every request's pages and never read as one of them).
-    if page_indices.shape[0] < index_window:
-        page_indices = jnp.pad(page_indices, (0, index_window - page_indices.shape[0]))
+    page_indices = pad_page_indices(page_indices, index_window)
     kernel = functools.partial(
         mla_decode_mgpu_kernel,
         q_len=q_len,

@@ -41,7 +41,8 @@ The pipeline, for one program (one work item, one KV head; one warpgroup of 128 
   (``probs_in_smem=True``: the path Mosaic GPU's interpreter can run on a CPU) or fed from
   registers (``False``, the default on the GPU: no shared-memory round trip; FlashAttention-3's
   way, compiled only).
-- Page numbers come in windows of ``index_window`` (at most 256, one TMA each) into two
+- Page numbers come in windows of ``index_window`` (at most 252, one copy each, from a 16-byte
+  aligned start: ``index_windows.py``) into two
   alternating buffers: window ``k + 1`` is copied while window ``k``'s pages stream. A work item
   of more pages than one window runs one pipeline a window, so the pipeline drains and refills
   once every ``index_window`` pages (one copy latency each; the planner's chunks usually fit one
@@ -146,13 +147,19 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxlib.mlir.dialects import nvvm  # the NVVM dialect Mosaic GPU lowers to
 
+from kernels_pallas.index_windows import (
+    MAX_INDEX_WINDOW,
+    aligned_window_start,
+    default_index_window,
+    index_buffer_entries,
+    pad_page_indices,
+)
 from kernels_pallas.online_softmax import LN_2, LOG2_E, MASKED_LOGIT
 from kernels_pallas.paged_decode import head_major, partial_rows, token_major, unsigned_min
 from kernels_pallas.x64 import runs_in_32_bits
 
 TILE_ROWS = 64  # a WGMMA tile's rows: one warpgroup
 MAX_GROUP = 8  # query heads per KV head (the tile holds q_len x G rows: max_query_len)
-MAX_INDEX_WINDOW = 256  # a TMA box has at most 256 elements a dimension
 PAGE_SIZE = 16  # the WGMMA K dimension of p @ V is one page
 SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16)
 SUPPORTED_HEAD_DIMS = (64, 128)
@@ -226,6 +233,7 @@ def paged_decode_mgpu_kernel(
     pipeline: str,
     merge: str = "separate",
     folded_interpret: bool = False,
+    table_entries: int | None = None,
 ):
     if q_len > 1:
         page_indptr_ref, request_last_page_len_ref, *refs = refs
@@ -238,7 +246,9 @@ def paged_decode_mgpu_kernel(
     work = lax.axis_index("work")
     kv_head = lax.axis_index("kv_head")
     num_pages, _, page_size, head_dim = k_pages_ref.shape
-    num_indices = page_indices_ref.shape[0]
+    # The table's own length, before the wrapper's padding (index_windows.py): an item's range
+    # past it is cut there, as the Triton kernel cuts it.
+    num_indices = page_indices_ref.shape[0] if table_entries is None else table_entries
     dtype = k_pages_ref.dtype
     query_rows = q_len * group_size  # this KV head's rows: every new token's group of heads
     batch = q_ref.shape[0] // (num_kv_heads * query_rows)
@@ -254,6 +264,10 @@ def paged_decode_mgpu_kernel(
     num_item_pages = jnp.maximum(page_end - page_start, 0)
     num_tokens = jnp.where(num_item_pages > 0, (num_item_pages - 1) * page_size + last_page_len, 0)
     num_windows = pl.cdiv(num_item_pages, index_window)
+    # Windows are copied from the multiple of 4 entries at or below the item's first (a bulk
+    # copy starts on 16 bytes: kernels_pallas/index_windows.py); the item's pages begin at entry
+    # `index_shift` of each window's buffer.
+    index_start, index_shift = aligned_window_start(page_start)
     first_row = (request * num_kv_heads + kv_head) * query_rows
     row_offset = lax.rem(first_row, 8)  # of the head's rows in the query tile
     causal = None
@@ -285,7 +299,9 @@ def paged_decode_mgpu_kernel(
     def copy_index_window(window, buffers, barriers):
         slot = lax.rem(window, 2)
         plgpu.copy_gmem_to_smem(
-            page_indices_ref.at[pl.ds(page_start + window * index_window, index_window)],
+            page_indices_ref.at[
+                pl.ds(index_start + window * index_window, index_buffer_entries(index_window))
+            ],
             buffers.at[slot],
             barriers.at[slot],
         )
@@ -320,7 +336,7 @@ def paged_decode_mgpu_kernel(
             slot = lax.rem(step, num_stages)
             # A bad index reads a wrong page, never past the pool (one unsigned minimum).
             numbers = [
-                unsigned_min(index_buffers[buffer, offset + page], num_pages - 1)
+                unsigned_min(index_buffers[buffer, index_shift + offset + page], num_pages - 1)
                 for page in range(pages_per_step)
             ]
             for pages_ref, ring_ref, ready in (
@@ -396,7 +412,8 @@ def paged_decode_mgpu_kernel(
 
             def index_map(step, page):
                 # A bad index reads a wrong page, never past the pool (one unsigned minimum).
-                number = unsigned_min(page_numbers[step * pages_per_step + page], num_pages - 1)
+                entry = index_shift + step * pages_per_step + page
+                number = unsigned_min(page_numbers[entry], num_pages - 1)
                 return number, kv_head, 0, 0
 
             block = (None, None, page_size, head_dim)
@@ -471,7 +488,7 @@ def paged_decode_mgpu_kernel(
         scoped,
         plgpu.SMEM((TILE_ROWS, head_dim), dtype, transforms=k_transforms),
         probs_scratch,
-        plgpu.SMEM((2, index_window), jnp.int32),
+        plgpu.SMEM((2, index_buffer_entries(index_window)), jnp.int32),
         plgpu.Barrier(num_barriers=1),
         plgpu.Barrier(num_barriers=2),
         *ring_scratch,
@@ -887,7 +904,7 @@ def paged_decode_mgpu(
     write_final: bool,
     pages_per_step: int = 1,
     num_stages: int = 4,
-    index_window: int = MAX_INDEX_WINDOW,
+    index_window: int | None = None,
     probs_in_smem: bool = False,
     pipeline: str = "emit",
     merge: str = "separate",
@@ -923,7 +940,7 @@ def paged_decode_mgpu(
         the ring's slots). The K and V slots of ``num_stages x pages_per_step`` pages must fit
         the H200's shared memory with the rest (``smem_bytes_per_program``).
       index_window: page numbers copied to shared memory at once (a multiple of 4 and of
-        ``pages_per_step``, at most 256).
+        ``pages_per_step``, at most 252; default the largest such).
       probs_in_smem: store the softmax weights to shared memory before ``p @ V`` (runs in
         interpret mode); False feeds them from registers (compiled only).
       pipeline: how pages reach shared memory. ``"emit"``: ``plgpu.emit_pipeline``, one slot
@@ -950,6 +967,8 @@ def paged_decode_mgpu(
       ValueError: for shapes, dtypes or static parameters the kernel does not take, and a
         missing table for ``L > 1`` (naming the argument and its value).
     """
+    if index_window is None and isinstance(pages_per_step, int) and pages_per_step >= 1:
+        index_window = default_index_window(pages_per_step)
     validate_mgpu_decode_arguments(
         q,
         k_pages,
@@ -1022,6 +1041,7 @@ def paged_decode_mgpu(
             pipeline=pipeline,
             merge=merge,
             folded_interpret=bool(interpret),
+            table_entries=page_indices.shape[0],
         )
         # Rows grouped by (request, KV head), token-major inside: q's own order for one token,
         # a small copy of q otherwise (the Triton kernel's row order).
@@ -1047,7 +1067,7 @@ def paged_decode_mgpu(
             work_page_start,
             work_page_end,
             work_last_page_len,
-            page_indices,
+            pad_page_indices(page_indices, index_window),  # index_windows.py says why
             *table,
             q_rows.reshape(total_rows, head_dim),
             k_pages,
@@ -1129,7 +1149,7 @@ def smem_bytes_per_program(
         rounded(TILE_ROWS * head_dim * itemsize)
         + 2 * num_stages * kv_slot
         + (rounded(pairs_per_step * TILE_ROWS * pair_tokens * itemsize) if probs_in_smem else 0)
-        + rounded(2 * index_window * 4)
+        + rounded(2 * index_buffer_entries(index_window) * 4)
         + rounded(8 * (3 + (2 if pipeline == "ring" else 1) * num_stages))
     )
     out_itemsize = itemsize if write_final else 4

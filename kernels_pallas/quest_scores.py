@@ -44,8 +44,9 @@ the H200's 132 SMs idle at B = 8, and its slowest program would be its longest r
 
 One program, one warpgroup:
 
-- Prologue: TMA the item's page numbers (one box of ``pages_per_item`` int32, zero-filled past
-  ``page_indices``' end) and the KV head's ``G`` query rows (float32) into shared memory.
+- Prologue: copy the item's page numbers (``pages_per_item`` int32 and up to 3 before them: a
+  copy starts on 16 bytes, ``index_windows.py``; clamped at ``page_indices``' end) and the KV
+  head's ``G`` query rows (float32) into shared memory.
 - Steps of 64 pages (a 64-row register tile, the row count of Mosaic GPU's WGMMA register
   layout, whose row reductions are cheap warp shuffles): the page rows ``kmin[page, k, :]`` and
   ``kmax[page, k, :]`` of 64 pages are gathered, one 1 x ``D`` TMA copy each, into a
@@ -109,6 +110,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from kernels_pallas.index_windows import (
+    aligned_window_start,
+    index_buffer_entries,
+    pad_page_indices,
+)
 from kernels_pallas.paged_decode import unsigned_min
 
 # x64 mode (kernels_pallas/x64.py), with an interpreted call traced with x64 off: the
@@ -155,8 +161,11 @@ def quest_scores_kernel(
     num_query_rows = q_ref.shape[0]
     batch = num_query_rows // (num_kv_heads * group_size)
     request = jnp.minimum(unsigned_min(work_request_ref[work], batch), batch - 1)
-    start = work_start_ref[work]
+    start = unsigned_min(work_start_ref[work], page_indices_ref.shape[0])
     item_pages = jnp.clip(work_end_ref[work] - start, 0, pages_per_item)
+    # The page numbers are copied from the multiple of 4 entries at or below the item's first
+    # (a bulk copy starts on 16 bytes: index_windows.py); the item's begin at `index_shift`.
+    index_start, index_shift = aligned_window_start(start)
     num_steps = pl.cdiv(item_pages, TILE_PAGES)
     first_query_row = (request * num_kv_heads + kv_head) * group_size
     tile_layout = plgpu.Layout.WGMMA
@@ -165,7 +174,9 @@ def quest_scores_kernel(
 
     def scoped(page_numbers, queries, kmin_tiles, kmax_tiles, setup_barrier, tile_barriers):
         plgpu.copy_gmem_to_smem(
-            page_indices_ref.at[pl.ds(start, pages_per_item)], page_numbers, setup_barrier
+            page_indices_ref.at[pl.ds(index_start, index_buffer_entries(pages_per_item))],
+            page_numbers,
+            setup_barrier,
         )
         plgpu.copy_gmem_to_smem(
             q_ref.at[pl.ds(first_query_row, group_size)], queries, setup_barrier
@@ -176,7 +187,8 @@ def quest_scores_kernel(
             # One 1 x D copy a page row; all 2 x 64 arrive on the slot's barrier. A loop, not
             # 128 unrolled copies: the issuing thread's work is the same, the code 1/64th.
             def copy_row(row, carry):
-                page = unsigned_min(page_numbers[step * TILE_PAGES + row], num_pages - 1)
+                entry = index_shift + step * TILE_PAGES + row
+                page = unsigned_min(page_numbers[entry], num_pages - 1)
                 for bounds_ref, tiles in ((kmin_ref, kmin_tiles), (kmax_ref, kmax_tiles)):
                     plgpu.copy_gmem_to_smem(
                         bounds_ref.at[pl.ds(page, 1), kv_head],
@@ -230,7 +242,7 @@ def quest_scores_kernel(
 
     pl.run_scoped(
         scoped,
-        plgpu.SMEM((pages_per_item,), jnp.int32),
+        plgpu.SMEM((index_buffer_entries(pages_per_item),), jnp.int32),
         plgpu.SMEM((group_size, head_dim), jnp.float32),
         plgpu.SMEM((num_stages, TILE_PAGES, head_dim + row_padding), jnp.float32),
         plgpu.SMEM((num_stages, TILE_PAGES, head_dim + row_padding), jnp.float32),
@@ -400,7 +412,8 @@ def shared_memory_bytes(head_dim, group_size, pages_per_item, num_stages, row_pa
       134168
     """
     tiles = 2 * num_stages * TILE_PAGES * (head_dim + row_padding) * 4
-    return tiles + group_size * head_dim * 4 + pages_per_item * 4 + 8 * (1 + num_stages)
+    page_numbers = index_buffer_entries(pages_per_item) * 4
+    return tiles + group_size * head_dim * 4 + page_numbers + 8 * (1 + num_stages)
 
 
 def _interpret_params(interpret):
@@ -439,8 +452,8 @@ def _quest_page_scores(
     work_request, work_start, work_end, item_indptr = quest_work_items(
         page_indptr, pages_per_item, num_items
     )
-    # One TMA box of pages_per_item page numbers must lie inside the array it is cut from.
-    padded_indices = jnp.pad(page_indices, (0, max(pages_per_item - num_indices, 0)))
+    # Padded to a multiple of 4 entries and to at least one copy's (index_windows.py).
+    padded_indices = pad_page_indices(page_indices, pages_per_item)
     kernel = functools.partial(
         quest_scores_kernel,
         group_size=group_size,

@@ -69,11 +69,16 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from kernels_pallas.index_windows import (
+    aligned_window_start,
+    default_index_window,
+    index_buffer_entries,
+    pad_page_indices,
+)
 from kernels_pallas.merge_states import merge_partial_states
 from kernels_pallas.online_softmax import LN_2, LOG2_E
 from kernels_pallas.paged_decode import unsigned_min
 from kernels_pallas.paged_decode_mgpu import (
-    MAX_INDEX_WINDOW,
     TILE_ROWS,
     _attend_step,
     _interpret_params,
@@ -332,6 +337,9 @@ def ragged_mgpu_kernel(
         num_item_pages > 0, (num_item_pages - 1) * page_size + work_last_page_len_ref[work], 0
     )
     num_windows = pl.cdiv(num_item_pages, index_window)
+    # Windows copied from a 16-byte aligned start (index_windows.py): the item's pages begin
+    # at entry `index_shift` of each window's buffer.
+    index_start, index_shift = aligned_window_start(page_start)
     causal = dict(base=work_causal_base_ref[work], row_offset=row_offset, group_size=group_size)
 
     k_transforms = _transforms(head_dim, dtype)
@@ -340,7 +348,9 @@ def ragged_mgpu_kernel(
     def copy_index_window(window, buffers, barriers):
         slot = lax.rem(window, 2)
         plgpu.copy_gmem_to_smem(
-            page_indices_ref.at[pl.ds(page_start + window * index_window, index_window)],
+            page_indices_ref.at[
+                pl.ds(index_start + window * index_window, index_buffer_entries(index_window))
+            ],
             buffers.at[slot],
             barriers.at[slot],
         )
@@ -373,7 +383,8 @@ def ragged_mgpu_kernel(
             page_numbers = index_buffers.at[slot]
 
             def index_map(step, page):
-                number = unsigned_min(page_numbers[step * pages_per_step + page], num_pages - 1)
+                entry = index_shift + step * pages_per_step + page
+                number = unsigned_min(page_numbers[entry], num_pages - 1)
                 return number, kv_head, 0, 0
 
             block = (None, None, page_size, head_dim)
@@ -436,7 +447,7 @@ def ragged_mgpu_kernel(
         scoped,
         plgpu.SMEM((TILE_ROWS, head_dim), dtype, transforms=k_transforms),
         probs_scratch,
-        plgpu.SMEM((2, index_window), jnp.int32),
+        plgpu.SMEM((2, index_buffer_entries(index_window)), jnp.int32),
         plgpu.Barrier(num_barriers=1),
         plgpu.Barrier(num_barriers=2),
     )
@@ -531,7 +542,7 @@ def ragged_attention_mgpu(
     logits_soft_cap: float | None = None,
     pages_per_step: int = 1,
     num_stages: int = 4,
-    index_window: int = MAX_INDEX_WINDOW,
+    index_window: int | None = None,
     probs_in_smem: bool = False,
     return_lse: bool = False,
     write_final: bool = True,
@@ -569,6 +580,8 @@ def ragged_attention_mgpu(
       ValueError: for shapes, dtypes or static parameters the kernel does not take, and work
         lists of different lengths (naming the value).
     """
+    if index_window is None and isinstance(pages_per_step, int) and pages_per_step >= 1:
+        index_window = default_index_window(pages_per_step)
     validate_mgpu_decode_arguments(
         q, k_pages, v_pages, pages_per_step, num_stages, index_window, probs_in_smem, interpret
     )
@@ -642,7 +655,7 @@ def ragged_attention_mgpu(
         + ("_psmem" if probs_in_smem else "_preg")
         + ("_lse" if return_lse and write_final else "")
         + ("" if write_final else "_partial"),
-    )(*work, page_indices, q_rows, k_pages, v_pages)
+    )(*work, pad_page_indices(page_indices, index_window), q_rows, k_pages, v_pages)
     if not write_final:
         return (
             o_rows.reshape(num_work, num_kv_heads, TILE_ROWS, head_dim),

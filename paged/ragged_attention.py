@@ -89,8 +89,12 @@ def validate_ragged_inputs(
             f"page_table.page_size={page_table.page_size} differs from the cache's "
             f"page_size={cache.page_size}"
         )
-    if logits_soft_cap is not None and not logits_soft_cap > 0:
-        raise ValueError(f"logits_soft_cap must be > 0 or None, got {logits_soft_cap}")
+    if logits_soft_cap is not None and (
+        isinstance(logits_soft_cap, bool)
+        or not isinstance(logits_soft_cap, (int, float))
+        or not logits_soft_cap > 0
+    ):
+        raise ValueError(f"logits_soft_cap must be a number > 0 or None, got {logits_soft_cap!r}")
     if qo_indptr.ndim != 1 or qo_indptr.dtype != jnp.int32:
         raise ValueError(
             f"qo_indptr must be a 1-D int32 array, got shape {qo_indptr.shape} dtype "

@@ -125,11 +125,11 @@ def make_plan(table, num_q_heads, head_dim, split):
 # final and a partial output, each dtype, pages_per_step 1 and 2, several stage counts, one
 # index window shorter than the longest request (two windows, double-buffered).
 CONFIGS = [
-    (1, jnp.bfloat16, "no_split", None, 1, 2, 256),
-    (1, jnp.float16, "fixed2", 5.0, 2, 3, 256),
-    (4, jnp.bfloat16, "fixed2", None, 1, 4, 256),
+    (1, jnp.bfloat16, "no_split", None, 1, 2, None),
+    (1, jnp.float16, "fixed2", 5.0, 2, 3, None),
+    (4, jnp.bfloat16, "fixed2", None, 1, 4, None),
     (4, jnp.float16, "no_split", 5.0, 2, 2, 4),
-    (8, jnp.bfloat16, "planner", None, 2, 2, 256),
+    (8, jnp.bfloat16, "planner", None, 2, 2, None),
     (8, jnp.bfloat16, "no_split", None, 1, 1, 4),
 ]
 
@@ -178,10 +178,10 @@ def test_kernel_matches_reference_and_triton(
 # (one 128-key WGMMA; the 100-token request in one step, its tail and the slots past it masked).
 RING_LENS = (*RAGGED_LENS, 300)
 RING_CONFIGS = [
-    (1, jnp.bfloat16, "fixed8", None, 2, 2, 256),
+    (1, jnp.bfloat16, "fixed8", None, 2, 2, None),
     (4, jnp.float16, "no_split", 5.0, 4, 3, 4),
     (3, jnp.bfloat16, "no_split", None, 1, 3, 4),
-    (8, jnp.bfloat16, "planner", None, 8, 2, 256),
+    (8, jnp.bfloat16, "planner", None, 8, 2, None),
 ]
 
 
@@ -307,7 +307,7 @@ def test_padding_items_store_nothing():
         (dict(pages_per_step=0), "pages_per_step must be >= 1, got 0"),
         (dict(num_stages=0), "num_stages must be >= 1, got 0"),
         (dict(index_window=6, pages_per_step=4), "index_window must be a multiple of 4"),
-        (dict(index_window=512), "at most 256, got 512"),
+        (dict(index_window=512), "at most 252, got 512"),
         (dict(probs_in_smem=False), "interpret=True needs probs_in_smem=True"),
         (dict(pipeline="warp_specialized"), "pipeline must be one of \\('emit', 'ring'\\)"),
         (

@@ -171,7 +171,7 @@ def small_case():
         (dict(pages_per_item=512), "got 512"),
         (dict(num_stages=0), "num_stages must be an int >= 1, got 0"),
         (dict(row_padding=4), "row_padding must be one of \\(0, 8\\), got 4"),
-        (dict(num_stages=8), "num_stages=8 at head_dim=64 \\(group 2\\) needs 263752 bytes"),
+        (dict(num_stages=8), "num_stages=8 at head_dim=64 \\(group 2\\) needs 263768 bytes"),
     ],
 )
 def test_bad_input_names_argument_and_value(change, message):

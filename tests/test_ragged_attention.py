@@ -570,3 +570,20 @@ def test_probe_check_is_relative_per_part():
     assert np.max(np.abs(wrong_rows - expected)) < 0.05  # what the old bound let through
     assert max(errors.values()) > probe.TOLERANCE
     assert np.isnan(probe.part_errors(expected * np.nan, expected, batch=4)["chunk"])
+
+
+@pytest.mark.parametrize("cap", [0.0, -1.0, "30", True])
+def test_a_bad_soft_cap_is_named(cap):
+    inputs = bad_inputs("none")
+    with pytest.raises(
+        ValueError, match=rf"logits_soft_cap must be a number > 0 or None, got {cap!r}"
+    ):
+        validate_ragged_inputs(**inputs, logits_soft_cap=cap)
+
+
+@pytest.mark.parametrize("text", ["reg.p1", "reg.1.4", "gpu.p1.s4", "reg.p0.s4", "reg.p1.sx"])
+def test_the_probe_names_a_malformed_variant(text):
+    from bench.probes.ragged_attention import parse_variant
+
+    with pytest.raises(ValueError, match=rf"--variants entries must look like .*got {text!r}"):
+        parse_variant(text)

@@ -423,8 +423,8 @@ def run_decode(q, cache, table, plan, probs_path, pages_per_step, interpret, pip
         write_final=plan.write_final,
         pages_per_step=pages_per_step,
         # Windows of 4 page numbers with one or four pages a step: items of more pages than a
-        # window (double-buffered windows); the default 256 with two.
-        index_window=4 if pages_per_step in (1, 4) else 256,
+        # window (double-buffered windows); the default (the largest) with two.
+        index_window=4 if pages_per_step in (1, 4) else None,
         probs_in_smem=probs_path == "smem",
         pipeline=pipeline,
         interpret=interpret,

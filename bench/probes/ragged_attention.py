@@ -367,7 +367,7 @@ def memcheck_workload(interpret: bool) -> int:
                         write_final=work.write_final,
                         sm_scale=head_dim**-0.5,
                         pages_per_step=pages_per_step,
-                        index_window=4 if pages_per_step == 1 else 256,
+                        index_window=4 if pages_per_step == 1 else None,
                         probs_in_smem=probs_path == "smem",
                         return_lse=pages_per_step == 2,
                         interpret=interpret,
@@ -405,6 +405,27 @@ def first_line(error: BaseException) -> str:
     return text[0][:300] if text else type(error).__name__
 
 
+def parse_variant(name: str) -> tuple[str, int, int]:
+    """``"reg.p2.s3"`` -> ``("reg", 2, 3)``: how ``p`` reaches ``p @ V`` (``reg`` or ``smem``),
+    pages a step, pipeline stages; ValueError naming the bad text otherwise.
+
+    >>> parse_variant("smem.p1.s4")
+    ('smem', 1, 4)
+    """
+    parts = name.split(".")
+    if (
+        len(parts) != 3
+        or parts[0] not in ("reg", "smem")
+        or not (parts[1][:1] == "p" and parts[1][1:].isdigit() and int(parts[1][1:]) >= 1)
+        or not (parts[2][:1] == "s" and parts[2][1:].isdigit() and int(parts[2][1:]) >= 1)
+    ):
+        raise ValueError(
+            f"--variants entries must look like reg.p1.s4 or smem.p2.s3 (p pages a step, s "
+            f"stages), got {name!r}"
+        )
+    return parts[0], int(parts[1][1:]), int(parts[2][1:])
+
+
 def chosen_variants(args) -> tuple[tuple, tuple]:
     """``(variants, split_variants)`` from the defaults, ``--variants`` and
     ``--max-pages-per-item``; the split arms are made from the variants finally chosen, so
@@ -412,10 +433,7 @@ def chosen_variants(args) -> tuple[tuple, tuple]:
     variants = DRY_RUN_VARIANTS if args.dry_run else VARIANTS
     split_variants = DRY_RUN_SPLIT_VARIANTS if args.dry_run else SPLIT_VARIANTS
     if args.variants:
-        variants = tuple(
-            (name.split(".")[0], int(name.split(".")[1][1:]), int(name.split(".")[2][1:]))
-            for name in args.variants.split(",")
-        )
+        variants = tuple(parse_variant(name) for name in args.variants.split(","))
     if args.max_pages_per_item is not None:
         split_variants = tuple(
             (args.max_pages_per_item, *v) for v in (variants if args.max_pages_per_item else ())

@@ -15,6 +15,11 @@ any method (which name comes next), the rest is a copy from the definition when 
 has it. ``retrieval_windows`` cuts, for each case, the window of context that ends with the use
 and starts at or before the definition. Deterministic: cases in text order, windows by a seeded
 choice.
+
+The scan is lexical, not a Python parse: an identifier-shaped run of bytes inside a string, a
+comment or a hexadecimal literal counts as an occurrence too. For this purpose that is what
+matters (the model sees bytes, and a name in a comment is as much a copy target as one in
+code), but a case's "definition" can be a docstring's mention of the name.
 """
 
 from __future__ import annotations

@@ -1,0 +1,72 @@
+"""Page numbers copied into shared memory in windows, each copy starting on 16 bytes.
+
+A Mosaic GPU kernel that streams pages through a page table first copies the page numbers of its
+work item (a run of ``page_indices``) into shared memory. Mosaic GPU issues a copy of a
+contiguous 1-D slice as one bulk copy (``cp.async.bulk``), and a bulk copy's global address and
+size must both be multiples of 16 bytes. A work item starts at any entry of the table (request
+``b``'s pages start at ``page_indptr[b]``; a split cuts them anywhere), so a window copied from
+the item's first entry faults whenever that entry is not a multiple of 4: measured on the H200 on
+2026-12-02, ``CUDA_ERROR_ILLEGAL_INSTRUCTION`` at the copy, for every Mosaic GPU kernel here that
+did it (decode at B=1 x 32K, whose planner cuts 63-page chunks; MLA over a ragged batch). The
+interpreter on a CPU has no such rule, so only a compiled run shows it.
+
+The fix, used by every such kernel:
+
+- A window's copy starts at the multiple of ``INDEX_ALIGN`` entries at or below its first entry,
+  and the kernel reads the window at an offset ``shift`` (0 to 3; the same for every window of an
+  item, since a window's length is a multiple of 4). The buffer holds ``INDEX_ALIGN`` entries
+  more than a window's pages, so a window of ``MAX_INDEX_WINDOW`` pages fits one copy of
+  ``MAX_INDEX_BUFFER`` entries.
+- A copy that runs past the table's end is clamped by Mosaic GPU to the entries left, which is a
+  whole number of 16 bytes only if the table's length is a multiple of 4: the wrappers pad a
+  table of another length, or one shorter than a window's buffer (``pad_page_indices``; an
+  engine whose tables are sized in powers of two of at least 256 never pays for it).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+INDEX_ALIGN = 4  # int32 entries in 16 bytes, a bulk copy's alignment
+MAX_INDEX_BUFFER = 256  # entries of one window's buffer: one copy (a TMA box's limit too)
+MAX_INDEX_WINDOW = MAX_INDEX_BUFFER - INDEX_ALIGN  # page numbers a window: 252
+
+
+def index_buffer_entries(index_window: int) -> int:
+    """Entries of the shared-memory buffer (and of the copy) for windows of ``index_window``
+    page numbers: room for the up to 3 entries before an item's first one."""
+    return index_window + INDEX_ALIGN
+
+
+def default_index_window(pages_per_step: int) -> int:
+    """The largest window (page numbers a copy) that is a multiple of 4 and of
+    ``pages_per_step`` and fits one buffer: 252 for 1, 2 or 4 pages a step, 248 for 8, 240 for
+    16."""
+    unit = math.lcm(INDEX_ALIGN, pages_per_step)
+    return MAX_INDEX_WINDOW // unit * unit
+
+
+def aligned_window_start(first_entry: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(start, shift)`` for an item whose page numbers begin at entry ``first_entry`` (a
+    non-negative traced int32): ``start`` is the multiple of 4 at or below it, where every window
+    of the item is copied from (window ``w`` at ``start + w * index_window``), and ``shift`` the
+    entry of a window buffer that holds the item's page ``w * index_window``."""
+    shift = lax.rem(first_entry, INDEX_ALIGN)
+    return pl.multiple_of(first_entry - shift, INDEX_ALIGN), shift
+
+
+def pad_page_indices(page_indices: jax.Array, index_window: int) -> jax.Array:
+    """``page_indices`` padded with zeros to a multiple of 4 entries and to at least one window
+    buffer's (returned unchanged when it is both already, so no copy is made): the last window's
+    clamped copy then ends on 16 bytes, and a copy's static size never exceeds the array. The
+    padding is never read as a page (every item's pages end where its table says)."""
+    entries = page_indices.shape[0]
+    padded = max(-(-entries // INDEX_ALIGN) * INDEX_ALIGN, index_buffer_entries(index_window))
+    if padded == entries:
+        return page_indices
+    return jnp.pad(page_indices, (0, padded - entries))
