@@ -15,8 +15,9 @@ The fix, used by every such kernel:
 - A window's copy starts at the multiple of ``INDEX_ALIGN`` entries at or below its first entry,
   and the kernel reads the window at an offset ``shift`` (0 to 3; the same for every window of an
   item, since a window's length is a multiple of 4). The buffer holds ``INDEX_ALIGN`` entries
-  more than a window's pages, so a window of ``MAX_INDEX_WINDOW`` pages fits one copy of
-  ``MAX_INDEX_BUFFER`` entries.
+  more than a window's pages (rounded up to 128 bytes, the alignment of a copy's destination),
+  so a window of ``MAX_INDEX_WINDOW`` pages fits one copy of ``MAX_INDEX_BUFFER`` entries, the
+  most Mosaic GPU copies along one dimension.
 - A copy that runs past the table's end is clamped by Mosaic GPU to the entries left, which is a
   whole number of 16 bytes only if the table's length is a multiple of 4: the wrappers pad a
   table of another length, or one shorter than a window's buffer (``pad_page_indices``; an
@@ -33,14 +34,18 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 INDEX_ALIGN = 4  # int32 entries in 16 bytes, a bulk copy's alignment
-MAX_INDEX_BUFFER = 256  # entries of one window's buffer: one copy (a TMA box's limit too)
+BUFFER_ALIGN = 32  # int32 entries in 128 bytes, a TMA copy's shared-memory alignment
+MAX_INDEX_BUFFER = 256  # entries of one copy: Mosaic GPU copies at most 256 a dimension
 MAX_INDEX_WINDOW = MAX_INDEX_BUFFER - INDEX_ALIGN  # page numbers a window: 252
 
 
 def index_buffer_entries(index_window: int) -> int:
-    """Entries of the shared-memory buffer (and of the copy) for windows of ``index_window``
-    page numbers: room for the up to 3 entries before an item's first one."""
-    return index_window + INDEX_ALIGN
+    """Entries of one window's shared-memory buffer, and of its copy, for windows of
+    ``index_window`` page numbers: room for the up to 3 entries before an item's first one,
+    rounded up to 128 bytes so that the second of two buffers side by side starts on 128 bytes
+    as a TMA destination must (a 1008-byte buffer faulted with a misaligned address on the
+    H200). At most ``MAX_INDEX_BUFFER`` for a window of at most ``MAX_INDEX_WINDOW``."""
+    return -(-(index_window + INDEX_ALIGN) // BUFFER_ALIGN) * BUFFER_ALIGN
 
 
 def default_index_window(pages_per_step: int) -> int:

@@ -132,7 +132,9 @@ from paged.sparse_quest import (
 )
 
 TILE_PAGES = 64  # rows of one step's register tile (the WGMMA register layout has 64 rows)
-MAX_PAGES_PER_ITEM = 256  # one TMA box of page numbers: at most 256 elements a dimension
+# One copy of page numbers, at most 256 entries, holds an item's and the up to 3 before it (a
+# copy starts on 16 bytes: index_windows.py), so the largest multiple of 64 pages is 192.
+MAX_PAGES_PER_ITEM = 192
 MAX_GROUP = 256  # the group's query rows are one TMA box too
 SUPPORTED_HEAD_DIMS = (64, 128, 256)  # D float32 per row: a multiple of 8 columns, <= 256
 MAX_SHARED_MEMORY_BYTES = 227 * 1024  # a Hopper block's dynamic shared memory
@@ -310,7 +312,7 @@ def quest_page_scores_pallas(
       page_table: the requests' pages (its ``page_size`` is not used by the scores).
       per: ``"kv_head"`` or ``"query_head"``.
       pages_per_item: entries of one request's page list a program scores (a multiple of 64,
-        at most 256; static).
+        at most 192; static).
       num_stages: 64-page steps of bound rows in flight a program (static, >= 1).
       row_padding: float32 columns of padding after each row of the shared-memory tiles: 0 or
         8 (static; module docstring, "Shared-memory banks").
@@ -408,8 +410,8 @@ def shared_memory_bytes(head_dim, group_size, pages_per_item, num_stages, row_pa
     rows, the page numbers, and the barriers (8 bytes each).
 
     Example:
-      >>> shared_memory_bytes(128, 4, 256, 2)  # 2 x 2 x 64 x 128 x 4 + 4 x 128 x 4 + 1024 + 24
-      134168
+      >>> shared_memory_bytes(128, 4, 192, 2)  # 2 x 2 x 64 x 128 x 4 + 4 x 128 x 4 + 896 + 24
+      134040
     """
     tiles = 2 * num_stages * TILE_PAGES * (head_dim + row_padding) * 4
     page_numbers = index_buffer_entries(pages_per_item) * 4

@@ -34,8 +34,9 @@ def test_default_window_is_the_largest_that_fits(pages_per_step):
     window = default_index_window(pages_per_step)
     assert window % INDEX_ALIGN == 0 and window % pages_per_step == 0
     assert index_buffer_entries(window) <= MAX_INDEX_BUFFER
+    assert index_buffer_entries(window) % 32 == 0  # a second buffer starts on 128 bytes
     unit = np.lcm(INDEX_ALIGN, pages_per_step)
-    assert index_buffer_entries(window + unit) > MAX_INDEX_BUFFER  # the next one does not fit
+    assert window + unit + INDEX_ALIGN > MAX_INDEX_BUFFER  # the next one does not fit
     assert default_index_window(1) == MAX_INDEX_WINDOW == 252
 
 
@@ -51,7 +52,7 @@ def test_aligned_start_and_shift_cover_every_residue():
 
 @pytest.mark.parametrize(
     "entries,window,expected",
-    [(256, 252, 256), (1024, 4, 1024), (255, 252, 256), (10, 4, 12), (10, 252, 256), (5, 4, 8)],
+    [(256, 252, 256), (1024, 4, 1024), (255, 252, 256), (10, 4, 32), (10, 252, 256), (36, 4, 36)],
 )
 def test_padding_to_alignment_and_one_buffer(entries, window, expected):
     indices = jnp.arange(1, entries + 1, dtype=jnp.int32)
@@ -117,3 +118,24 @@ def test_quest_scores_at_unaligned_starts_compiled(per):
     q = jnp.asarray(rng.standard_normal((4, 32, 128)), jnp.float32)
     scores = quest_page_scores_pallas(q, bounds, table, per=per)
     check_matches_reference(scores, q, bounds, table, per)
+
+
+def test_every_kernels_largest_copy_of_page_numbers_lowers_for_cuda():
+    """Mosaic GPU refuses a copy of more than 256 entries a dimension when it lowers (on any
+    machine): Quest's largest item (its page numbers and the 3 before them) must fit, as must
+    the decode kernels' largest window."""
+    from kernels_pallas.quest_scores import MAX_PAGES_PER_ITEM, quest_page_scores_pallas
+    from tests.test_quest_scores_kernel import small_case
+
+    assert index_buffer_entries(MAX_INDEX_WINDOW) <= MAX_INDEX_BUFFER
+    q, bounds, table = small_case()
+    lowered = (
+        jax.jit(
+            lambda q, bounds, table: quest_page_scores_pallas(
+                q, bounds, table, pages_per_item=MAX_PAGES_PER_ITEM, num_stages=1
+            )
+        )
+        .trace(q, bounds, table)
+        .lower(lowering_platforms=("cuda",))
+    )
+    assert "mosaic_gpu" in lowered.as_text()

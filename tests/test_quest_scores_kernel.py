@@ -167,11 +167,11 @@ def small_case():
         (dict(bounds="short"), "must share a \\[num_pages, num_kv_heads, head_dim\\] shape"),
         (dict(bounds="dim8"), "head_dim must be one of \\(64, 128, 256\\), got 8"),
         (dict(table="outside"), "page_indices\\[1\\]=99 is outside the pool of 8 pages"),
-        (dict(pages_per_item=100), "pages_per_item must be a multiple of 64 up to 256, got 100"),
+        (dict(pages_per_item=100), "pages_per_item must be a multiple of 64 up to 192, got 100"),
         (dict(pages_per_item=512), "got 512"),
         (dict(num_stages=0), "num_stages must be an int >= 1, got 0"),
         (dict(row_padding=4), "row_padding must be one of \\(0, 8\\), got 4"),
-        (dict(num_stages=8), "num_stages=8 at head_dim=64 \\(group 2\\) needs 263768 bytes"),
+        (dict(num_stages=8), "num_stages=8 at head_dim=64 \\(group 2\\) needs 263624 bytes"),
     ],
 )
 def test_bad_input_names_argument_and_value(change, message):
