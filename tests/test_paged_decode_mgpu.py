@@ -448,6 +448,7 @@ GPU_CASES = [
     (1, 32768, False, 8, 2, "ring"),
     (256, 512, False, 2, 4, "ring"),
     (1, 4096, True, 4, 4, "ring"),
+    (4, 32768, False, 8, 2, "ring"),  # two windows of 248 an item: the second buffer's copy
 ]
 
 
