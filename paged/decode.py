@@ -36,11 +36,10 @@ MIN_KERNEL_HEAD_DIM = 16
 # asked for by name only, for measurement through this public path; "auto" keeps the Triton
 # kernel until the Mosaic GPU one is measured faster on the H200 (issue 16).
 MOSAIC_GPU_BACKEND = "pallas_mgpu"
-# Its pipeline where this path calls it: the shape of the first compiled probe's fastest arm
-# (docs/benchmark_results/archive/2026-12-01-mgpu-decode-probe.md: emit_pipeline, two pages a
-# step, three stages; 171.6 us at B=32 x 4096). The ring's shapes are not yet timed:
-# bench/probes/mgpu_decode.py --sweep is to pick the pipeline this dictionary names.
-MGPU_LAUNCH_PARAMETERS = dict(pipeline="emit", pages_per_step=2, num_stages=3)
+# Its pipeline where this path calls it: the launch sweep's fastest arm on all ten cases of the
+# standard grid (docs/benchmark_results/archive/2026-12-02-mgpu-decode-sweep.md: the ring, four
+# pages a step, two slots; 1.005x to 1.31x the Triton kernel, 138.4 us at B=32 x 4096).
+MGPU_LAUNCH_PARAMETERS = dict(pipeline="ring", pages_per_step=4, num_stages=2)
 # How a split plan's partial states are merged on this path: "separate" (merge_partial_states,
 # a second launch) or "folded" (in the decode launch: the last item of a request to finish
 # merges, paged_decode_mgpu's merge="folded"). "separate" until bench/probes/mgpu_decode.py's
@@ -107,7 +106,7 @@ def mgpu_decode_launch_parameters(interpret: bool) -> dict:
 
     Example:
       >>> mgpu_decode_launch_parameters(interpret=False)
-      {'pipeline': 'emit', 'pages_per_step': 2, 'num_stages': 3, 'probs_in_smem': False}
+      {'pipeline': 'ring', 'pages_per_step': 4, 'num_stages': 2, 'probs_in_smem': False}
     """
     return dict(MGPU_LAUNCH_PARAMETERS, probs_in_smem=interpret)
 
