@@ -40,6 +40,10 @@ MOSAIC_GPU_BACKEND = "pallas_mgpu"
 # standard grid (docs/benchmark_results/archive/2026-12-02-mgpu-decode-sweep.md: the ring, four
 # pages a step, two slots; 1.005x to 1.31x the Triton kernel, 138.4 us at B=32 x 4096).
 MGPU_LAUNCH_PARAMETERS = dict(pipeline="ring", pages_per_step=4, num_stages=2)
+# What "auto" runs on a GPU for decode shapes the Mosaic GPU kernel takes (mgpu_kernel_supports):
+# True since that sweep found its launch as fast as the Triton kernel or faster on every case of
+# the standard grid; False keeps the Triton kernel (the fallback for every other shape).
+AUTO_PICKS_MOSAIC_GPU_DECODE = True
 # How a split plan's partial states are merged on this path: "separate" (merge_partial_states,
 # a second launch) or "folded" (in the decode launch: the last item of a request to finish
 # merges, paged_decode_mgpu's merge="folded"). "separate" until bench/probes/mgpu_decode.py's
@@ -96,6 +100,34 @@ def mgpu_kernel_supports(q: jax.Array, cache: KVCache) -> str | None:
     if q_len > longest:
         return f"q_len={q_len}: the Mosaic GPU kernel takes {longest} at a group of {group_size}"
     return None
+
+
+def decode_kernel_for(q: jax.Array, cache: KVCache, backend: str) -> str:
+    """The kernel a kernel backend runs for ``q``: ``"paged_prefill"`` for more than
+    ``MAX_KERNEL_Q_LEN`` new tokens a request; else ``"paged_decode_mgpu"`` (the Mosaic GPU
+    kernel) when asked for by name, or under ``"auto"`` where it takes the shapes and
+    ``AUTO_PICKS_MOSAIC_GPU_DECODE`` is on; else ``"paged_decode"`` (the Triton kernel).
+
+    Example:
+      >>> from paged.kv_cache import new_kv_cache
+      >>> cache = new_kv_cache(4, 16, 2, 128, jnp.bfloat16)  # HND pages of 16 tokens
+      >>> decode_kernel_for(jnp.zeros((1, 8, 128), jnp.bfloat16), cache, "auto")
+      'paged_decode_mgpu'
+      >>> decode_kernel_for(jnp.zeros((1, 8, 128), jnp.float32), cache, "auto")  # float32
+      'paged_decode'
+    """
+    kernel = kernel_name_for(q)
+    if kernel == "paged_prefill":
+        return kernel
+    if backend == MOSAIC_GPU_BACKEND:
+        return "paged_decode_mgpu"
+    if (
+        backend == "auto"
+        and AUTO_PICKS_MOSAIC_GPU_DECODE
+        and mgpu_kernel_supports(q, cache) is None
+    ):
+        return "paged_decode_mgpu"
+    return kernel
 
 
 def mgpu_decode_launch_parameters(interpret: bool) -> dict:
@@ -185,16 +217,22 @@ def decode_attention(
     given; accumulation is in float32.
 
     Backends, chosen when the function is traced (``kernels_pallas.platform``): ``"auto"`` is
-    the fused Pallas kernel on a GPU and the reference elsewhere, unless
+    a fused Pallas kernel on a GPU and the reference elsewhere, unless
     ``DECODELAB_BACKEND=reference``; an explicit ``backend=`` wins (``"pallas"`` on a CPU runs the
-    kernel in interpret mode). Two kernels, chosen by ``L`` (``kernel_name_for``): up to
-    ``MAX_KERNEL_Q_LEN`` new tokens a request (decode, speculative verification) the split-KV
-    decode kernel (``kernels_pallas/paged_decode.py``), whose one query tile holds all ``L x G``
-    rows of a KV head; longer runs (prompt chunks) the causal prefill kernel
-    (``kernels_pallas/paged_prefill.py``), which tiles the new tokens into query blocks and stops
-    each block's key loop at its causal bound. Both need power-of-two ``head_dim`` (at least
-    16) and ``page_size``; ``"auto"`` falls back to the reference for other shapes. Both read pages in
-    place in either layout; nothing is converted on the hot path.
+    kernel in interpret mode). On a GPU, ``"auto"`` runs the Mosaic GPU decode kernel
+    (``kernels_pallas/paged_decode_mgpu.py``, the same plan and merge) for the shapes it takes
+    (``mgpu_kernel_supports``: HND pages of 16 tokens, bfloat16 or float16, ``head_dim`` 64 or
+    128), measured as fast as the Triton kernel or faster on the whole standard grid
+    (``decode_kernel_for`` says which kernel runs); ``"pallas_mgpu"`` asks for it by name,
+    ``"pallas"`` for the Triton kernels. Two Triton kernels, chosen by ``L``
+    (``kernel_name_for``): up to ``MAX_KERNEL_Q_LEN`` new tokens a request (decode, speculative
+    verification) the split-KV decode kernel (``kernels_pallas/paged_decode.py``), whose one
+    query tile holds all ``L x G`` rows of a KV head; longer runs (prompt chunks) the causal
+    prefill kernel (``kernels_pallas/paged_prefill.py``), which tiles the new tokens into query
+    blocks and stops each block's key loop at its causal bound. Both need power-of-two
+    ``head_dim`` (at least 16) and ``page_size``; ``"auto"`` falls back to the reference for
+    other shapes. Both read pages in place in either layout; nothing is converted on the hot
+    path.
 
     Split-KV: the decode kernel follows a ``DecodePlan``. Pass the one ``paged.plan_decode`` made
     for this step (on the host, once, reused by every layer). Without one, a plan is made here
@@ -269,12 +307,13 @@ def decode_attention(
             )
         chosen = choose_backend("decode_attention", "pallas", kernel="paged_decode_mgpu").backend
     else:
+        kernel = decode_kernel_for(q, cache, backend)
         chosen = choose_backend(
-            "decode_attention",
-            backend,
-            unsupported=kernel_supports(q, cache),
-            kernel=kernel_name_for(q),
+            "decode_attention", backend, unsupported=kernel_supports(q, cache), kernel=kernel
         ).backend
+        # "auto" on a GPU, for shapes the Mosaic GPU kernel takes: that kernel (the kill switch
+        # and an explicit "pallas" still give the reference and the Triton kernel).
+        mosaic_gpu = chosen != "reference" and kernel == "paged_decode_mgpu"
     if chosen == "reference":
         o, lse = decode_attention_reference(
             q, cache, page_table, sm_scale=sm_scale, logits_soft_cap=logits_soft_cap

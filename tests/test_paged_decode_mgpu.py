@@ -686,7 +686,8 @@ def test_public_path_runs_the_mosaic_gpu_kernel(q_len, split):
 
 def test_public_path_refuses_shapes_the_mosaic_gpu_kernel_cannot_run(monkeypatch):
     """``backend="pallas_mgpu"`` names why it cannot run (NHD pages, another page size, more
-    new tokens than its tile holds); ``"auto"`` on a GPU still picks the Triton kernel."""
+    new tokens than its tile holds); ``"auto"`` on a GPU runs it where it can (HND, bfloat16)
+    and the Triton kernel elsewhere (NHD pages, float32) or when switched off."""
     from kernels_pallas import platform
     from kernels_pallas.platform import record_backends
 
@@ -704,9 +705,35 @@ def test_public_path_refuses_shapes_the_mosaic_gpu_kernel_cannot_run(monkeypatch
         paged.decode_attention(q, small_pages, small_table, backend="pallas_mgpu")
 
     monkeypatch.setattr(platform, "on_gpu", lambda: True)
+    nhd_q, nhd_cache, nhd_table = make_inputs(40, lens, "NHD", 4, 64, jnp.bfloat16, 8)
+    calls = [  # (q, cache, table) -> the kernel "auto" records
+        ((q, cache, table), "paged_decode_mgpu"),
+        ((nhd_q, nhd_cache, nhd_table), "paged_decode"),
+        (
+            (
+                q.astype(jnp.float32),
+                paged.KVCache(
+                    *(p.astype(jnp.float32) for p in (cache.k_pages, cache.v_pages)), "HND"
+                ),
+                table,
+            ),
+            "paged_decode",
+        ),
+    ]
+    for args, kernel in calls:
+        with record_backends() as records:
+            jax.eval_shape(lambda q, c, t: paged.decode_attention(q, c, t), *args)
+        assert [(r.kernel, r.backend) for r in records] == [(kernel, "pallas")]
+        assert paged.decode.decode_kernel_for(args[0], args[1], "auto") == kernel
+    monkeypatch.setattr(paged.decode, "AUTO_PICKS_MOSAIC_GPU_DECODE", False)
     with record_backends() as records:
         jax.eval_shape(lambda q: paged.decode_attention(q, cache, table), q)
     assert [(r.kernel, r.backend) for r in records] == [("paged_decode", "pallas")]
+    monkeypatch.setenv("DECODELAB_BACKEND", "reference")
+    monkeypatch.setattr(paged.decode, "AUTO_PICKS_MOSAIC_GPU_DECODE", True)
+    with record_backends() as records:
+        jax.eval_shape(lambda q: paged.decode_attention(q, cache, table), q)
+    assert [r.backend for r in records] == ["reference"]
 
 
 # --------------------------------------------------------------------------------------------
