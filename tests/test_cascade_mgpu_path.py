@@ -17,6 +17,7 @@ of keys, 1e-4 relative and 1e-3 absolute.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -86,9 +87,11 @@ def oracle(q, cache, table, cap):
     )
 
 
-def run_counting_shared_levels(monkeypatch, q, cache, levels, cap):
+def run_counting_shared_levels(monkeypatch, q, cache, levels, cap, *, jitted=False):
     """The cascade on ``backend="pallas_mgpu"``, with the backend records and the number of
-    shared-level kernel calls (a path that fell back to per-request decode would make none)."""
+    shared-level kernel calls (a path that fell back to per-request decode would make none).
+    ``jitted``: under ``jax.jit`` with the levels traced (the tiles and the split then come from
+    the arrays' static sizes, the own level's plan is the traced default)."""
     calls = []
     kernel = cascade_shared_mgpu.shared_level_states_mgpu
 
@@ -97,10 +100,14 @@ def run_counting_shared_levels(monkeypatch, q, cache, levels, cap):
         return kernel(*args, **kwargs)
 
     monkeypatch.setattr(cascade_shared_mgpu, "shared_level_states_mgpu", counted)
-    with record_backends() as records:
-        o, lse = paged.cascade_decode_attention(
+
+    def cascade(q, levels):
+        return paged.cascade_decode_attention(
             q, cache, levels, logits_soft_cap=cap, return_lse=True, backend="pallas_mgpu"
         )
+
+    with record_backends() as records:
+        o, lse = (jax.jit(cascade) if jitted else cascade)(q, levels)
     return o, lse, records, calls
 
 
@@ -125,12 +132,13 @@ def assert_shared_keys_matter(q, cache, own_table, o_ref, lse_ref, cap, requests
         assert np.abs(own_lse[b] - lse_ref[b]).max() > 100 * LSE_TOLERANCE
 
 
-@pytest.mark.parametrize("q_len, cap", [(1, None), (3, SOFT_CAP)])
-def test_two_levels_equal_plain_decode(monkeypatch, q_len, cap):
+@pytest.mark.parametrize("q_len, cap, jitted", [(1, None, True), (3, SOFT_CAP, False)])
+def test_two_levels_equal_plain_decode(monkeypatch, q_len, cap, jitted):
     """Two groups (requests 0, 2, 3 sharing 37 tokens, a prefix that ends mid-page, its last 5
     tokens on each request's own copy; request 1 alone in a group of one sharing 20), request 4
-    in no group; ragged suffixes. The kill switch is on: a kernel asked for by name still runs
-    (recorded as "pallas", as ``decode_attention(backend="pallas_mgpu")``)."""
+    in no group; ragged suffixes; one new token under jit with traced levels, three eagerly.
+    The kill switch is on: a kernel asked for by name still runs (recorded as "pallas", as
+    ``decode_attention(backend="pallas_mgpu")``)."""
     monkeypatch.setenv("DECODELAB_BACKEND", "reference")
     rng = np.random.default_rng(q_len)
     groups, prefix_lens, suffix_lens = [[0, 2, 3], [1]], [37, 20], [3, 13, 30, 4, 21]
@@ -138,7 +146,9 @@ def test_two_levels_equal_plain_decode(monkeypatch, q_len, cap):
     levels = paged.cascade_levels_from_shared_prefix(table, groups, prefix_lens)
     assert levels.shared[0].group_pages.page_lists()[1] == [table.page_lists()[1][0]]
     q, cache = random_inputs(rng, len(suffix_lens), q_len, num_pool_pages=20)
-    o, lse, records, calls = run_counting_shared_levels(monkeypatch, q, cache, levels, cap)
+    o, lse, records, calls = run_counting_shared_levels(
+        monkeypatch, q, cache, levels, cap, jitted=jitted
+    )
     assert [(r.operation, r.kernel, r.backend) for r in records] == [
         ("cascade_decode_attention", "cascade_shared_mgpu", "pallas"),
         ("decode_attention", "paged_decode_mgpu", "pallas"),
@@ -220,8 +230,6 @@ def test_shapes_the_kernels_cannot_run_are_refused_with_the_reason():
 
 def test_auto_still_picks_the_triton_path_on_a_gpu(monkeypatch):
     """``"auto"`` is unchanged: on a GPU it runs the per-level Triton path, not Mosaic GPU."""
-    import jax
-
     from kernels_pallas import platform
 
     rng = np.random.default_rng(1)
