@@ -47,7 +47,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels_pallas.platform import AUTO_PICKS_KERNEL, choose_backend, is_concrete
+from kernels_pallas.platform import AUTO_PICKS_KERNEL, choose_backend, interpret_mode, is_concrete
 from paged.attention_reference import (
     _compute_dtype,
     attention_over_visible_keys,
@@ -55,7 +55,14 @@ from paged.attention_reference import (
     merge_states,
     token_mask,
 )
-from paged.decode import _static_float, decode_attention, kernel_supports, validate_decode_inputs
+from paged.decode import (
+    MOSAIC_GPU_BACKEND,
+    _static_float,
+    decode_attention,
+    kernel_supports,
+    mgpu_kernel_supports,
+    validate_decode_inputs,
+)
 from paged.kv_cache import KVCache
 from paged.page_table import (
     PageTable,
@@ -68,8 +75,14 @@ from paged.page_table import (
 # What backend="auto" runs here follows decode_attention's evidence (kernels_pallas/platform.py):
 # every cascade level runs decode_attention's kernels, so the kernel path is faster than the
 # reference wherever decode_attention's is. The kernel that reads a shared level once per group
-# is not yet written, so nothing here claims a cascade speed-up over plain decode.
+# (backend="pallas_mgpu") is asked for by name only: nothing here claims a cascade speed-up over
+# plain decode until its crossover is measured on the H200.
 AUTO_PICKS_KERNEL.setdefault("cascade_decode_attention", AUTO_PICKS_KERNEL["decode_attention"])
+# backend="pallas_mgpu": the shared levels' pipeline (kernels_pallas/cascade_shared_mgpu.py's
+# defaults: the ring, four pages a step, three slots); the probe's sweep (run_on_gpu.sh
+# cascade-shared) is to confirm it. The softmax weights go through shared memory when
+# interpreted, the only path Mosaic GPU's interpreter runs, and stay in registers compiled.
+CASCADE_SHARED_MGPU_LAUNCH = dict(pipeline="ring", pages_per_step=4, num_stages=3)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,7 +142,7 @@ class SharedLevel:
 
         Decoding over this table reads a group's pages once per request: the fallback where
         reading them once per group does not pay, and the way ``backend="pallas"`` runs a shared
-        level until the shared-level kernel exists.
+        level (``backend="pallas_mgpu"`` reads them once per 64-row query tile instead).
 
         Args:
           batch_size: ``B``.
@@ -631,13 +644,14 @@ def unfold_new_tokens(folded: jax.Array, q_len: int, num_kv_heads: int) -> jax.A
 
 
 def _cascade_decode_attention_per_level(queries, cache, levels, sm_scale, logits_soft_cap):
-    """The kernel path until the shared-level kernel exists: every level through the decode
+    """``backend="pallas"``, the Triton path: every level through the decode
     kernel, a shared level expanded to one row a request, the states merged by the reference
     merge (XLA fuses it; a few ``[B, L, H, D]`` float32 arrays).
 
     ``decode_attention`` returns each level's output in q's dtype, so with bfloat16 inputs
     every level's state is rounded to bfloat16 once before the merge (within the bfloat16
-    bound); the shared-level kernel should hand over float32 partial states instead."""
+    bound); the Mosaic GPU path (``_cascade_decode_attention_mgpu``) hands over the shared
+    levels' states in float32."""
     batch, q_len = queries.shape[:2]
     num_kv_heads = cache.num_kv_heads
     options = dict(
@@ -655,6 +669,43 @@ def _cascade_decode_attention_per_level(queries, cache, levels, sm_scale, logits
             )
         )
     o, lse = decode_attention(queries, cache, levels.own, **options)
+    states.append((o.astype(jnp.float32), lse))
+    return _merge_levels(states)
+
+
+def _cascade_decode_attention_mgpu(queries, cache, levels, sm_scale, logits_soft_cap):
+    """``backend="pallas_mgpu"``: every shared level through the Mosaic GPU shared-level kernel
+    (a group's pages read once per 64-row tile of its requests' query rows), the own level
+    through the Mosaic GPU decode kernel, the states merged by the reference merge.
+
+    The shared levels' states stay float32 up to the merge; the own level's output is
+    ``decode_attention``'s, in q's dtype, so it is rounded once (within the 16-bit bound)."""
+    # Imported here: kernels_pallas.cascade_shared_mgpu imports this module (its level types).
+    from kernels_pallas import cascade_shared_mgpu
+
+    interpret = interpret_mode()
+    states = [
+        cascade_shared_mgpu.shared_level_states_mgpu(
+            queries,
+            cache,
+            level,
+            sm_scale=sm_scale,
+            logits_soft_cap=logits_soft_cap,
+            probs_in_smem=interpret,
+            interpret=interpret,
+            **CASCADE_SHARED_MGPU_LAUNCH,
+        )
+        for level in levels.shared
+    ]
+    o, lse = decode_attention(
+        queries,
+        cache,
+        levels.own,
+        sm_scale=sm_scale,
+        logits_soft_cap=logits_soft_cap,
+        return_lse=True,
+        backend=MOSAIC_GPU_BACKEND,
+    )
     states.append((o.astype(jnp.float32), lse))
     return _merge_levels(states)
 
@@ -685,15 +736,29 @@ def cascade_decode_attention(
     the soft cap and the log-sum-exp (natural log, ``-inf`` for a request with no keys) are
     those of ``paged.decode_attention``.
 
-    Backends, chosen when the function is traced (``kernels_pallas.platform``): ``"reference"``
-    computes every level with the reference and merges with ``paged.merge_states``.
-    ``"pallas"`` (and ``"auto"`` on a GPU) runs every level through ``paged.decode_attention``'s
-    kernels: the own level as plain decode, a shared level as decode over one row a request
-    (``SharedLevel.per_request_page_table``, the ``L`` new tokens folded into query heads), which
-    reads a group's pages once per request, like plain decode. That is the fallback where
-    cascade does not pay; the kernel that reads a shared level once per group comes with the
-    Mosaic GPU decode kernel (issues 16 and 17). The levels' states are merged by the reference
-    merge. ``DECODELAB_BACKEND=reference`` turns ``"auto"`` into the reference.
+    Backends, chosen when the function is traced (``kernels_pallas.platform``); every one
+    merges the levels' states by the reference merge (``paged.merge_states``):
+
+    - ``"reference"`` computes every level with the reference.
+    - ``"pallas"`` (and ``"auto"`` on a GPU) runs every level through
+      ``paged.decode_attention``'s Triton kernels: the own level as plain decode, a shared level
+      as decode over one row a request (``SharedLevel.per_request_page_table``, the ``L`` new
+      tokens folded into query heads), which reads a group's pages once per request, like plain
+      decode, and hands over each level's output rounded to q's dtype. The fallback where
+      cascade does not pay.
+    - ``"pallas_mgpu"``, asked for by name only, runs the Mosaic GPU kernels: a shared level
+      through ``kernels_pallas.cascade_shared_mgpu`` (the query rows of a group's requests in
+      64-row tiles, 16 requests a tile at ``G = 4``, ``L = 1``; the group's pages read once per
+      tile rather than once per request; float32 states), the own level through
+      ``paged.decode_attention(backend="pallas_mgpu")``. Interpreted on a CPU. Not chosen by
+      ``"auto"`` until its crossover with ``"pallas"`` is measured on the H200; it refuses,
+      with a ``ValueError`` naming the reason, what the Mosaic GPU decode kernel refuses (an
+      ``NHD`` cache, a page size other than 16, dtypes other than bfloat16 and float16,
+      ``head_dim`` other than 64 and 128, more than 8 query heads a KV head, a longer ``L``
+      than its tile holds).
+
+    ``DECODELAB_BACKEND=reference`` turns ``"auto"`` into the reference; a kernel asked for by
+    name runs under it, as in ``paged.decode_attention``.
 
     Under ``jit`` the levels' values cannot be checked (``docs/invalid_input.md``): a request
     listed in two groups of a level attends to one of them, members outside the batch are
@@ -708,7 +773,7 @@ def cascade_decode_attention(
       sm_scale: logit scale, a Python float (static); default ``1 / sqrt(D)``.
       logits_soft_cap: optional cap ``> 0``, a Python float (static).
       return_lse: also return the log-sum-exp.
-      backend: ``"auto"``, ``"reference"`` or ``"pallas"``.
+      backend: ``"auto"``, ``"reference"``, ``"pallas"`` or ``"pallas_mgpu"`` (see above).
 
     Returns:
       ``o`` shaped like ``q`` in q's dtype, and with ``return_lse=True`` also ``lse`` float32
@@ -718,7 +783,8 @@ def cascade_decode_attention(
     Raises:
       TypeError: ``levels`` is not a ``CascadeLevels``.
       ValueError: what ``paged.decode_attention`` refuses for ``q``, the cache and the own
-        level; invalid shared levels (``validate_cascade_levels``); page sizes that differ from
+        level (with ``backend="pallas_mgpu"``, the shapes its kernels cannot run); invalid
+        shared levels (``validate_cascade_levels``); page sizes that differ from
         the cache's; and (concrete levels) a request whose own level holds fewer than ``L``
         tokens (but for ``L = 1`` and an empty own level).
 
@@ -746,16 +812,33 @@ def cascade_decode_attention(
     _check_new_tokens_lie_in_own_level(levels, queries.shape[1])
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(q.shape[-1])
-    chosen = choose_backend(
-        "cascade_decode_attention",
-        backend,
-        unsupported=kernel_supports(q, cache),
-        kernel="paged_decode",
-    ).backend
+    mosaic_gpu = backend == MOSAIC_GPU_BACKEND
+    if mosaic_gpu:  # asked for by name: the kernels, or an error saying why they cannot run
+        # The own level's decode kernel takes fewer shapes than the shared-level kernel (at most
+        # 8 query heads a KV head, q_len x G rows in one tile), so its limits are the path's.
+        unsupported = mgpu_kernel_supports(q, cache)
+        if unsupported:
+            raise ValueError(
+                f"backend={MOSAIC_GPU_BACKEND!r} cannot run cascade_decode_attention here: "
+                f"{unsupported}"
+            )
+        # An explicit kernel, as decode_attention's "pallas_mgpu": obeyed under the kill switch.
+        chosen = choose_backend(
+            "cascade_decode_attention", "pallas", kernel="cascade_shared_mgpu"
+        ).backend
+    else:
+        chosen = choose_backend(
+            "cascade_decode_attention",
+            backend,
+            unsupported=kernel_supports(q, cache),
+            kernel="paged_decode",
+        ).backend
     if chosen == "reference":
         o, lse = _cascade_decode_attention_reference_jit(
             queries, cache, levels, sm_scale=sm_scale, logits_soft_cap=logits_soft_cap
         )
+    elif mosaic_gpu:
+        o, lse = _cascade_decode_attention_mgpu(queries, cache, levels, sm_scale, logits_soft_cap)
     else:
         o, lse = _cascade_decode_attention_per_level(
             queries, cache, levels, sm_scale, logits_soft_cap
