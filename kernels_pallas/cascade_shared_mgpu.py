@@ -73,11 +73,12 @@ gather back are separate small launches.
 Interpret mode runs what the decode kernel's interpreter runs: the ``probs_in_smem=True`` path;
 the register path is compiled only (``tests/test_cascade_shared_mgpu.py`` lowers it for CUDA).
 
-From ``kernels_pallas/paged_decode_mgpu.py`` this file uses the kernel body
-(``paged_decode_mgpu_kernel``), its constants and shared-memory sizing, and two private
-helpers: ``_interpret_params`` (``interpret`` as ``plgpu.kernel`` takes it) and
-``_runs_in_32_bits_also_interpreted`` (the x64 wrapper that also works interpreted). A change
-to either changes this kernel too; they are candidates to make public there.
+From ``kernels_pallas/paged_decode_mgpu.py`` this file uses the kernel's launch
+(``launch_paged_decode_mgpu_kernel``: the kernel body over a (KV head, work item) grid), the
+checks of its pipeline parameters (``validate_mgpu_pipeline_arguments``, which also sizes its
+shared memory), its constants, and one private helper, ``_runs_in_32_bits_also_interpreted``
+(the x64 wrapper that also works interpreted). A change to any of them changes this kernel
+too.
 """
 
 from __future__ import annotations
@@ -89,21 +90,16 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from kernels_pallas.index_windows import default_index_window, pad_page_indices
-from kernels_pallas.online_softmax import LOG2_E
+from kernels_pallas.index_windows import default_index_window
 from kernels_pallas.paged_decode_mgpu import (
-    H200_SMEM_PER_PROGRAM_BYTES,
     PAGE_SIZE,
-    PIPELINES,
-    RING_PAGES_PER_STEP,
     SUPPORTED_DTYPES,
     SUPPORTED_HEAD_DIMS,
     TILE_ROWS,
-    _interpret_params,
     _runs_in_32_bits_also_interpreted,
-    paged_decode_mgpu_kernel,
+    launch_paged_decode_mgpu_kernel,
     programs_per_sm,
-    smem_bytes_per_program,
+    validate_mgpu_pipeline_arguments,
 )
 from kernels_pallas.paged_decode_tuning import H200_NUM_SMS
 from kernels_pallas.platform import is_concrete
@@ -327,40 +323,31 @@ def cascade_shared_mgpu(
     )
     num_work = num_tiles * num_splits
     count = num_work * num_kv_heads * TILE_ROWS
-    kernel = functools.partial(
-        paged_decode_mgpu_kernel,
-        q_len=1,
-        group_size=TILE_ROWS,  # a tile's 64 rows, one "token": no causal mask, no offset
-        partial_block=TILE_ROWS,
-        num_kv_heads=num_kv_heads,
-        pages_per_step=pages_per_step,
-        num_stages=num_stages,
-        index_window=index_window,
-        logit_scale_log2=sm_scale * LOG2_E,
-        logits_soft_cap=logits_soft_cap,
-        sm_scale=sm_scale,
-        write_final=False,
-        probs_in_smem=probs_in_smem,
-        pipeline=pipeline,
-        table_entries=group_page_indices.shape[0],
-    )
-    partial_o, partial_lse = plgpu.kernel(
-        kernel,
+    # Work items fastest on the grid (the launch's order): a group's tiles side by side.
+    partial_o, partial_lse = launch_paged_decode_mgpu_kernel(
+        work,
+        group_page_indices,
+        (),  # one "token" a tile: no causal table; merged below, not folded
+        q_tiles.reshape(-1, head_dim),
+        k_pages,
+        v_pages,
         out_type=(
             jax.ShapeDtypeStruct((count, head_dim), jnp.float32),
             jax.ShapeDtypeStruct((count,), jnp.float32),
         ),
-        grid=(num_kv_heads, num_work),  # work items fastest: a group's tiles side by side
-        grid_names=("kv_head", "work"),
-        interpret=_interpret_params(interpret),
-        kernel_name=f"cascade_shared_mgpu_{pipeline}_p{pages_per_step}_s{num_stages}"
-        + ("_psmem" if probs_in_smem else "_preg"),
-    )(
-        *work,
-        pad_page_indices(group_page_indices, index_window),  # index_windows.py says why
-        q_tiles.reshape(-1, head_dim),
-        k_pages,
-        v_pages,
+        q_len=1,
+        group_size=TILE_ROWS,  # a tile's 64 rows, one "token": no causal mask, no offset
+        partial_block=TILE_ROWS,
+        sm_scale=sm_scale,
+        logits_soft_cap=logits_soft_cap,
+        write_final=False,
+        pages_per_step=pages_per_step,
+        num_stages=num_stages,
+        index_window=index_window,
+        probs_in_smem=probs_in_smem,
+        pipeline=pipeline,
+        interpret=interpret,
+        name="cascade_shared_mgpu",
     )
     partial_o = partial_o.reshape(num_work, num_kv_heads, TILE_ROWS, head_dim)
     partial_lse = partial_lse.reshape(num_work, num_kv_heads, TILE_ROWS)
@@ -476,7 +463,7 @@ def shared_level_states_mgpu(
         raise ValueError(f"logits_soft_cap must be > 0 or None, got {logits_soft_cap}")
     if index_window is None and isinstance(pages_per_step, int) and pages_per_step >= 1:
         index_window = default_index_window(pages_per_step)
-    _validate_arguments(
+    smem = _validate_arguments(
         queries,
         cache,
         num_splits=num_splits,
@@ -487,7 +474,7 @@ def shared_level_states_mgpu(
         pipeline=pipeline,
         interpret=interpret,
     )
-    batch, q_len, num_q_heads, head_dim = queries.shape
+    batch, q_len, num_q_heads, _ = queries.shape
     num_kv_heads = cache.num_kv_heads
     if level.group_pages.page_size != cache.page_size:
         raise ValueError(
@@ -527,15 +514,6 @@ def shared_level_states_mgpu(
             jnp.full(queries.shape[:-1], -jnp.inf, jnp.float32),
         )
     if num_splits is None:
-        smem = smem_bytes_per_program(
-            head_dim,
-            queries.dtype,
-            pages_per_step=pages_per_step,
-            num_stages=num_stages,
-            index_window=index_window,
-            probs_in_smem=probs_in_smem,
-            pipeline=pipeline,
-        )
         num_splits = choose_num_splits(
             num_tiles,
             num_kv_heads,
@@ -584,8 +562,13 @@ def _validate_arguments(
     probs_in_smem,
     pipeline,
     interpret,
-) -> None:
-    """Raises ValueError for what the shared-level kernel cannot run, naming the value."""
+) -> int:
+    """Raises ValueError for what the shared-level kernel cannot run, naming the value; the
+    pipeline's checks are the decode kernel's (``validate_mgpu_pipeline_arguments``).
+
+    Returns:
+      The shared memory one program allocates, in bytes (``smem_bytes_per_program``).
+    """
     if queries.ndim != 4:
         raise ValueError(
             f"queries must be [batch, q_len, num_q_heads, head_dim], got shape {queries.shape}"
@@ -618,25 +601,7 @@ def _validate_arguments(
         )
     if num_splits is not None and not (isinstance(num_splits, int) and num_splits >= 1):
         raise ValueError(f"num_splits must be an int >= 1 or None, got {num_splits!r}")
-    if pipeline not in PIPELINES:
-        raise ValueError(f"pipeline must be one of {PIPELINES}, got {pipeline!r}")
-    if pipeline == "ring" and pages_per_step not in RING_PAGES_PER_STEP:
-        raise ValueError(
-            f"pages_per_step must be one of {RING_PAGES_PER_STEP} with pipeline='ring', got "
-            f"{pages_per_step}"
-        )
-    if pages_per_step < 1 or num_stages < 1:
-        raise ValueError(
-            f"pages_per_step and num_stages must be >= 1, got {pages_per_step} and {num_stages}"
-        )
-    if not (
-        1 <= index_window <= 256 and index_window % pages_per_step == 0 and index_window % 4 == 0
-    ):
-        raise ValueError(
-            f"index_window must be a multiple of 4 and of pages_per_step={pages_per_step}, at "
-            f"most 256, got {index_window}"
-        )
-    smem = smem_bytes_per_program(
+    return validate_mgpu_pipeline_arguments(
         head_dim,
         queries.dtype,
         pages_per_step=pages_per_step,
@@ -644,15 +609,5 @@ def _validate_arguments(
         index_window=index_window,
         probs_in_smem=probs_in_smem,
         pipeline=pipeline,
+        interpret=interpret,
     )
-    if smem > H200_SMEM_PER_PROGRAM_BYTES:
-        raise ValueError(
-            f"num_stages={num_stages} with pages_per_step={pages_per_step} needs "
-            f"{smem / 1024:.0f} KiB of shared memory a program, over the H200's "
-            f"{H200_SMEM_PER_PROGRAM_BYTES // 1024} KiB"
-        )
-    if interpret and not probs_in_smem:
-        raise ValueError(
-            "interpret=True needs probs_in_smem=True: Mosaic GPU's interpreter cannot run a "
-            "WGMMA whose left operand is in registers"
-        )

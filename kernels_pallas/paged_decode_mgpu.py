@@ -1024,54 +1024,36 @@ def paged_decode_mgpu(
         if folded:  # the merge of no item: no key, o = 0 and lse = -inf
             outs[3] = jnp.full(outs[3].shape, -jnp.inf, jnp.float32)
     else:
-        kernel = functools.partial(
-            paged_decode_mgpu_kernel,
-            q_len=q_len,
-            group_size=group_size,
-            partial_block=partial_block,
-            num_kv_heads=num_kv_heads,
-            pages_per_step=pages_per_step,
-            num_stages=num_stages,
-            index_window=index_window,
-            logit_scale_log2=sm_scale * LOG2_E,
-            logits_soft_cap=logits_soft_cap,
-            sm_scale=sm_scale,
-            write_final=write_final,
-            probs_in_smem=probs_in_smem,
-            pipeline=pipeline,
-            merge=merge,
-            folded_interpret=bool(interpret),
-            table_entries=page_indices.shape[0],
-        )
         # Rows grouped by (request, KV head), token-major inside: q's own order for one token,
         # a small copy of q otherwise (the Triton kernel's row order).
         q_rows = head_major(q.reshape(batch, q_len, num_q_heads, head_dim), num_kv_heads)
         table = (page_indptr, last_page_len) if q_len > 1 else ()
         if folded:
             table += (merge_indptr,)
-        outs = plgpu.kernel(
-            kernel,
-            out_type=out_type,
-            # Mosaic GPU maps the last grid axis to CUDA's x (up to 2^31 - 1 blocks; y and z
-            # stop at 65535): work items there, so any plan fits, launched item-fastest as
-            # the Triton kernel's grid is.
-            grid=(num_kv_heads, num_work),
-            grid_names=("kv_head", "work"),
-            interpret=_interpret_params(interpret),
-            kernel_name=f"paged_decode_mgpu_{pipeline}_p{pages_per_step}_s{num_stages}"
-            + ("_psmem" if probs_in_smem else "_preg")
-            + (f"_q{q_len}" if q_len > 1 else "")
-            + ("_final" if write_final else "_folded" if folded else "_partial"),
-        )(
-            work_request,
-            work_page_start,
-            work_page_end,
-            work_last_page_len,
-            pad_page_indices(page_indices, index_window),  # index_windows.py says why
-            *table,
+        outs = launch_paged_decode_mgpu_kernel(
+            (work_request, work_page_start, work_page_end, work_last_page_len),
+            page_indices,
+            table,
             q_rows.reshape(total_rows, head_dim),
             k_pages,
             v_pages,
+            out_type=out_type,
+            q_len=q_len,
+            group_size=group_size,
+            partial_block=partial_block,
+            sm_scale=sm_scale,
+            logits_soft_cap=logits_soft_cap,
+            write_final=write_final,
+            pages_per_step=pages_per_step,
+            num_stages=num_stages,
+            index_window=index_window,
+            probs_in_smem=probs_in_smem,
+            pipeline=pipeline,
+            merge=merge,
+            interpret=interpret,
+            name="paged_decode_mgpu",
+            name_suffix=(f"_q{q_len}" if q_len > 1 else "")
+            + ("_final" if write_final else "_folded" if folded else "_partial"),
         )
     if write_final or folded:
         o, lse = outs[-2:]
@@ -1082,6 +1064,99 @@ def paged_decode_mgpu(
     return (
         o.reshape(num_work, num_kv_heads, partial_block, head_dim),
         lse.reshape(num_work, num_kv_heads, partial_block),
+    )
+
+
+def launch_paged_decode_mgpu_kernel(
+    work: tuple[jax.Array, jax.Array, jax.Array, jax.Array],
+    page_indices: jax.Array,
+    table: tuple[jax.Array, ...],
+    q_rows: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    *,
+    out_type: tuple[jax.ShapeDtypeStruct, ...],
+    q_len: int,
+    group_size: int,
+    partial_block: int,
+    sm_scale: float,
+    logits_soft_cap: float | None,
+    write_final: bool,
+    pages_per_step: int,
+    num_stages: int,
+    index_window: int,
+    probs_in_smem: bool,
+    pipeline: str,
+    merge: str = "separate",
+    interpret: bool | plgpu.InterpretGPUParams = False,
+    name: str,
+    name_suffix: str = "",
+) -> tuple[jax.Array, ...]:
+    """Launches ``paged_decode_mgpu_kernel`` once a (KV head, work item): the one launch that
+    ``paged_decode_mgpu`` and the cascade's shared level (``cascade_shared_mgpu.py``, whose
+    64-row query tiles pose as requests) share. Arguments are taken as checked
+    (``validate_mgpu_decode_arguments``, ``validate_mgpu_pipeline_arguments``).
+
+    Args:
+      work: the work items ``(request, page_start, page_end, last_page_len)``, int32 ``[W]``
+        each (request ``-1`` or outside the batch for padding).
+      page_indices: int32 ``[num_indices]``, unpadded (padded here for the index windows).
+      table: the kernel's optional operands after the page numbers, in its order: the table's
+        ``(page_indptr [B + 1], last_page_len [B])`` when ``q_len > 1``, then ``merge_indptr
+        [B + 1]`` for a folded merge; ``()`` otherwise.
+      q_rows: ``[B x KVH x q_len x G, D]``, rows grouped by (request, KV head), token-major.
+      k_pages, v_pages: ``[num_pages, KVH, 16, D]`` (HND).
+      out_type: the kernel's outputs (the partial ``(o, lse)``, then the final ones when folded;
+        or only the final ones with ``write_final``).
+      q_len, group_size, partial_block: the kernel's row layout (``q_len x group_size`` rows a
+        KV head, ``partial_block`` rows a partial state's block).
+      sm_scale, logits_soft_cap, write_final, pages_per_step, num_stages, index_window,
+      probs_in_smem, pipeline, merge, interpret: as ``paged_decode_mgpu`` takes them.
+      name, name_suffix: the compiled kernel's name is ``{name}_{pipeline}_p{pages_per_step}
+        _s{num_stages}`` then ``_psmem`` or ``_preg``, then ``name_suffix``.
+
+    Returns:
+      The kernel's outputs, shaped as ``out_type``.
+    """
+    num_kv_heads = k_pages.shape[1]
+    kernel = functools.partial(
+        paged_decode_mgpu_kernel,
+        q_len=q_len,
+        group_size=group_size,
+        partial_block=partial_block,
+        num_kv_heads=num_kv_heads,
+        pages_per_step=pages_per_step,
+        num_stages=num_stages,
+        index_window=index_window,
+        logit_scale_log2=sm_scale * LOG2_E,
+        logits_soft_cap=logits_soft_cap,
+        sm_scale=sm_scale,
+        write_final=write_final,
+        probs_in_smem=probs_in_smem,
+        pipeline=pipeline,
+        merge=merge,
+        folded_interpret=bool(interpret),
+        table_entries=page_indices.shape[0],
+    )
+    return plgpu.kernel(
+        kernel,
+        out_type=out_type,
+        # Mosaic GPU maps the last grid axis to CUDA's x (up to 2^31 - 1 blocks; y and z stop
+        # at 65535): work items there, so any plan fits, launched item-fastest as the Triton
+        # kernel's grid is.
+        grid=(num_kv_heads, work[0].shape[0]),
+        grid_names=("kv_head", "work"),
+        interpret=_interpret_params(interpret),
+        kernel_name=f"{name}_{pipeline}_p{pages_per_step}_s{num_stages}"
+        + ("_psmem" if probs_in_smem else "_preg")
+        + name_suffix,
+    )(
+        *work,
+        pad_page_indices(page_indices, index_window),  # index_windows.py says why
+        *table,
+        q_rows,
+        k_pages,
+        v_pages,
     )
 
 
@@ -1214,6 +1289,47 @@ def validate_mgpu_decode_arguments(
         )
     if num_pages < 1:
         raise ValueError(f"the pool must hold at least one page, got num_pages={num_pages}")
+    if merge not in MERGES:
+        raise ValueError(f"merge must be one of {MERGES}, got {merge!r}")
+    validate_mgpu_pipeline_arguments(
+        head_dim,
+        q.dtype,
+        pages_per_step=pages_per_step,
+        num_stages=num_stages,
+        index_window=index_window,
+        probs_in_smem=probs_in_smem,
+        pipeline=pipeline,
+        interpret=interpret,
+        write_final=write_final,
+    )
+
+
+def validate_mgpu_pipeline_arguments(
+    head_dim: int,
+    dtype,
+    *,
+    pages_per_step,
+    num_stages,
+    index_window,
+    probs_in_smem,
+    pipeline,
+    interpret,
+    write_final: bool = False,
+) -> int:
+    """Raises ValueError, naming the value, for a pipeline ``paged_decode_mgpu_kernel`` cannot
+    run: the checks of the launch's static parameters that ``paged_decode_mgpu`` and the
+    cascade's shared level (``cascade_shared_mgpu.py``) share.
+
+    Args:
+      head_dim: ``D`` of the pages (64 or 128, checked by the caller).
+      dtype: the pages' dtype (bfloat16 or float16, checked by the caller).
+      pages_per_step, num_stages, index_window, probs_in_smem, pipeline, interpret,
+      write_final: as ``paged_decode_mgpu`` takes them (``index_window`` resolved, not None).
+
+    Returns:
+      The shared memory one program of this pipeline allocates, in bytes
+      (``smem_bytes_per_program``), checked to fit the H200's 227 KiB.
+    """
     if pages_per_step < 1:
         raise ValueError(f"pages_per_step must be >= 1, got {pages_per_step}")
     if num_stages < 1:
@@ -1227,8 +1343,6 @@ def validate_mgpu_decode_arguments(
             f"index_window must be a multiple of 4 and of pages_per_step={pages_per_step}, at "
             f"most {MAX_INDEX_WINDOW}, got {index_window}"
         )
-    if merge not in MERGES:
-        raise ValueError(f"merge must be one of {MERGES}, got {merge!r}")
     if pipeline not in PIPELINES:
         raise ValueError(f"pipeline must be one of {PIPELINES}, got {pipeline!r}")
     if pipeline == "ring" and pages_per_step not in RING_PAGES_PER_STEP:
@@ -1238,14 +1352,13 @@ def validate_mgpu_decode_arguments(
         )
     smem_bytes = smem_bytes_per_program(
         head_dim,
-        q.dtype,
+        dtype,
         pages_per_step=pages_per_step,
         num_stages=num_stages,
         index_window=index_window,
         probs_in_smem=probs_in_smem,
         pipeline=pipeline,
         write_final=write_final,
-        page_size=page_size,
     )
     if smem_bytes > H200_SMEM_PER_PROGRAM_BYTES:
         raise ValueError(
@@ -1259,3 +1372,4 @@ def validate_mgpu_decode_arguments(
             "interpret=True needs probs_in_smem=True: Mosaic GPU's interpreter cannot run a "
             "WGMMA whose left operand is in registers"
         )
+    return smem_bytes
