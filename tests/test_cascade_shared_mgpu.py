@@ -365,6 +365,9 @@ BAD_ARGUMENTS = [
     (dict(launch=dict(pages_per_step=3)), "pages_per_step must be one of"),
     (dict(launch=dict(pages_per_step=8, num_stages=8)), "KiB of shared memory"),
     (dict(launch=dict(index_window=6)), "index_window must be a multiple of 4"),
+    # 256 page numbers and the 4 before an unaligned start are one copy of 288: over Mosaic
+    # GPU's 256 a dimension (index_windows.py), refused as the decode kernel refuses it.
+    (dict(launch=dict(index_window=256)), "index_window must be .* at most 252, got 256"),
     (dict(compiled_on_cpu=True), "interpret=True needs probs_in_smem=True"),
     (dict(bad_page=99), "^level.group_pages.page_indices.*99"),
     (dict(member_outside=9), "^level.group_requests.*9 is outside the batch"),
