@@ -105,6 +105,7 @@ from kernels_pallas.paged_decode_tuning import H200_NUM_SMS
 from kernels_pallas.platform import is_concrete
 from paged.attention_reference import merge_states
 from paged.cascade import CascadeLevels, SharedLevel, validate_cascade_levels
+from paged.decode import _static_float
 from paged.kv_cache import KVCache
 from paged.page_table import PageTable
 
@@ -498,10 +499,7 @@ def shared_level_states_mgpu(
     num_groups = level.num_groups
     num_members = level.group_requests.shape[0]
     if batch == 0 or num_groups == 0 or num_members == 0 or pages.page_indices.shape[0] == 0:
-        return (
-            jnp.zeros(queries.shape, jnp.float32),
-            jnp.full(queries.shape[:-1], -jnp.inf, jnp.float32),
-        )
+        return _no_key_states(queries)
     if is_concrete(level.group_indptr, pages.page_indptr):
         num_tiles = num_query_tiles(np.asarray(level.group_indptr), rows_per_request)
         max_group_pages = int(np.max(np.diff(np.asarray(pages.page_indptr)), initial=0))
@@ -509,10 +507,7 @@ def shared_level_states_mgpu(
         num_tiles = -(-num_members * rows_per_request // TILE_ROWS) + num_groups
         max_group_pages = pages.page_indices.shape[0]
     if num_tiles == 0:
-        return (
-            jnp.zeros(queries.shape, jnp.float32),
-            jnp.full(queries.shape[:-1], -jnp.inf, jnp.float32),
-        )
+        return _no_key_states(queries)
     if num_splits is None:
         num_splits = choose_num_splits(
             num_tiles,
@@ -542,13 +537,14 @@ def shared_level_states_mgpu(
     )
 
 
-def _static_float(name: str, value) -> float | None:
-    """A static float argument (it shapes the kernel's code), or a ValueError naming it."""
-    if value is None:
-        return None
-    if isinstance(value, jax.core.Tracer):
-        raise ValueError(f"{name} must be a Python float, not a traced value (it is static)")
-    return float(value)
+def _no_key_states(queries: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The state of requests that attend to no key at this level (an empty batch, level or
+    group): ``(o [B, L, H, D] float32 zeros, lse [B, L, H] float32 -inf)`` for ``queries``
+    ``[B, L, H, D]``, which ``paged.merge_states`` weighs 0."""
+    return (
+        jnp.zeros(queries.shape, jnp.float32),
+        jnp.full(queries.shape[:-1], -jnp.inf, jnp.float32),
+    )
 
 
 def _validate_arguments(
