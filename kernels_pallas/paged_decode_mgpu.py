@@ -295,6 +295,18 @@ def paged_decode_mgpu_kernel(
     pair_tokens = pages_per_step * page_size if ring else page_size
     k_transforms = _transforms(head_dim, dtype)
     v_transforms = _transforms(pair_tokens, dtype)
+    # A step of either pipeline: what every step passes to _attend_step besides its key and
+    # value slots, the number of its first key and (the ring) when its values have landed.
+    attend_step = functools.partial(
+        _attend_step,
+        num_tokens=num_tokens,
+        causal=causal,
+        logit_scale_log2=logit_scale_log2,
+        logits_soft_cap=logits_soft_cap,
+        sm_scale=sm_scale,
+        probs_in_smem=probs_in_smem,
+        dtype=dtype,
+    )
 
     def copy_index_window(window, buffers, barriers):
         slot = lax.rem(window, 2)
@@ -355,20 +367,13 @@ def paged_decode_mgpu_kernel(
         def step_body(step, state):
             slot = lax.rem(step, num_stages)
             plgpu.barrier_wait(k_ready.at[slot])
-            state = _attend_step(
+            state = attend_step(
                 state,
                 q_smem,
                 probs_smem,
                 [k_ring.at[slot]],
                 [v_ring.at[slot]],
                 first_key=step * pair_tokens,
-                num_tokens=num_tokens,
-                causal=causal,
-                logit_scale_log2=logit_scale_log2,
-                logits_soft_cap=logits_soft_cap,
-                sm_scale=sm_scale,
-                probs_in_smem=probs_in_smem,
-                dtype=dtype,
                 wait_for_values=lambda: plgpu.barrier_wait(v_ready.at[slot]),
             )
 
@@ -417,39 +422,23 @@ def paged_decode_mgpu_kernel(
                 return number, kv_head, 0, 0
 
             block = (None, None, page_size, head_dim)
-            k_specs = [
-                plgpu.BlockSpec(
-                    block, functools.partial(index_map, page=t), transforms=k_transforms
-                )
-                for t in range(pages_per_step)
-            ]
-            v_specs = [
-                plgpu.BlockSpec(
-                    block, functools.partial(index_map, page=t), transforms=v_transforms
-                )
-                for t in range(pages_per_step)
-            ]
+            # One slot a page, K's then V's, each operand with its own smem transforms.
+            k_specs, v_specs = (
+                [
+                    plgpu.BlockSpec(
+                        block, functools.partial(index_map, page=t), transforms=transforms
+                    )
+                    for t in range(pages_per_step)
+                ]
+                for transforms in (k_transforms, v_transforms)
+            )
 
             def step_body(indices, *slots_and_state):
                 *slots, state = slots_and_state
                 k_slots, v_slots = slots[:pages_per_step], slots[pages_per_step:]
                 (step,) = indices
                 first_key = ((window * steps_per_window + step) * pages_per_step) * page_size
-                return _attend_step(
-                    state,
-                    q_smem,
-                    probs_smem,
-                    k_slots,
-                    v_slots,
-                    first_key=first_key,
-                    num_tokens=num_tokens,
-                    causal=causal,
-                    logit_scale_log2=logit_scale_log2,
-                    logits_soft_cap=logits_soft_cap,
-                    sm_scale=sm_scale,
-                    probs_in_smem=probs_in_smem,
-                    dtype=dtype,
-                )
+                return attend_step(state, q_smem, probs_smem, k_slots, v_slots, first_key=first_key)
 
             return plgpu.emit_pipeline(
                 step_body,
