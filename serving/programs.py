@@ -103,6 +103,26 @@ class DecodeResult(NamedTuple):
     draft_token_ids: jax.Array
 
 
+def _feed_previous_tokens(
+    inputs: DecodeInputs, previous_token_ids: jax.Array | None
+) -> DecodeInputs:
+    """``inputs`` whose rows with a negative ``token_ids`` (the scheduler's ``UNRESOLVED_TOKEN``)
+    feed the token their slot sampled in the previous step, ``previous_token_ids[:, 0]``
+    (int32[B, 1], still on the device); ``inputs`` unchanged when it is None."""
+    if previous_token_ids is None:
+        return inputs
+    fed = jnp.where(inputs.token_ids < 0, previous_token_ids[:, 0], inputs.token_ids)
+    return inputs._replace(token_ids=fed)
+
+
+def _plain_decode_result(token_ids: jax.Array) -> DecodeResult:
+    """The result of plain (not speculative) decoding that emitted ``token_ids`` int32[B, K]:
+    no draft accepted (``num_accepted`` int32[B] zeros), no drafts (``draft_token_ids``
+    int32[B, 0])."""
+    batch = token_ids.shape[0]
+    return DecodeResult(token_ids, jnp.zeros((batch,), jnp.int32), jnp.zeros((batch, 0), jnp.int32))
+
+
 def decode_step(
     target_params,
     draft_params,
@@ -134,9 +154,7 @@ def decode_step(
       ``(DecodeResult, target_caches, draft_caches)``.
     """
     n = num_speculative
-    if previous_token_ids is not None:
-        fed = jnp.where(inputs.token_ids < 0, previous_token_ids[:, 0], inputs.token_ids)
-        inputs = inputs._replace(token_ids=fed)
+    inputs = _feed_previous_tokens(inputs, previous_token_ids)
     keys = step_keys(inputs.key_data, inputs.num_generated)
     row_params = dict(
         temperature=inputs.temperature, top_k=inputs.top_k, top_p=inputs.top_p, min_p=inputs.min_p
@@ -159,11 +177,7 @@ def decode_step(
             min_p=inputs.min_p,
             backend=backend,
         )
-        batch = tokens.shape[0]
-        result = DecodeResult(
-            tokens[:, None], jnp.zeros((batch,), jnp.int32), jnp.zeros((batch, 0), jnp.int32)
-        )
-        return result, target_caches, draft_caches
+        return _plain_decode_result(tokens[:, None]), target_caches, draft_caches
 
     fed = inputs.token_ids
     drafts, draft_probs = [], []
@@ -244,9 +258,7 @@ def decode_steps(
             "decode_steps needs a table stacked over the steps (programs.stack_steps), got "
             f"last_page_len of shape {inputs.page_table.last_page_len.shape}"
         )
-    if previous_token_ids is not None:
-        fed = jnp.where(inputs.token_ids < 0, previous_token_ids[:, 0], inputs.token_ids)
-        inputs = inputs._replace(token_ids=fed)
+    inputs = _feed_previous_tokens(inputs, previous_token_ids)
 
     def one_step(carry, per_step):
         token_ids, caches = carry
@@ -275,11 +287,7 @@ def decode_steps(
     (last, target_caches), tokens = jax.lax.scan(
         one_step, (inputs.token_ids, target_caches), (steps, inputs.page_table, inputs.plan)
     )
-    batch = last.shape[0]
-    result = DecodeResult(
-        tokens.T, jnp.zeros((batch,), jnp.int32), jnp.zeros((batch, 0), jnp.int32)
-    )
-    return result, last[:, None], target_caches, draft_caches
+    return _plain_decode_result(tokens.T), last[:, None], target_caches, draft_caches
 
 
 def stack_steps(tables: list[paged.PageTable], plans: list[paged.DecodePlan | None]):
