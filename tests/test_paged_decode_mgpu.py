@@ -121,6 +121,19 @@ def make_plan(table, num_q_heads, head_dim, split):
     return plan
 
 
+def run_config_against_reference(lens, group, dtype, split, soft_cap, **launch):
+    """One row of ``CONFIGS`` or ``RING_CONFIGS``: ``group`` query heads a KV head (also the
+    inputs' seed), requests of ``lens`` tokens at head_dim 64, the ``split`` plan
+    (``make_plan``), the kernel launched with ``launch`` (``run_mgpu``'s keywords), its merged
+    ``(o, lse)`` checked against the float64 reference. Returns ``(q, cache, table, plan,
+    raw)``, ``raw`` the kernel's own outputs (final, or partial states), for further checks."""
+    q, cache, table = make_inputs(group, lens, "HND", group, 64, dtype, num_pool_pages=48)
+    plan = make_plan(table, q.shape[1], 64, split)
+    (o, lse), raw = run_mgpu(q, cache, table, plan, soft_cap=soft_cap, **launch)
+    check_against_reference(o, lse, q, cache, table, lens, soft_cap)
+    return q, cache, table, plan, raw
+
+
 # (group, dtype, split, soft cap, pages_per_step, num_stages, index_window): each group with a
 # final and a partial output, each dtype, pages_per_step 1 and 2, several stage counts, one
 # index window shorter than the longest request (two windows, double-buffered).
@@ -139,20 +152,17 @@ CONFIGS = [
 def test_kernel_matches_reference_and_triton(
     group, dtype, split, soft_cap, pages_per_step, num_stages, window, probs_in_smem
 ):
-    q, cache, table = make_inputs(group, RAGGED_LENS, "HND", group, 64, dtype, num_pool_pages=48)
-    plan = make_plan(table, q.shape[1], 64, split)
-    (o, lse), raw = run_mgpu(
-        q,
-        cache,
-        table,
-        plan,
-        soft_cap=soft_cap,
+    q, cache, table, plan, raw = run_config_against_reference(
+        RAGGED_LENS,
+        group,
+        dtype,
+        split,
+        soft_cap,
         probs_in_smem=probs_in_smem,
         pages_per_step=pages_per_step,
         num_stages=num_stages,
         index_window=window,
     )
-    check_against_reference(o, lse, q, cache, table, RAGGED_LENS, soft_cap)
     # The Triton kernel's raw outputs, same plan, same layout: final (o, lse) or the partial
     # states merge_partial_states reads (their real rows; padded rows and padding items differ).
     triton = run_triton(q, cache, table, plan, soft_cap=soft_cap)
@@ -192,21 +202,18 @@ RING_CONFIGS = [
 def test_ring_pipeline_matches_reference(
     group, dtype, split, soft_cap, pages_per_step, num_stages, window, probs_in_smem
 ):
-    q, cache, table = make_inputs(group, RING_LENS, "HND", group, 64, dtype, num_pool_pages=48)
-    plan = make_plan(table, q.shape[1], 64, split)
-    (o, lse), _ = run_mgpu(
-        q,
-        cache,
-        table,
-        plan,
-        soft_cap=soft_cap,
+    run_config_against_reference(
+        RING_LENS,
+        group,
+        dtype,
+        split,
+        soft_cap,
         probs_in_smem=probs_in_smem,
         pages_per_step=pages_per_step,
         num_stages=num_stages,
         index_window=window,
         pipeline="ring",
     )
-    check_against_reference(o, lse, q, cache, table, RING_LENS, soft_cap)
 
 
 @pytest.mark.parametrize("probs_in_smem", PROBS_PATHS)
