@@ -76,31 +76,35 @@ def random_queries(rng, q_len: int, num_heads: int, head_dim: int, dtype, batch=
     return jnp.asarray(QUERY_SCALE * rng.standard_normal(shape), dtype)
 
 
-def plain_rows(groups, prefix_lens, suffix_lens, pool_order):
+def plain_rows(
+    groups, prefix_lens, suffix_lens, pool_order, *, page_size=PAGE_SIZE, num_indices=NUM_INDICES
+):
     """Plain rows of a batch whose groups share prefixes, as an engine holds them.
 
     The requests of ``groups[g]`` list the same pages for the whole pages of their first
     ``prefix_lens[g]`` tokens; the rest of each row (a partly filled last prefix page, copied
     on write, then ``suffix_lens[b]`` tokens) is on the request's own pages. A request in no
-    group has ``suffix_lens[b]`` tokens, all its own.
+    group has ``suffix_lens[b]`` tokens, all its own. Pages are taken from ``pool_order`` in
+    order, shared prefixes first.
 
     Returns:
-      ``(table, seq_lens)``: the plain ``PageTable`` (padded to ``NUM_INDICES``) and lengths.
+      ``(table, seq_lens)``: the plain ``PageTable`` of pages of ``page_size`` tokens (its
+      ``page_indices`` padded to ``num_indices``; None: not padded) and the lengths.
     """
     order = iter(pool_order)
     page_lists = [[] for _ in suffix_lens]
     seq_lens = list(suffix_lens)
     for members, prefix_len in zip(groups, prefix_lens, strict=True):
-        shared = [next(order) for _ in range(prefix_len // PAGE_SIZE)]
+        shared = [next(order) for _ in range(prefix_len // page_size)]
         for request in members:
             page_lists[request] = list(shared)
             seq_lens[request] += prefix_len
     for request, pages in enumerate(page_lists):
         pages.extend(
-            next(order) for _ in range(pages_needed(seq_lens[request], PAGE_SIZE) - len(pages))
+            next(order) for _ in range(pages_needed(seq_lens[request], page_size) - len(pages))
         )
     table = paged.PageTable.from_page_lists(
-        page_lists, seq_lens, PAGE_SIZE, num_indices=NUM_INDICES
+        page_lists, seq_lens, page_size, num_indices=num_indices
     )
     return table, seq_lens
 

@@ -21,13 +21,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from reference_dense import paged_causal_attention_oracle, relative_error
+from reference_dense import relative_error
 from strategies import pages_needed
 
 import paged
 from kernels_pallas import cascade_shared_mgpu
 from kernels_pallas.platform import record_backends
 from tests.conftest import ON_GPU
+from tests.test_cascade import plain_oracle
+from tests.test_cascade import plain_rows as cascade_plain_rows
 
 PAGE_SIZE = 16  # the Mosaic GPU kernels' only page size
 NUM_KV_HEADS = 2
@@ -40,23 +42,13 @@ QUERY_SCALE = 3.0  # logits of several units: the soft cap bends them
 
 
 def plain_rows(rng, groups, prefix_lens, suffix_lens, num_pool_pages):
-    """Plain rows of a batch whose groups share prefixes, pages scattered over the pool.
-
-    ``groups[g]`` share their first ``prefix_lens[g]`` tokens (the whole pages listed by every
-    member); each request then has ``suffix_lens[b]`` more tokens on its own pages, starting on
-    its copy of a partly filled last prefix page. Returns ``(table, seq_lens)``."""
-    order = iter(rng.permutation(num_pool_pages).tolist())
-    page_lists = [[] for _ in suffix_lens]
-    seq_lens = list(suffix_lens)
-    for members, prefix_len in zip(groups, prefix_lens, strict=True):
-        shared = [next(order) for _ in range(prefix_len // PAGE_SIZE)]
-        for request in members:
-            page_lists[request] = list(shared)
-            seq_lens[request] += prefix_len
-    for request, pages in enumerate(page_lists):
-        missing = pages_needed(seq_lens[request], PAGE_SIZE) - len(pages)
-        pages.extend(next(order) for _ in range(missing))
-    return paged.PageTable.from_page_lists(page_lists, seq_lens, PAGE_SIZE), seq_lens
+    """``test_cascade.plain_rows`` at the kernels' page size, the pages scattered over a pool of
+    ``num_pool_pages`` in ``rng``'s order, ``page_indices`` not padded. Returns ``(table,
+    seq_lens)``."""
+    pool_order = rng.permutation(num_pool_pages).tolist()
+    return cascade_plain_rows(
+        groups, prefix_lens, suffix_lens, pool_order, page_size=PAGE_SIZE, num_indices=None
+    )
 
 
 def random_inputs(rng, batch, q_len, num_pool_pages, *, dtype=jnp.bfloat16, layout="HND"):
@@ -73,18 +65,6 @@ def random_inputs(rng, batch, q_len, num_pool_pages, *, dtype=jnp.bfloat16, layo
     q_shape = (batch, q_len, NUM_KV_HEADS * GROUP, HEAD_DIM)
     q = jnp.asarray(QUERY_SCALE * rng.standard_normal(q_shape), dtype)
     return q, cache
-
-
-def oracle(q, cache, table, cap):
-    return paged_causal_attention_oracle(
-        q,
-        cache.k_pages,
-        cache.v_pages,
-        cache.layout,
-        table,
-        sm_scale=q.shape[-1] ** -0.5,
-        logits_soft_cap=cap,
-    )
 
 
 def run_counting_shared_levels(monkeypatch, q, cache, levels, cap, *, jitted=False):
@@ -126,7 +106,7 @@ def assert_matches_oracle(o, lse, o_ref, lse_ref, q):
 def assert_shared_keys_matter(q, cache, own_table, o_ref, lse_ref, cap, requests):
     """The check can fail: attention over the own level alone (a merge that lost the shared
     levels) is far from the oracle for every request in a group."""
-    own_o, own_lse = oracle(q, cache, own_table, cap)
+    own_o, own_lse = plain_oracle(q, cache, own_table, cap)
     for b in requests:
         assert relative_error(own_o[b], o_ref[b]) > 10 * TOLERANCE
         assert np.abs(own_lse[b] - lse_ref[b]).max() > 100 * LSE_TOLERANCE
@@ -155,7 +135,7 @@ def test_two_levels_equal_plain_decode(monkeypatch, q_len, cap, jitted):
     ]
     assert len(calls) == 1 and calls[0]["interpret"] == (not ON_GPU)
     assert calls[0]["probs_in_smem"] == (not ON_GPU)
-    o_ref, lse_ref = oracle(q, cache, table, cap)
+    o_ref, lse_ref = plain_oracle(q, cache, table, cap)
     assert_matches_oracle(o, lse, o_ref, lse_ref, q)
     assert_shared_keys_matter(q, cache, levels.own, o_ref, lse_ref, cap, requests=[0, 1, 2, 3])
 
@@ -180,7 +160,7 @@ def test_three_levels_equal_plain_decode(monkeypatch):
     q, cache = random_inputs(rng, len(seq_lens), 1, num_pool_pages=24)
     o, lse, _, calls = run_counting_shared_levels(monkeypatch, q, cache, levels, None)
     assert len(calls) == 2  # one kernel launch a shared level
-    o_ref, lse_ref = oracle(q, cache, table, None)
+    o_ref, lse_ref = plain_oracle(q, cache, table, None)
     assert_matches_oracle(o, lse, o_ref, lse_ref, q)
     assert_shared_keys_matter(q, cache, levels.own, o_ref, lse_ref, None, requests=[0, 1, 2, 3])
     # Without the inner level, requests 0 to 2 would miss keys: both shared levels count.
