@@ -99,3 +99,23 @@ def test_parts_of_different_days_take_the_latest_date_and_say_which_measured_wha
     same_day, _ = merge_reports.merge([_part(["a B=1"]), _part(["b B=1"])])
     assert same_day["date"] == "2026-12-01"
     assert not any(note.startswith("measured on") for note in same_day["notes"])
+
+
+def test_notes_a_later_part_made_untrue_are_dropped():
+    """A part that says a target's arm was not measured, merged with the part that measured it,
+    loses that note; a 'not measured' about an arm still missing stays; a part's own 'merged
+    from N processes' gives way to the merged report's count."""
+    first = _part(
+        ["single B=1"],
+        notes=(
+            "target batch B=4: `decodelab` not measured",
+            "target long B=8: `decodelab` not measured",
+            "merged from 6 processes (bench/harness/merge_reports.py); each row's share ...",
+        ),
+    )
+    merged, _ = merge_reports.merge([first, _part(["batch B=4"], commit="def5678")])
+    assert "target batch B=4: `decodelab` not measured" not in merged["notes"]
+    assert "target long B=8: `decodelab` not measured" in merged["notes"]
+    assert [n for n in merged["notes"] if n.startswith("merged from")] == [
+        merged["notes"][0]
+    ] and merged["notes"][0].startswith("merged from 7 processes")  # 6 + 1

@@ -12,7 +12,8 @@ each commit measured. Parts may come from different days (a case finished in a l
 or an earlier merged report given as a part): the merged ``date`` is the latest, and a note says
 which cases each day measured. The merged report's ceiling is the
 highest of the parts' (its ``ceiling_detail`` lists each part's), its command lists each part's,
-and notes are kept in order without repeats.
+and notes are kept in order without repeats, less those a part made untrue (a "target CASE:
+`ARM` not measured" that another part measured, a part's own "merged from N processes").
 
 Usage:
   python -m bench.harness.merge_reports OUT_DIR part1.json part2.json ... [--note TEXT ...]
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import re
 import sys
 from typing import Any
 
@@ -59,6 +61,28 @@ def _who_measured_what(
     return notes
 
 
+_MERGED_FROM = re.compile(r"^merged from (\d+) processes \(bench/harness/merge_reports\.py\)")
+_NOT_MEASURED = re.compile(r"^target (?P<case>.+): `(?P<arm>[^`]+)` not measured$")
+
+
+def _processes_of(part: dict[str, Any]) -> int:
+    """The processes one part's rows come from: its own merged count, else 1."""
+    for note in part["notes"]:
+        if match := _MERGED_FROM.match(note):
+            return int(match[1])
+    return 1
+
+
+def _superseded(note: str, measured: set[tuple[str, str]]) -> bool:
+    """Whether a part's note stopped being true in the merged report: a part's own "merged from
+    N processes" (the merged report says it again, counting every process), or "target CASE:
+    `ARM` not measured" where another part measured that arm of that case."""
+    if _MERGED_FROM.match(note):
+        return True
+    match = _NOT_MEASURED.match(note)
+    return match is not None and (match["case"], match["arm"]) in measured
+
+
 def merge(
     parts: list[dict[str, Any]], added_notes: list[str] = ()
 ) -> tuple[dict[str, Any], list[CaseResult]]:
@@ -86,9 +110,14 @@ def merge(
             results.append(case_result(case))
     check_distinguishable(results)
     notes: list[str] = []
+    measured = {(result.case, result.arm) for result in results}
     for part in parts:
-        notes += [note for note in part["notes"] if note not in notes]
+        notes += [
+            note for note in part["notes"] if note not in notes and not _superseded(note, measured)
+        ]
     ceilings = [part["ceiling_tbps"] for part in parts]
+    # A part that is itself a merged report counts the processes it was merged from.
+    processes = sum(_processes_of(part) for part in parts)
     commits = list(dict.fromkeys(part["commit"] for part in parts))
     dates = sorted(dict.fromkeys(part["date"] for part in parts))
     notes += _who_measured_what(parts, "commit", commits, "commit {} measured: {}")
@@ -108,7 +137,7 @@ def merge(
             },
         },
         "notes": [
-            f"merged from {len(parts)} processes (bench/harness/merge_reports.py); each row's share of "
+            f"merged from {processes} processes (bench/harness/merge_reports.py); each row's share of "
             "the ceiling is against its own process's copy ceiling (ceiling_detail lists them)",
             *notes,
             *(f"(added when merging) {note}" for note in added_notes),
