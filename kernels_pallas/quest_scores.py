@@ -9,9 +9,10 @@ query head ``h`` of KV head ``k = h // G`` and a listed page with key bounds ``(
 and ``per="kv_head"`` keeps the largest ``U`` over the ``G`` query heads of each KV head,
 ``per="query_head"`` each. Scores come out as the reference's ``[B, R, nnz_padded]`` (``R =
 KVH`` or ``H``), ``-inf`` where entry ``j`` of ``page_indices`` is not one of request ``b``'s
-pages and for a page with empty bounds. Not yet wired into ``paged.sparse_decode_attention``;
+pages and for a page with empty bounds. ``paged.sparse_decode_attention`` runs it under
+``backend="pallas"`` (``"auto"`` keeps the reference until it is measured on the H200);
 selection (the top pages) is ``quest_selected_pages`` or its kernel, ``kernels_pallas/
-quest_select.py`` (not yet used by ``sparse_decode_attention`` either).
+quest_select.py``, chosen the same way.
 
 What it costs. Scoring is memory bound: each page row of ``kmin`` and ``kmax`` (``D`` float32,
 512 bytes at ``D = 128``) serves only the ``G`` query heads of its KV head, two products, a
