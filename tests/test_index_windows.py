@@ -154,25 +154,10 @@ def test_window_arguments_are_named_when_bad(launch, message):
     """A window that is not an int, or pages a step no window holds, is refused naming the
     argument (before, 8.0 passed and failed inside the kernel's trace, and pages_per_step=300
     was reported as an index_window of 0 the caller never passed)."""
-    from kernels_pallas.paged_decode_mgpu import paged_decode_mgpu
-    from tests.test_paged_decode_mgpu import plan_arrays
-
     q, cache, table = make_inputs(1, [40], "HND", 4, 64, jnp.bfloat16, num_pool_pages=4)
     plan = paged.plan_decode(table, q.shape[1], 2, 64)
     with pytest.raises(ValueError, match=message):
-        paged_decode_mgpu(
-            q,
-            cache.k_pages,
-            cache.v_pages,
-            table.page_indices,
-            *plan_arrays(plan),
-            sm_scale=0.125,
-            logits_soft_cap=None,
-            write_final=plan.write_final,
-            probs_in_smem=True,
-            interpret=True,
-            **launch,
-        )
+        run_mgpu(q, cache, table, plan, probs_in_smem=True, **launch)
 
 
 def test_resolve_index_window_defaults_only_for_a_valid_page_count():
