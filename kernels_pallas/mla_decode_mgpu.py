@@ -795,11 +795,9 @@ def mla_decode_mgpu_states(
             f"num_heads = {rows}"
         )
     page_size = latent_pages.shape[1]
-    if index_window is None:  # the largest window for this page size's pages a step
-        supported = page_size in SUPPORTED_PAGE_SIZES  # else _check_launch names the size
-        index_window = (
-            default_index_window(BLOCK_TOKENS // page_size) if supported else MAX_INDEX_WINDOW
-        )
+    if index_window is None:  # the largest window for this page size's pages a step (the
+        # page size was checked above, by _check_dtype_and_shapes)
+        index_window = default_index_window(BLOCK_TOKENS // page_size)
     _check_launch(
         num_stages,
         index_window,
@@ -842,8 +840,8 @@ def mla_decode_mgpu_states(
             jnp.zeros((num_work, rows, kv_lora_rank), jnp.float32),
             jnp.full((num_work, rows), -jnp.inf, jnp.float32),
         )
-    # The index window is one TMA box: the array must be at least that long (the padding is
-    # past every request's pages and never read as one of them).
+    # At least one window buffer's entries, a multiple of 4 (index_windows.py): the padding is
+    # past every request's pages, never read as one of them by a valid plan.
     page_indices = pad_page_indices(page_indices, index_window)
     kernel = functools.partial(
         mla_decode_mgpu_kernel,

@@ -142,6 +142,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -150,9 +151,9 @@ from jaxlib.mlir.dialects import nvvm  # the NVVM dialect Mosaic GPU lowers to
 from kernels_pallas.index_windows import (
     MAX_INDEX_WINDOW,
     aligned_window_start,
-    default_index_window,
     index_buffer_entries,
     pad_page_indices,
+    resolve_index_window,
 )
 from kernels_pallas.online_softmax import LN_2, LOG2_E, MASKED_LOGIT
 from kernels_pallas.paged_decode import head_major, partial_rows, token_major, unsigned_min
@@ -956,8 +957,7 @@ def paged_decode_mgpu(
       ValueError: for shapes, dtypes or static parameters the kernel does not take, and a
         missing table for ``L > 1`` (naming the argument and its value).
     """
-    if index_window is None and isinstance(pages_per_step, int) and pages_per_step >= 1:
-        index_window = default_index_window(pages_per_step)
+    index_window = resolve_index_window(index_window, pages_per_step)
     validate_mgpu_decode_arguments(
         q,
         k_pages,
@@ -1321,6 +1321,13 @@ def validate_mgpu_pipeline_arguments(
     """
     if pages_per_step < 1:
         raise ValueError(f"pages_per_step must be >= 1, got {pages_per_step}")
+    if pages_per_step > MAX_INDEX_WINDOW:
+        raise ValueError(
+            f"pages_per_step must be at most {MAX_INDEX_WINDOW} (one window of page numbers), "
+            f"got {pages_per_step}"
+        )
+    if isinstance(index_window, bool) or not isinstance(index_window, (int, np.integer)):
+        raise ValueError(f"index_window must be an int, got {index_window!r}")
     if num_stages < 1:
         raise ValueError(f"num_stages must be >= 1, got {num_stages}")
     if not (

@@ -9,9 +9,10 @@ query head ``h`` of KV head ``k = h // G`` and a listed page with key bounds ``(
 and ``per="kv_head"`` keeps the largest ``U`` over the ``G`` query heads of each KV head,
 ``per="query_head"`` each. Scores come out as the reference's ``[B, R, nnz_padded]`` (``R =
 KVH`` or ``H``), ``-inf`` where entry ``j`` of ``page_indices`` is not one of request ``b``'s
-pages and for a page with empty bounds. Not yet wired into ``paged.sparse_decode_attention``;
+pages and for a page with empty bounds. ``paged.sparse_decode_attention`` runs it under
+``backend="pallas"`` (``"auto"`` keeps the reference until it is measured on the H200);
 selection (the top pages) is ``quest_selected_pages`` or its kernel, ``kernels_pallas/
-quest_select.py`` (not yet used by ``sparse_decode_attention`` either).
+quest_select.py``, chosen the same way.
 
 What it costs. Scoring is memory bound: each page row of ``kmin`` and ``kmax`` (``D`` float32,
 512 bytes at ``D = 128``) serves only the ``G`` query heads of its KV head, two products, a
@@ -45,7 +46,7 @@ the H200's 132 SMs idle at B = 8, and its slowest program would be its longest r
 One program, one warpgroup:
 
 - Prologue: copy the item's page numbers (``pages_per_item`` int32 and up to 3 before them: a
-  copy starts on 16 bytes, ``index_windows.py``; clamped at ``page_indices``' end) and the KV
+  copy starts on 16 bytes, ``index_windows.py``; zero-filled past ``page_indices``' end) and the KV
   head's ``G`` query rows (float32) into shared memory.
 - Steps of 64 pages (a 64-row register tile, the row count of Mosaic GPU's WGMMA register
   layout, whose row reductions are cheap warp shuffles): the page rows ``kmin[page, k, :]`` and
@@ -72,9 +73,11 @@ conflict, about 4x the 2 shared-memory cycles a warp's 256-byte load needs. By a
 loading a step's 64 KiB then takes about 2000 cycles an SM (~1.1 us), a ceiling near 7 TB/s
 over 132 SMs, above the HBM's 4.8 but not by much once the compute is added.
 ``row_padding=8`` pads each row by 32 bytes, which spreads the 8 rows over all banks (2 cycles,
-the minimum); the price is that a row's TMA destination is then 16-byte aligned, not 128-byte
-aligned, and whether the hardware's tensor copies accept that is for the GPU to show (the
-probe runs it last). The default is the unpadded, conventionally aligned layout.
+the minimum); the price is that a row's TMA destination is then 32-byte aligned, not 128-byte
+aligned, and on the H200 a TMA copy into a destination off 128 bytes faulted
+(``CUDA_ERROR_MISALIGNED_ADDRESS``, another kernel's copy, 2026-12-02; ``index_windows.py``).
+So the padded layout runs interpreted only (its arithmetic stays tested) and a compiled call
+refuses it; the default is the unpadded, 128-byte aligned layout.
 
 Rows of a step past the item's end gather whatever page numbers lie there (another request's,
 or page 0): wasted bytes, at most 63 rows an item, never stored.
@@ -166,7 +169,7 @@ def quest_scores_kernel(
     start = unsigned_min(work_start_ref[work], page_indices_ref.shape[0])
     item_pages = jnp.clip(work_end_ref[work] - start, 0, pages_per_item)
     # The page numbers are copied from the multiple of 4 entries at or below the item's first
-    # (a bulk copy starts on 16 bytes: index_windows.py); the item's begin at `index_shift`.
+    # (a copy starts on 16 bytes: index_windows.py); the item's begin at `index_shift`.
     index_start, index_shift = aligned_window_start(start)
     num_steps = pl.cdiv(item_pages, TILE_PAGES)
     first_query_row = (request * num_kv_heads + kv_head) * group_size
@@ -315,7 +318,7 @@ def quest_page_scores_pallas(
         at most 192; static).
       num_stages: 64-page steps of bound rows in flight a program (static, >= 1).
       row_padding: float32 columns of padding after each row of the shared-memory tiles: 0 or
-        8 (static; module docstring, "Shared-memory banks").
+        8, the latter interpreted only (static; module docstring, "Shared-memory banks").
       interpret: run in Mosaic GPU's interpret mode (CPU); a ``plgpu.InterpretGPUParams`` sets
         the interpreter's options.
 
@@ -329,7 +332,7 @@ def quest_page_scores_pallas(
       ValueError: what the reference refuses (``per``, ``q``'s shape against the bounds, the
         bounds' shapes, page-table invariants when concrete), and what the kernel cannot run:
         float64 inputs, a head_dim or group size it does not take, bad ``pages_per_item`` or
-        ``num_stages`` (naming the argument and the value).
+        ``num_stages``, ``row_padding=8`` compiled (naming the argument and the value).
 
     Example:
       >>> bounds = PageKeyBounds(jnp.full((1, 1, 64), -1.0), jnp.full((1, 1, 64), 2.0))
@@ -345,6 +348,11 @@ def quest_page_scores_pallas(
     _check_query(q, num_kv_heads, head_dim)
     _check_table_fits(page_table, num_pages, page_table.page_size, batch_size=q.shape[0])
     validate_quest_scores_arguments(q, bounds, pages_per_item, num_stages, row_padding)
+    if row_padding and not interpret:
+        raise ValueError(
+            f"row_padding={row_padding} runs interpreted only: its rows' TMA destinations lie "
+            "off 128 bytes, which faults compiled (module docstring, 'Shared-memory banks')"
+        )
     return _quest_page_scores(
         q,
         bounds.kmin,

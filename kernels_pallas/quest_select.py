@@ -5,8 +5,8 @@ a request of ``n`` pages keeps ``keep = min(n, max(token_budget // page_size, 2)
 always its first and its last, the other ``m = keep - min(n, 2)`` by highest score; among equal
 scores the earlier page wins; NaN ranks below every number (``-inf`` included). The output is
 the reference's: bool ``[B, R, nnz_padded]``, True at the kept entries of ``page_indices``,
-False everywhere else (entries of other requests, the padding). Not wired into
-``paged.sparse_decode_attention``.
+False everywhere else (entries of other requests, the padding). ``paged.sparse_decode_attention``
+runs it under ``backend="pallas"`` (``"auto"`` keeps the reference until it is measured).
 
 Algorithm: a threshold (radix) select, one program per (request, score row). The ``m``-th
 largest score among the request's middle pages (its candidates: every page but the first and

@@ -71,9 +71,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kernels_pallas.index_windows import (
     aligned_window_start,
-    default_index_window,
     index_buffer_entries,
     pad_page_indices,
+    resolve_index_window,
 )
 from kernels_pallas.merge_states import merge_partial_states
 from kernels_pallas.online_softmax import LN_2, LOG2_E
@@ -580,8 +580,7 @@ def ragged_attention_mgpu(
       ValueError: for shapes, dtypes or static parameters the kernel does not take, and work
         lists of different lengths (naming the value).
     """
-    if index_window is None and isinstance(pages_per_step, int) and pages_per_step >= 1:
-        index_window = default_index_window(pages_per_step)
+    index_window = resolve_index_window(index_window, pages_per_step)
     validate_mgpu_decode_arguments(
         q, k_pages, v_pages, pages_per_step, num_stages, index_window, probs_in_smem, interpret
     )

@@ -1,8 +1,8 @@
 """Page-number windows copied from 16-byte aligned starts (kernels_pallas/index_windows.py).
 
-A Mosaic GPU bulk copy from an entry of ``page_indices`` that is not a multiple of 4 faults on
-the H200 (CUDA_ERROR_ILLEGAL_INSTRUCTION, measured 2026-12-02: decode at B=1 x 32K, whose planner
-cuts 63-page chunks; MLA over a ragged batch). The interpreter has no alignment rule, so the CPU
+A Mosaic GPU copy of page numbers from an entry of ``page_indices`` that is not a multiple of 4
+faults on the H200 (CUDA_ERROR_ILLEGAL_INSTRUCTION, measured 2026-12-02: decode at B=1 x 32K,
+whose planner cuts 63-page chunks; MLA over a ragged batch). The interpreter has no alignment rule, so the CPU
 tests here check the arithmetic and that a kernel reading windows at an offset still reads the
 right pages; the gpu-marked tests run items that start at every entry modulo 4, compiled.
 """
@@ -120,10 +120,10 @@ def test_quest_scores_at_unaligned_starts_compiled(per):
     check_matches_reference(scores, q, bounds, table, per)
 
 
-def test_every_kernels_largest_copy_of_page_numbers_lowers_for_cuda():
+def test_quests_largest_copy_of_page_numbers_lowers_for_cuda():
     """Mosaic GPU refuses a copy of more than 256 entries a dimension when it lowers (on any
-    machine): Quest's largest item (its page numbers and the 3 before them) must fit, as must
-    the decode kernels' largest window."""
+    machine): Quest's largest item (its page numbers and the 3 before them) must fit; the decode
+    kernels' largest window fits one buffer by arithmetic (their lowering tests run it)."""
     from kernels_pallas.quest_scores import MAX_PAGES_PER_ITEM, quest_page_scores_pallas
     from tests.test_quest_scores_kernel import small_case
 
@@ -139,3 +139,32 @@ def test_every_kernels_largest_copy_of_page_numbers_lowers_for_cuda():
         .lower(lowering_platforms=("cuda",))
     )
     assert "mosaic_gpu" in lowered.as_text()
+
+
+@pytest.mark.parametrize(
+    "launch, message",
+    [
+        (dict(index_window=8.0), "index_window must be an int, got 8.0"),
+        (dict(index_window=True), "index_window must be an int, got True"),
+        (dict(pages_per_step=300), "pages_per_step must be at most 252"),
+        (dict(index_window=256), "at most 252, got 256"),
+    ],
+)
+def test_window_arguments_are_named_when_bad(launch, message):
+    """A window that is not an int, or pages a step no window holds, is refused naming the
+    argument (before, 8.0 passed and failed inside the kernel's trace, and pages_per_step=300
+    was reported as an index_window of 0 the caller never passed)."""
+    q, cache, table = make_inputs(1, [40], "HND", 4, 64, jnp.bfloat16, num_pool_pages=4)
+    plan = paged.plan_decode(table, q.shape[1], 2, 64)
+    with pytest.raises(ValueError, match=message):
+        run_mgpu(q, cache, table, plan, probs_in_smem=True, **launch)
+
+
+def test_resolve_index_window_defaults_only_for_a_valid_page_count():
+    from kernels_pallas.index_windows import resolve_index_window
+
+    assert resolve_index_window(None, 4) == 252
+    assert resolve_index_window(None, np.int64(8)) == 248  # NumPy ints are page counts too
+    assert resolve_index_window(12, 4) == 12  # a given window is kept (validated elsewhere)
+    assert resolve_index_window(None, 300) is None  # left for validation to name
+    assert resolve_index_window(None, True) is None

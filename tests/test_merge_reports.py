@@ -99,3 +99,48 @@ def test_parts_of_different_days_take_the_latest_date_and_say_which_measured_wha
     same_day, _ = merge_reports.merge([_part(["a B=1"]), _part(["b B=1"])])
     assert same_day["date"] == "2026-12-01"
     assert not any(note.startswith("measured on") for note in same_day["notes"])
+
+
+def test_notes_a_later_part_made_untrue_are_replaced():
+    """A part that says a target's arm was not measured, merged with the part that measured it,
+    says instead that it was measured elsewhere (its verdict not recomputed); a 'not measured'
+    about an arm still missing stays; a part's own 'merged from N processes' gives way to the
+    merged report's count."""
+    first = _part(
+        ["single B=1"],
+        notes=(
+            "target batch B=4: `decodelab` not measured",
+            "target long B=8: `decodelab` not measured",
+            "merged from 6 processes (bench/harness/merge_reports.py); each row's share ...",
+        ),
+    )
+    merged, _ = merge_reports.merge([first, _part(["batch B=4"], commit="def5678")])
+    assert "target batch B=4: `decodelab` not measured" not in merged["notes"]
+    assert any(
+        n.startswith("target batch B=4: `decodelab` measured in another part")
+        for n in merged["notes"]
+    )
+    assert "target long B=8: `decodelab` not measured" in merged["notes"]
+    assert [n for n in merged["notes"] if n.startswith("merged from")] == [
+        merged["notes"][0]
+    ] and merged["notes"][0].startswith("merged from 7 processes")  # 6 + 1
+
+
+def test_a_merged_part_keeps_each_cases_commit_and_day():
+    """Merging a merged report (a at commit c1 on 11-30, b at c2 on 12-01) with a new part (c at
+    c3 on 12-02) credits each case to its own commit and day, not the merged part's latest."""
+    a = dict(_part(["a B=1"], commit="c1"), date="2026-11-30")
+    b = dict(_part(["b B=1"], commit="c2"), date="2026-12-01")
+    inner, _ = merge_reports.merge([a, b])
+    c = dict(_part(["c B=1"], commit="c3"), date="2026-12-02")
+    merged, _ = merge_reports.merge([inner, c])
+    notes = merged["notes"]
+    assert "commit c1 measured: a B=1" in notes
+    assert "commit c2 measured: b B=1" in notes
+    assert "commit c3 measured: c B=1" in notes
+    assert "measured on 2026-11-30: a B=1" in notes
+    assert "measured on 2026-12-01: b B=1" in notes
+    assert "measured on 2026-12-02: c B=1" in notes
+    assert not any(n.startswith("commit c1, c2") for n in notes)
+    assert merged["commit"] == "c1, c2, c3" and merged["date"] == "2026-12-02"
+    assert merged["notes"][0].startswith("merged from 3 processes")

@@ -32,9 +32,9 @@ from paged.sparse_quest import PageKeyBounds, quest_page_scores
 
 PAGE_SIZE = 16
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 128
-# (pages_per_item, num_stages, row_padding); the padded rows last: their 16-byte-aligned TMA
-# destinations are the one launch that might fault (kernels_pallas/quest_scores.py).
-LAUNCHES = ((64, 2, 0), (128, 2, 0), (192, 2, 0), (128, 3, 0), (192, 1, 0), (128, 2, 8))
+# (pages_per_item, num_stages, row_padding); padded rows run interpreted only (their TMA
+# destinations lie off 128 bytes: kernels_pallas/quest_scores.py), so every launch here has 0.
+LAUNCHES = ((64, 2, 0), (128, 2, 0), (192, 2, 0), (128, 3, 0), (192, 1, 0))
 MAX_RELATIVE_DIFFERENCE = 1e-5
 
 
