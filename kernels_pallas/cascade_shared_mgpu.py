@@ -90,7 +90,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from kernels_pallas.index_windows import default_index_window
+from kernels_pallas.index_windows import resolve_index_window
 from kernels_pallas.paged_decode_mgpu import (
     PAGE_SIZE,
     SUPPORTED_DTYPES,
@@ -292,8 +292,7 @@ def cascade_shared_mgpu(
     Returns:
       ``(o [B, L, H, D] float32, lse [B, L, H] float32)``.
     """
-    if index_window is None:
-        index_window = default_index_window(pages_per_step)
+    index_window = resolve_index_window(index_window, pages_per_step)
     batch, q_len, num_q_heads, head_dim = queries.shape
     num_kv_heads = k_pages.shape[1]
     group_size = num_q_heads // num_kv_heads
@@ -462,8 +461,7 @@ def shared_level_states_mgpu(
         # 0 would fail as a ZeroDivisionError deep in the kernel trace; a negative cap equals
         # its absolute value (c x tanh(s / c) is even in c) and is refused as decode refuses it.
         raise ValueError(f"logits_soft_cap must be > 0 or None, got {logits_soft_cap}")
-    if index_window is None and isinstance(pages_per_step, int) and pages_per_step >= 1:
-        index_window = default_index_window(pages_per_step)
+    index_window = resolve_index_window(index_window, pages_per_step)
     smem = _validate_arguments(
         queries,
         cache,
