@@ -1,0 +1,171 @@
+"""``bench.probes`` on the CPU: each probe builds its variants and runs a smoke case (apart from
+``test_bench.py`` so that the two files, both long, run on separate test workers)."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the Pallas Triton backend's
+def test_two_level_race_probe_draws_the_softmax_and_lowers_for_an_h200(
+    monkeypatch, verify_triton_modules
+):
+    """``bench/probes/gumbel_two_level.py`` (a cost probe for issue 4): its two kernels,
+    interpreted, draw ``softmax(logits)`` (calibrated check, 16 blocks of 32 tokens with a
+    masked tail), and lower to Triton modules an H200 accepts at the probe's shapes."""
+    import functools
+
+    from bench.probes import gumbel_two_level as probe
+    from tests.test_sampling_api import assert_distributed_as
+
+    vocab, draws = 500, 20_000  # 16 blocks of 32, the last one partial; the bound scales
+    logits = jax.random.normal(jax.random.key(3), (vocab,)) * 2.0
+    logits = logits.at[:70].set(-jnp.inf)  # masked tokens, two whole blocks among them
+    tokens = probe.interpreted_draws(logits, draws, 4)
+    assert_distributed_as(tokens, np.asarray(jax.nn.softmax(logits)))
+
+    gpu_info = pytest.importorskip("jax._src.pallas.triton.gpu_info")
+    h200 = gpu_info._get_gpu_info_impl(gpu_info.GpuVersion.H200)
+    monkeypatch.setitem(gpu_info.registry, jax.devices()[0].device_kind, lambda: h200)
+    batch = 4
+    for block, per_program, warps, pick_warps in probe.VARIANTS:
+        text = (
+            jax.jit(
+                functools.partial(
+                    probe.two_level_race,
+                    block=block,
+                    blocks_per_program=per_program,
+                    warps=warps,
+                    pick_warps=pick_warps,
+                )
+            )
+            .trace(
+                jax.ShapeDtypeStruct((batch, probe.VOCAB), jnp.float32),
+                jax.ShapeDtypeStruct((batch,), jnp.uint32),
+                jax.ShapeDtypeStruct((batch,), jnp.uint32),
+            )
+            .lower(lowering_platforms=("cuda",))
+            .as_text()
+        )
+        assert f"two_level_pick_b{block}" in text
+
+
+def test_decode_clamps_probe_builds_its_variants_and_runs_a_smoke_case(tmp_path, capsys):
+    """The probe's text substitutions still match the kernel (each asserts its anchor), and one
+    tiny interpreted case runs through the variant arms. The current kernel and merge stand in
+    for the earlier commits' sources, which live in git, not in the tree."""
+    from bench.probes import decode_clamps
+
+    kernels = pathlib.Path(decode_clamps.kernel_module.__file__).parent
+    for commit in ("old", "head"):
+        for name in ("paged_decode", "merge_states"):
+            (tmp_path / f"{commit}_{name}.py").write_text((kernels / f"{name}.py").read_text())
+    arms = "kernel:fixed,kernel:fixed_tokensteps,kernel:fixed_clips"
+    assert decode_clamps.main(["--smoke", "--sources", str(tmp_path), "--arms", arms]) == 0
+    printed = capsys.readouterr().out
+    for arm in arms.split(","):
+        assert f"{arm} max|o - first arm| = 0" in printed
+
+
+def test_mgpu_decode_probe_runs_a_smoke_case(tmp_path, capsys):
+    """``bench/probes/mgpu_decode.py`` (issue 16): one tiny case in Mosaic GPU's interpret mode
+    through the check, timing and report code; the interpretable arms agree with the Triton
+    kernel, and an arm that cannot run (the register path, interpreted) is reported, not fatal.
+    The public path's arms (``--api``) too, its Mosaic GPU one on the ring."""
+    from bench.probes import mgpu_decode
+    from paged import decode as decode_module
+
+    launch = dict(decode_module.MGPU_LAUNCH_PARAMETERS)
+    try:
+        arguments = ["--smoke", "--variants", "smem.p1.s4,reg.p1.s4", "--api"]
+        arguments += ["--api-variant", "ring.smem.p2.s2", "--out", str(tmp_path)]
+        assert mgpu_decode.main(arguments) == 0
+    finally:  # the probe sets the public path's pipeline for its process
+        decode_module.MGPU_LAUNCH_PARAMETERS = launch
+    printed = capsys.readouterr().out
+    document = json.loads((tmp_path / "mgpu_decode_probe.json").read_text())
+    by_arm = {row["arm"]: row for row in document["rows"]}
+    assert by_arm["mgpu:reg.p1.s4"]["status"] == "failed"
+    assert "needs probs_in_smem=True" in by_arm["mgpu:reg.p1.s4"]["error"]
+    assert by_arm["mgpu:smem.p1.s4"]["programs_per_sm"] >= 1
+    for arm in ("mgpu:smem.p1.s4", "api:pallas", "api:pallas_mgpu"):
+        assert by_arm[arm]["status"] == "ok"
+        assert by_arm[arm]["max_abs_diff_o"] <= mgpu_decode.MAX_DIFFERENCE
+    assert by_arm["api:pallas"]["max_abs_diff_o"] == 0  # the Triton arm, through the API
+    assert document["api_launch_parameters"]["pipeline"] == "ring"
+    assert "smoke run, no figures" in printed
+
+
+def test_mgpu_decode_sweep_reports_refused_and_skipped_arms(tmp_path, capsys):
+    """The probe's ``--sweep`` (issue 16), its smoke form: the ring arm runs and agrees with the
+    Triton kernel; a ring over the shared-memory limit is reported with the refusal, not fatal;
+    with no time budget left every arm is reported as skipped, its case listed for a rerun."""
+    from bench.probes import mgpu_decode
+
+    assert mgpu_decode.main(["--sweep", "--smoke", "--out", str(tmp_path)]) == 0
+    document = json.loads((tmp_path / "mgpu_decode_probe.json").read_text())
+    assert document["sweep"] and document["repeats"] == 3
+    by_arm = {row["arm"]: row for row in document["rows"]}
+    assert by_arm["mgpu:ring.smem.p4.s2"]["status"] == "ok"
+    assert by_arm["mgpu:ring.smem.p4.s2"]["max_abs_diff_o"] <= mgpu_decode.MAX_DIFFERENCE
+    assert by_arm["mgpu:ring.smem.p4.s2"]["smem_bytes"] < 227 * 1024
+    assert by_arm["mgpu:ring.smem.p4.s2"]["waves"] > 0
+    assert by_arm["mgpu:ring.smem.p8.s8"]["status"] == "failed"
+    assert "KiB of shared memory a program" in by_arm["mgpu:ring.smem.p8.s8"]["error"]
+    capsys.readouterr()
+
+    assert mgpu_decode.main(["--sweep", "--smoke", "--budget-s", "0"]) == 0
+    printed = capsys.readouterr().out
+    assert "skipped (time budget)" in printed and "skipped: ['B=2" in printed
+
+
+def test_mgpu_decode_variant_names_round_trip():
+    """Sweep variant names parse back to their configuration; a malformed one is refused with
+    its text."""
+    from bench.probes import mgpu_decode
+
+    for variant in mgpu_decode.SWEEP_VARIANTS + mgpu_decode.VARIANTS:
+        assert mgpu_decode.parse_variant(variant.name) == variant
+    assert mgpu_decode.parse_variant("ring.reg.p4.s3").pipeline == "ring"
+    with pytest.raises(ValueError, match=r"'ring\.p4\.s3' is not"):
+        mgpu_decode.parse_variant("ring.p4.s3")
+
+
+def test_mgpu_decode_probe_memcheck_workload_runs_interpreted(capsys):
+    """The probe's compute-sanitizer workload (``--memcheck``), its small form interpreted: the
+    kernel agrees with the reference on every arm, and page numbers outside the pool give a
+    finite output."""
+    from bench.probes import mgpu_decode
+
+    assert mgpu_decode.main(["--memcheck", "--smoke"]) == 0
+    printed = capsys.readouterr().out
+    assert "q_len=5" in printed and "finite output True" in printed
+    assert "ring.smem.p4" in printed
+
+
+def test_engine_dispatch_probe_runs_a_smoke_case(tmp_path, capsys):
+    """The probe of an engine step's host time runs both loops and the program alone, and
+    writes one row a loop (figures on a CPU mean nothing; the code paths do); with
+    ``--steps-per-program 4`` too."""
+    from bench.probes import engine_dispatch
+
+    assert engine_dispatch.main(["--smoke", "--label", "smoke", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "engine_dispatch_smoke.json").read_text())
+    assert [row["loop"] for row in rows] == ["overlapped", "synchronous"]
+    for row in rows:
+        assert row["steps"] > 0 and row["dispatch_us"] > 0 and row["wall_step_us"] > 0
+    assert rows[0]["call_us"] > 0 and rows[0]["calls"] == 3
+    assert "program alone" in capsys.readouterr().out
+    # Several steps a program: the rows count programs and steps, and the block runs alone.
+    argv = ["--smoke", "--steps-per-program", "4", "--label", "k4", "--out", str(tmp_path)]
+    assert engine_dispatch.main(argv) == 0
+    rows = json.loads((tmp_path / "engine_dispatch_k4.json").read_text())
+    for row in rows:
+        assert row["steps_per_program_max"] == 4 and row["decode_steps"] > row["steps"] > 0
+    assert rows[0]["block_steps"] > 1 and rows[0]["block_device_us_per_step"] > 0
