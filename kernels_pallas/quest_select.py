@@ -65,7 +65,7 @@ from kernels_pallas.platform import whole_array
 from kernels_pallas.row_select import largest_key_reaching, order_keys
 from kernels_pallas.x64 import runs_in_32_bits
 from paged.page_table import PageTable
-from paged.sparse_quest import check_token_budget
+from paged.sparse_quest import check_scores_shape, check_token_budget
 
 DEFAULT_BLOCK = 1024  # columns a block: a request of 2048 pages (32K tokens / 16) in 2 blocks
 _SMALLEST_KEY = -(2**31)  # below order_keys(-inf): where NaN goes
@@ -179,12 +179,7 @@ def quest_selected_pages_pallas(
       [True, True, False, False, True]
     """
     check_token_budget(token_budget)
-    batch = page_table.batch_size
-    num_indices = page_table.page_indices.shape[0]
-    if scores.ndim != 3 or scores.shape[0] != batch or scores.shape[2] != num_indices:
-        raise ValueError(
-            f"scores must have shape [{batch}, R, {num_indices}] for page_table, got {scores.shape}"
-        )
+    check_scores_shape(scores, page_table)
     if not jnp.issubdtype(scores.dtype, jnp.floating) or jnp.dtype(scores.dtype).itemsize > 4:
         raise ValueError(
             f"scores must be float32, bfloat16 or float16 (the kernel ranks float32), "

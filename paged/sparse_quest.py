@@ -305,12 +305,7 @@ def quest_selected_pages(scores: jax.Array, page_table: PageTable, token_budget:
       [True, True, False, False, True]
     """
     check_token_budget(token_budget)
-    batch = page_table.batch_size
-    num_indices = page_table.page_indices.shape[0]
-    if scores.ndim != 3 or scores.shape[0] != batch or scores.shape[2] != num_indices:
-        raise ValueError(
-            f"scores must have shape [{batch}, R, {num_indices}] for page_table, got {scores.shape}"
-        )
+    check_scores_shape(scores, page_table)
     budget_pages = max(token_budget // page_table.page_size, 2)
     return _keep_top_pages(scores, page_table.page_indptr, jnp.int32(budget_pages))
 
@@ -429,6 +424,17 @@ class QuestSelection:
 jax.tree_util.register_dataclass(
     QuestSelection, data_fields=["bounds"], meta_fields=["token_budget", "per"]
 )
+
+
+def check_scores_shape(scores: jax.Array, page_table: PageTable) -> None:
+    """Raises ValueError unless ``scores`` is ``[B, R, nnz_padded]`` for ``page_table`` (one
+    score a table entry, per request and head row): the selection's input, reference or kernel."""
+    batch = page_table.batch_size
+    num_indices = page_table.page_indices.shape[0]
+    if scores.ndim != 3 or scores.shape[0] != batch or scores.shape[2] != num_indices:
+        raise ValueError(
+            f"scores must have shape [{batch}, R, {num_indices}] for page_table, got {scores.shape}"
+        )
 
 
 def check_token_budget(token_budget) -> None:
