@@ -70,9 +70,15 @@ for stage in "$@"; do
     sampling-tests)
       timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_sampling_kernels.py \
         tests/test_rng.py ${SAMPLING_TESTS_FILTER:+-k "$SAMPLING_TESTS_FILTER"} 2>&1 | tee "$out/gpu_sampling_tests.log" | tail -n 5 ;;
-    decode|peers|sampling)
+    decode)  # the grid and the q_len cases, the Mosaic GPU kernel beside the Triton one (~7 min)
+      timeout 500 python3 -m bench decode --out "$out" 2>&1 | tee "$out/decode.log" \
+        | grep -v '^  tune' ;;
+    peers|sampling)
       timeout 330 python3 -m bench "$stage" --out "$out" 2>&1 | tee "$out/$stage.log" \
         | grep -v '^  tune' ;;
+    cascade-path)  # issue 17: cascade_decode_attention(backend="pallas_mgpu") compiled (~1 min)
+      timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_cascade_mgpu_path.py \
+        2>&1 | tee "$out/gpu_cascade_path_tests.log" | tail -n 3 ;;
     demo)
       python3 -m serving demo 2>&1 | tee "$out/demo.log" ;;
     fused_ops|speculative)

@@ -32,9 +32,8 @@ def _is_power_of_two(n: int) -> bool:
 MAX_KERNEL_Q_LEN = 16
 # The smallest head_dim the kernels take: the inner dimension of a Triton dot is at least 16.
 MIN_KERNEL_HEAD_DIM = 16
-# backend="pallas_mgpu": the Mosaic GPU decode kernel (kernels_pallas/paged_decode_mgpu.py),
-# asked for by name only, for measurement through this public path; "auto" keeps the Triton
-# kernel until the Mosaic GPU one is measured faster on the H200 (issue 16).
+# backend="pallas_mgpu": the Mosaic GPU decode kernel (kernels_pallas/paged_decode_mgpu.py) by
+# name; "auto" runs it on a GPU for the shapes it takes (AUTO_PICKS_MOSAIC_GPU_DECODE below).
 MOSAIC_GPU_BACKEND = "pallas_mgpu"
 # Its pipeline where this path calls it: the launch sweep's fastest arm on all ten cases of the
 # standard grid (docs/benchmark_results/archive/2026-12-02-mgpu-decode-sweep.md: the ring, four
@@ -261,8 +260,8 @@ def decode_attention(
         for ``L > MAX_KERNEL_Q_LEN`` only validated).
       backend: ``"auto"``, ``"reference"``, ``"pallas"``, or ``"pallas_mgpu"``: the Mosaic GPU
         decode kernel (``kernels_pallas/paged_decode_mgpu.py``, interpreted on a CPU) in place
-        of the Triton one, asked for by name only (``"auto"`` never picks it until it is
-        measured faster), for HND pages of 16 tokens, bfloat16 or float16, ``head_dim`` 64
+        of the Triton one, by name (``"auto"`` picks it on a GPU where it takes the shapes),
+        for HND pages of 16 tokens, bfloat16 or float16, ``head_dim`` 64
         or 128, groups up to 8 and ``L <= 16`` (``mgpu_kernel_supports``); same plan, same
         merge, its pipeline ``MGPU_LAUNCH_PARAMETERS``.
 

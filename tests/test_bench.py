@@ -27,10 +27,16 @@ import paged
 from bench import harness
 from bench.__main__ import NO_GPU_MESSAGE, REPORTS_DIRECTORY, main
 from bench.harness import CASE_FIELDS, CaseResult, RunOptions, Timing, report
-from bench.harness.attention_inputs import ATTENTION_GRID, kv_bytes_per_set, make_attention_setup
+from bench.harness.attention_inputs import (
+    ATTENTION_GRID,
+    STANDARD_SHAPE,
+    kv_bytes_per_set,
+    make_attention_setup,
+)
 from bench.suites import decode as decode_suite
 from bench.suites import fused_ops as fused_ops_suite
 from bench.suites import peers
+from paged.decode import mgpu_decode_launch_parameters
 
 REPOSITORY_ROOT = pathlib.Path(__file__).resolve().parents[1]
 TOP_LEVEL_KEYS = {
@@ -426,6 +432,44 @@ def test_decode_dry_run_times_every_decodelab_arm_beside_the_peers(decode_dry_ru
         assert row["max_abs_difference_from_xla_gather"] < 0.05
         assert row["splits"] > 1 and not row["write_final"]
     assert any("fixed-16 arm" in note for note in document["notes"])
+
+
+def test_decode_suite_mosaic_gpu_arms_run_interpreted():
+    """What a GPU run of the decode suite adds to the dry run, checked once each (Mosaic GPU's
+    interpreter is too slow for the dry run's timing loops): at the standard shapes ``auto``
+    runs the Mosaic GPU kernel; at a tiny 64-wide shape its API arm and its kernel-alone arm
+    (partial states, before the merge) agree with the Triton ones; compiled for a GPU, the
+    attribution names the Mosaic GPU kernel."""
+    standard = make_attention_setup(1, 64, **STANDARD_SHAPE, layouts=("HND",), num_sets=1)
+    assert decode_suite.auto_backend(standard) == "pallas_mgpu"
+    standard.delete()
+    shape = dict(num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=16)
+    setup = make_attention_setup(1, 64, **shape, layouts=("HND",), num_sets=1)
+    options = harness.RunOptions(dry_run=True)
+    plan = decode_suite.plan_for(setup)  # dry-run contexts split at one page
+    assert not plan.write_final
+    mosaic = decode_suite.api_loop(setup, plan, backend="pallas_mgpu").output(0)
+    triton = decode_suite.api_loop(setup, plan, backend="pallas").output(0)
+    np.testing.assert_allclose(
+        np.asarray(mosaic, np.float32), np.asarray(triton, np.float32), atol=2e-2, rtol=2e-2
+    )
+    o, lse = decode_suite._kernel_alone_loop(setup, plan, "pallas_mgpu", options).output(0)
+    o_t, lse_t = decode_suite._kernel_alone_loop(setup, plan, "pallas", options).output(0)
+    assert o.shape == o_t.shape and lse.shape == lse_t.shape
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(lse_t), atol=1e-2, rtol=1e-3)
+    np.testing.assert_allclose(np.asarray(o), np.asarray(o_t), atol=2e-2, rtol=2e-2)
+    compiled = decode_suite.kernel_loop(
+        setup,
+        plan,
+        mgpu_decode_launch_parameters(interpret=False),
+        include_merge=False,  # the Triton merge needs a GPU to lower; the decode kernel not
+        interpret=False,
+        decode=decode_suite._mgpu_kernel,
+    )
+    text = compiled.program(1).trace(compiled.operands).lower(lowering_platforms=("cuda",))
+    names = decode_suite.mosaic_gpu_kernel_names(text.as_text(), "paged_decode_mgpu")
+    assert names == ["paged_decode_mgpu_ring_p4_s2_preg_partial"], names
+    setup.delete()
 
 
 def test_decode_dry_run_times_several_new_tokens_per_request(decode_dry_run):

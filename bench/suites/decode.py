@@ -3,8 +3,13 @@
 Standard grid (32 query heads, 8 KV heads, head_dim 128, page_size 16, bfloat16, HND pool),
 cold L2, dispatch amortized (``bench.harness``). Bytes = K and V of the real tokens. Arms:
 
-- ``decodelab``: the public ``paged.decode_attention(..., plan=plan, backend="pallas")`` with
-  the plan ``paged.plan_decode`` made for the step: what a user gets.
+- ``decodelab``: the public ``paged.decode_attention(..., plan=plan)`` with the plan
+  ``paged.plan_decode`` made for the step, on the kernel ``backend="auto"`` runs on a GPU for
+  these shapes (``api_backend``: the Mosaic GPU kernel since it was measured faster), asked for
+  by name so that the CPU dry run interprets the same kernel: what a user gets.
+- ``decodelab_triton`` (while ``auto`` runs the Mosaic GPU kernel): the same API with
+  ``backend="pallas"``, the Triton kernel that ``auto`` ran before, which goes once the Mosaic
+  GPU kernel is faster on every case.
 - ``decodelab_kernel`` (only where the planner splits): the decode kernel alone, writing its
   partial states, with the merge launch excluded: how much of the API's time is the KV stream.
   (The committed 2026-11-30 report still times it on unsplit cases too, where it is the same
@@ -16,8 +21,9 @@ cold L2, dispatch amortized (``bench.harness``). Bytes = K and V of the real tok
   ``paged_attention`` at its best ``k_splits``, PyTorch gather + SDPA.
 - ``decodelab (repeat)``: the API arm timed again at the end of the case, the noise level.
 
-Each decodelab arm's attribution names the Triton kernels its program calls (read from the
-lowered program) and the number of splits, so no two arms can be confused.
+Each decodelab arm's attribution names the kernels its program calls (read from the lowered
+program: Triton and Mosaic GPU custom calls) and the number of splits, so no two arms can be
+confused.
 
 Several new tokens per request (speculative verification of ``L - 1`` drafts), cases
 ``"B=64 ctx=4096 q_len=L"`` for ``L`` in ``MULTI_TOKEN_Q_LENS``: every request's last ``L``
@@ -25,7 +31,7 @@ tokens attend causally (``q [B, L, H, D]``). Bytes are still K and V of the real
 once (the floor: one read serves all ``L`` queries); the ``q_len=1`` case, timed through the
 same 4-D path, is the one-token step the others are compared with (``vs_q_len_1``). Arms:
 
-- ``decodelab``: the public API with the step's plan, as above (its kernel name ends ``_qL``).
+- ``decodelab``: the public API with the step's plan, as above; ``decodelab_triton`` likewise.
 - ``xla_gather``: the same function written the obvious way in ``jnp`` and compiled by XLA
   (``xla_gather_causal_attention``: gather each request's pages, einsum, causal mask,
   softmax, einsum), which is also the float32 output the API arm is checked against.
@@ -43,6 +49,7 @@ from __future__ import annotations
 
 import gc
 import math
+import re
 from typing import Any
 
 import jax
@@ -74,7 +81,13 @@ from bench.suites import SuiteOutput, peers
 from kernels_pallas import paged_decode_tuning as tuning
 from kernels_pallas.merge_states import merge_partial_states
 from kernels_pallas.paged_decode import paged_decode
-from paged.decode import decode_launch_parameters
+from kernels_pallas.paged_decode_mgpu import paged_decode_mgpu
+from paged.decode import (
+    MOSAIC_GPU_BACKEND,
+    decode_kernel_for,
+    decode_launch_parameters,
+    mgpu_decode_launch_parameters,
+)
 
 EXPECTED_TBPS = 2.5  # prior for sizing the first timed program
 DISAGREEMENT_TOLERANCE = 0.05  # max |ours - xla_gather| on bfloat16 outputs of magnitude < 1
@@ -112,6 +125,12 @@ def run(options: RunOptions, ceiling: CopyCeiling) -> SuiteOutput:
         grid = TUNE_CASES  # a tuning run times the tuned cases only
     if options.q_len_only:
         grid = ()
+    if options.interpret:
+        notes.append(
+            "interpret mode: the decodelab arms interpret the Triton kernel (Mosaic GPU's "
+            "interpreter takes seconds a call); a GPU run times the kernel backend='auto' runs "
+            "there (the Mosaic GPU one at the standard shapes) and the Triton one beside it"
+        )
     for batch, context in grid:
         num_sets = options.num_sets_for(kv_bytes_per_set(batch, context, **shape))
         report.print_progress(
@@ -195,10 +214,32 @@ def _operands(setup: AttentionSetup, plan: paged.DecodePlan):
     )
 
 
+def auto_backend(setup: AttentionSetup) -> str:
+    """The kernel backend ``backend="auto"`` runs on a GPU for the case's shapes
+    (``paged.decode.decode_kernel_for``): ``"pallas_mgpu"`` (the Mosaic GPU kernel) or
+    ``"pallas"`` (the Triton kernel)."""
+    k_pages, v_pages = setup.pool("HND")
+    kernel = decode_kernel_for(setup.queries[0], paged.KVCache(k_pages, v_pages, "HND"), "auto")
+    return MOSAIC_GPU_BACKEND if kernel == "paged_decode_mgpu" else "pallas"
+
+
+def api_backend(setup: AttentionSetup, options: RunOptions) -> str:
+    """The backend of the ``decodelab`` arm: on a GPU, ``auto_backend`` by name (``"auto"``
+    itself would do the same there). In interpret mode (the CPU dry run) the Triton kernel:
+    Mosaic GPU's interpreter takes seconds a call, too slow for the timing loops, so the
+    Mosaic GPU arms are checked there by their own tests instead
+    (``tests/test_bench.py::test_decode_suite_mosaic_gpu_arms_run_interpreted``)."""
+    return "pallas" if options.interpret else auto_backend(setup)
+
+
 def api_loop(
-    setup: AttentionSetup, plan: paged.DecodePlan, queries: jax.Array | None = None
+    setup: AttentionSetup,
+    plan: paged.DecodePlan,
+    queries: jax.Array | None = None,
+    backend: str = "pallas",
 ) -> TimedLoop:
-    """One call = the public ``paged.decode_attention`` on rotating set ``set_index``.
+    """One call = the public ``paged.decode_attention(..., backend=backend)`` on rotating set
+    ``set_index``.
 
     ``queries``: ``[num_sets, B, L, H, D]`` for several new tokens a request (default: the
     setup's one-token ``[num_sets, B, H, D]``).
@@ -212,7 +253,7 @@ def api_loop(
             cache,
             _table_of_set(page_indptr, page_indices, last_page_len, set_index, setup.page_size),
             plan=plan,
-            backend="pallas",
+            backend=backend,
         )
 
     operands = _operands(setup, plan)
@@ -276,16 +317,31 @@ def kernel_loop(
     return TimedLoop(step, setup.num_sets, _operands(setup, plan))
 
 
+def mosaic_gpu_kernel_names(lowered_text: str, prefix: str) -> list[str]:
+    """Names of the Mosaic GPU kernels starting with ``prefix`` that a lowered program calls.
+
+    A Mosaic GPU kernel lowered for a GPU is a ``mosaic_gpu_v2`` custom call whose module
+    holds its ``kernel_name`` (e.g. ``paged_decode_mgpu_ring_p4_s2_preg_partial``), beside
+    symbols derived from it (``..._mosaic_gpu``, ``..._0``) that are dropped here."""
+    if "mosaic_gpu" not in lowered_text:
+        return []
+    found = set(re.findall(rf"{re.escape(prefix)}_\w+", lowered_text))
+    return sorted(n for n in found if not re.search(r"_mosaic_gpu$|_\d+$", n))
+
+
 def kernel_names(loop: TimedLoop, options: RunOptions) -> str:
-    """The Triton kernels a loop's program calls, e.g. ``paged_decode_HND_p8_w4_s2_partial+
+    """The kernels a loop's program calls, e.g. ``paged_decode_HND_p8_w4_s2_partial+
+    merge_partial_states`` (Triton) or ``paged_decode_mgpu_ring_p4_s2_preg_partial+
     merge_partial_states`` (``interpret`` where no kernel is compiled)."""
     if options.interpret:
         return "interpret"
     text = loop.lowered_text()
-    names = peers.triton_kernel_names(text, "paged_decode") + peers.triton_kernel_names(
-        text, "merge_partial_states"
+    names = (
+        mosaic_gpu_kernel_names(text, "paged_decode_mgpu")
+        + peers.triton_kernel_names(text, "paged_decode")
+        + peers.triton_kernel_names(text, "merge_partial_states")
     )
-    return "+".join(names) if names else "no-triton-kernel-found"
+    return "+".join(names) if names else "no-kernel-found"
 
 
 def _splits_label(plan: paged.DecodePlan) -> str:
@@ -329,13 +385,57 @@ def _launch_parameters(setup: AttentionSetup, plan: paged.DecodePlan) -> dict[st
     )
 
 
-def _api_result(setup, options, ceiling_tbps, *, plan=None, arm="decodelab", repeat=None):
+def _api_result(
+    setup, options, ceiling_tbps, *, plan=None, arm="decodelab", repeat=None, backend=None
+):
+    """One timed row of the public API (``backend`` default: ``api_backend``)."""
     plan = plan_for(setup) if plan is None else plan
-    loop = api_loop(setup, plan)
+    backend = api_backend(setup, options) if backend is None else backend
+    loop = api_loop(setup, plan, backend=backend)
     iters = None if repeat is None else repeat.extra["iters"]
     arm = repeat_arm(repeat.arm) if repeat is not None else arm
     return _timed_row(
-        setup, options, ceiling_tbps, loop, arm, "paged.decode_attention:", plan, iters=iters
+        setup,
+        options,
+        ceiling_tbps,
+        loop,
+        arm,
+        f"paged.decode_attention({backend}):",
+        plan,
+        iters=iters,
+        backend=backend,
+    )
+
+
+def _mgpu_kernel(q, k_pages, v_pages, page_indices, *work, layout, **options):
+    """``paged_decode_mgpu`` called as ``kernel_loop`` calls the Triton kernel: HND pages only
+    (``layout`` checked), the table's lengths passed only for several tokens a request."""
+    if layout != "HND":
+        raise ValueError(f"layout={layout!r}: the Mosaic GPU kernel reads HND pages")
+    if q.ndim == 3:  # one token a request: no causal bound, no lengths
+        options.pop("page_indptr", None)
+        options.pop("last_page_len", None)
+    return paged_decode_mgpu(q, k_pages, v_pages, page_indices, *work, **options)
+
+
+def _kernel_alone_loop(setup, plan, backend, options):
+    """The API's decode kernel alone (no merge) with the launch parameters the API uses."""
+    if backend == MOSAIC_GPU_BACKEND:
+        params = mgpu_decode_launch_parameters(options.interpret)
+        return kernel_loop(
+            setup,
+            plan,
+            params,
+            include_merge=False,
+            interpret=options.interpret,
+            decode=_mgpu_kernel,
+        )
+    return kernel_loop(
+        setup,
+        plan,
+        _launch_parameters(setup, plan),
+        include_merge=False,
+        interpret=options.interpret,
     )
 
 
@@ -344,15 +444,25 @@ def decodelab_results(
 ) -> list[CaseResult]:
     """decodelab's arms on one case: API, kernel alone, and the split policies it beat."""
     plan = plan_for(setup)
-    api = _api_result(setup, options, ceiling_tbps, plan=plan)
-    difference = peers.max_abs_difference(
-        api_loop(setup, plan).output(0), peers.reference_output(setup)
-    )
-    api.extra["max_abs_difference_from_xla_gather"] = difference
-    api.extra["kernel_parameters"] = _launch_parameters(setup, plan)
-    if not difference <= DISAGREEMENT_TOLERANCE:
-        notes.append(f"{setup.case}: decodelab differs from xla_gather by {difference:.3g}")
-    rows = [api]
+    backend = api_backend(setup, options)
+    rows = []
+    arms = [("decodelab", backend)]
+    if backend != "pallas":
+        arms.append(("decodelab_triton", "pallas"))
+    for arm, arm_backend in arms:
+        row = _api_result(setup, options, ceiling_tbps, plan=plan, arm=arm, backend=arm_backend)
+        difference = peers.max_abs_difference(
+            api_loop(setup, plan, backend=arm_backend).output(0), peers.reference_output(setup)
+        )
+        row.extra["max_abs_difference_from_xla_gather"] = difference
+        row.extra["kernel_parameters"] = (
+            mgpu_decode_launch_parameters(options.interpret)
+            if arm_backend == MOSAIC_GPU_BACKEND
+            else _launch_parameters(setup, plan)
+        )
+        if not difference <= DISAGREEMENT_TOLERANCE:
+            notes.append(f"{setup.case}: {arm} differs from xla_gather by {difference:.3g}")
+        rows.append(row)
     if plan.write_final:
         # Without a split the API runs the kernel alone: the same program, not timed twice.
         notes.append(
@@ -365,16 +475,11 @@ def decodelab_results(
                 setup,
                 options,
                 ceiling_tbps,
-                kernel_loop(
-                    setup,
-                    plan,
-                    api.extra["kernel_parameters"],
-                    include_merge=False,
-                    interpret=options.interpret,
-                ),
+                _kernel_alone_loop(setup, plan, backend, options),
                 "decodelab_kernel",
-                "kernel_only(no merge):",
+                f"kernel_only({backend}, no merge):",
                 plan,
+                backend=backend,
             )
         )
     splits = int(plan.splits_per_request().max())
@@ -587,29 +692,36 @@ def multi_token_results(
     base_us = None
     try:
         plan = plan_for(setup)  # one plan serves every q_len: plans do not depend on it
+        backend = api_backend(setup, options)
+        arms = [("decodelab", backend)] + ([("decodelab_triton", "pallas")] * (backend != "pallas"))
         for q_len in q_lens:
             case = multi_token_case(batch, context, q_len)
             report.print_progress(f"{case}: timing decodelab and xla_gather")
             queries = multi_token_queries(setup, q_len)
             try:
-                loop = api_loop(setup, plan, queries)
-                difference = peers.max_abs_difference(
-                    loop.output(0), _causal_reference(setup, queries)
-                )
-                if not difference <= DISAGREEMENT_TOLERANCE:
-                    notes.append(f"{case}: decodelab differs from xla_gather by {difference:.3g}")
-                api = _timed_row(
-                    setup,
-                    options,
-                    ceiling_tbps,
-                    loop,
-                    "decodelab",
-                    "paged.decode_attention:",
-                    plan,
-                    case=case,
-                    q_len=q_len,
-                    max_abs_difference_from_xla_gather=difference,
-                )
+                reference = _causal_reference(setup, queries)
+                api_rows = []
+                for arm, arm_backend in arms:
+                    loop = api_loop(setup, plan, queries, backend=arm_backend)
+                    difference = peers.max_abs_difference(loop.output(0), reference)
+                    if not difference <= DISAGREEMENT_TOLERANCE:
+                        notes.append(f"{case}: {arm} differs from xla_gather by {difference:.3g}")
+                    api_rows.append(
+                        _timed_row(
+                            setup,
+                            options,
+                            ceiling_tbps,
+                            loop,
+                            arm,
+                            f"paged.decode_attention({arm_backend}):",
+                            plan,
+                            case=case,
+                            q_len=q_len,
+                            backend=arm_backend,
+                            max_abs_difference_from_xla_gather=difference,
+                        )
+                    )
+                api = api_rows[0]
                 base_us = api.median_us if base_us is None else base_us
                 api.extra["vs_q_len_1"] = api.median_us / base_us
                 xla_timing = options.time(
@@ -631,15 +743,16 @@ def multi_token_results(
                     setup,
                     options,
                     ceiling_tbps,
-                    loop,
+                    api_loop(setup, plan, queries, backend=backend),
                     repeat_arm("decodelab"),
-                    "paged.decode_attention:",
+                    f"paged.decode_attention({backend}):",
                     plan,
                     iters=api.extra["iters"],
                     case=case,
                     q_len=q_len,
+                    backend=backend,
                 )
-                rows = [api, xla, repeat]
+                rows = [*api_rows, xla, repeat]
                 results += rows
                 report.print_results(rows)
             finally:
