@@ -9,6 +9,12 @@ step's attention, sampling and norms together. Packing them into one int32 buffe
 copy; the jitted step unpacks it with static slices and bitcasts, which cost nothing on the
 device.
 
+Every leaf starts at a multiple of ``LEAF_ALIGN_WORDS`` (256 bytes). Why: XLA hands a kernel a
+contiguous slice of a buffer in place (a sub-buffer, no copy), and a Mosaic GPU kernel refuses,
+at launch, an operand that does not start on 256 bytes ("Input buffer 4 is not 256-byte
+aligned": the decode step's ``page_indices`` on the H200, 2026-12-02). Padding costs at most
+255 bytes a leaf of the one copy.
+
 - ``pack(tree) -> (buffer int32[N], packing)`` on the host: every leaf (a NumPy array or
   scalar of a 4-byte type, or a bool) flattened into ``buffer``; ``packing`` (hashable: pass it
   as a static argument) says where each leaf lies and what it was.
@@ -24,8 +30,8 @@ have made them weakly typed.
 Example:
   >>> import numpy as np
   >>> buffer, packing = pack({"a": np.arange(3, dtype=np.int32), "b": np.float32(0.5)})
-  >>> buffer.dtype, buffer.shape
-  (dtype('int32'), (4,))
+  >>> buffer.dtype, buffer.shape  # "b" starts at word 64 (256 bytes)
+  (dtype('int32'), (65,))
   >>> tree = unpack(jax.numpy.asarray(buffer), packing)
   >>> tree["a"].tolist(), float(tree["b"])
   ([0, 1, 2], 0.5)
@@ -40,6 +46,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+# Each leaf's offset in the buffer, in int32 words: 64 words = 256 bytes, the alignment Mosaic GPU
+# kernels require of every operand (module docstring).
+LEAF_ALIGN_WORDS = 64
+
 
 class Packing(NamedTuple):
     """Where each leaf of a packed pytree lies in the buffer (static, hashable).
@@ -47,7 +57,8 @@ class Packing(NamedTuple):
     Attributes:
       treedef: the pytree's structure.
       leaves: per leaf, ``(offset, shape, dtype string)`` in the buffer (offset in int32
-        words; the dtype as ``numpy.dtype.str``, e.g. ``"<f4"``).
+        words, a multiple of ``LEAF_ALIGN_WORDS``; the dtype as ``numpy.dtype.str``, e.g.
+        ``"<f4"``).
       size: the buffer's length.
     """
 
@@ -95,6 +106,10 @@ def pack(tree) -> tuple[np.ndarray, Packing]:
     for path, leaf in paths_and_leaves:
         array = _as_32_bit(path, leaf)
         words = (array.astype(np.int32) if array.dtype == np.bool_ else array).reshape(-1)
+        aligned = -(-offset // LEAF_ALIGN_WORDS) * LEAF_ALIGN_WORDS
+        if aligned > offset:  # zeros up to the next 256-byte boundary
+            parts.append(np.zeros((aligned - offset,), np.int32))
+            offset = aligned
         parts.append(words.view(np.int32))
         # dtype.str ("<f4"), not dtype.name ("float32"): NumPy computes a name in Python, and
         # for the twenty-odd leaves of an engine step that was 40% of this function's time.

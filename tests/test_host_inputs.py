@@ -34,6 +34,10 @@ def host_trees(draw):
 def test_unpack_returns_every_leaf_bit_for_bit(tree):
     buffer, packing = host_inputs.pack(tree)
     assert buffer.dtype == np.int32 and buffer.shape == (packing.size,)
+    # Every leaf starts on 256 bytes: Mosaic GPU kernels refuse operands that do not, and XLA
+    # hands them the unpacked slices in place.
+    assert all(offset % 64 == 0 for offset, _, _ in packing.leaves), packing.leaves
+    assert host_inputs.LEAF_ALIGN_WORDS * 4 == 256
     back = jax.jit(host_inputs.unpack, static_argnums=1)(jnp.asarray(buffer), packing)
     assert back["nothing"] is None
     for name, leaf in tree.items():
