@@ -6,14 +6,17 @@ strided box per page and is left out): the work items of ``paged.plan_decode``, 
 table, one new token a request or ``q_len`` of them (causal among themselves, as there), final
 ``(o, lse)`` when ``write_final`` or partial states that ``merge_states.py`` merges unchanged
 (or, with ``merge="folded"``, merges in the same launch: see below).
-``paged.decode_attention`` runs it when asked by name (``backend="pallas_mgpu"``); ``"auto"``
-keeps the Triton kernel until this one is measured faster. First compiled run on the H200
-(2026-12-01, ``bench/probes/mgpu_decode.py``, two cases only; ``docs/benchmark_results/archive/
-2026-12-01-mgpu-decode-probe.md``): it agrees with the Triton kernel (largest difference of o
-4.9e-4 in bfloat16) and is not yet faster: 171.6 against 165.1 us at B=32 x 4096 (3.13 TB/s;
-the issue asks 3.6), 21.8 against 21.5 us at B=1 x 4096, with the register path, two pages a
-step, three stages. The whole grid, tuning and memcheck are still to run, and the ring
-pipeline below has not yet run compiled (``bench/probes/mgpu_decode.py --sweep`` times it).
+``paged.decode_attention`` runs it under ``backend="auto"`` on a GPU for the shapes it takes
+(``paged.decode.decode_kernel_for``), or by name (``backend="pallas_mgpu"``). Measured through
+that public path on the H200 (``docs/benchmark_results/2026-12-02-decode.md``, ring, four pages
+a step, two slots): 1.12x the Triton kernel as a geometric mean over the standard grid (0.99x at
+B=1 x 32768, up to 1.32x), 80-90% of the copy ceiling on the 512 MiB cases, 1.51x JAX's Pallas
+``paged_attention``; still about 2x its 10 us target on the 16 MiB cases.
+
+Every operand must start on 256 bytes: Mosaic GPU checks it at launch ("Input buffer N is not
+256-byte aligned"). A freshly allocated array always does, but XLA may hand a kernel a
+contiguous slice of a larger buffer in place, as it did with the serving engine's packed step
+inputs (``serving/host_inputs.py`` now aligns each of them).
 
 What it optimizes. Decode attention is memory bound (each K/V byte serves only the ``G`` query
 heads of its KV head), so the kernel's job is to keep enough page copies in flight to stream K

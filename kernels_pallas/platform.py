@@ -25,7 +25,8 @@ KILL_SWITCH_VARIABLE = "DECODELAB_BACKEND"
 
 # Whether backend="auto" runs an operation's kernel on a GPU: True once the kernel was compiled,
 # checked against its reference and measured faster than it on the H200. The evidence:
-# - decode_attention: docs/benchmark_results/2026-12-01-decode.md.
+# - decode_attention: docs/benchmark_results/2026-12-02-decode.md (the Mosaic GPU kernel where it
+#   takes the shapes, the Triton one elsewhere: paged.decode.decode_kernel_for).
 # - rope_append_kv: 2026-12-01-fused_ops.md (1.55x the unfused rotate-then-scatter path at batch
 #   64, 32 query heads, 8 KV heads, head_dim 128).
 # - rmsnorm, fused_add_rmsnorm: 2026-12-01-fused_ops.md (86-89% of the copy ceiling at 4096

@@ -167,7 +167,7 @@ def test_without_a_gpu_and_without_measured_it_refuses(tmp_path, capsys):
 
 def test_the_newest_committed_report_is_the_default():
     newest = check.newest_committed_report("decode")
-    assert newest.name == "2026-12-01-decode.json"
+    assert newest.name == "2026-12-02-decode.json"
     # The committed report compared with itself passes: every figure within its own noise.
     report = check.load_report(newest)
     comparisons = check.compare_reports(report, copy.deepcopy(report))

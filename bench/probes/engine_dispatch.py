@@ -1,6 +1,6 @@
 """Probe: where an engine step's host time goes, and what XLA's CUDA graphs change (issue 18).
 
-The serving report of 62bfd3a (``docs/benchmark_results/2026-12-01-serving.md``) found the
+The serving report of 62bfd3a (``docs/benchmark_results/archive/2026-12-01-serving-62bfd3a.md``) found the
 overlapped loop's step bound by the host at batch 4 and 32: planning a step took 0.3 to 0.7 ms
 and dispatching its jitted program 0.8 to 1.2 ms, against a device step of 0.9 to 1.4 ms. JAX
 returns from a jitted call before the device finishes, but XLA enqueues the program's kernels
