@@ -81,6 +81,15 @@ def build_parser() -> argparse.ArgumentParser:
         "slots and are numbered from 1)",
     )
     generate.add_argument(
+        "--num-samples",
+        type=int,
+        default=1,
+        metavar="N",
+        help="continuations of each prompt, sampled independently (each its own seed); the "
+        "N requests of a prompt share its full prompt pages in the cache, which the scheduler "
+        "reports with --stats (default: %(default)s)",
+    )
+    generate.add_argument(
         "--max-tokens",
         type=int,
         default=64,
@@ -117,8 +126,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--seed",
         type=int,
         default=0,
-        help="prompt i samples from seed + i - 1 (a request's tokens depend on its seed alone), "
-        ">= 0 (default: %(default)s)",
+        help="request r (prompt i's sample j is request (i - 1) * N + j with --num-samples N) "
+        "samples from seed + r - 1 (a request's tokens depend on its seed alone), >= 0 "
+        "(default: %(default)s)",
     )
     generate.add_argument(
         "--parallel",
@@ -239,10 +249,13 @@ def check_generate_arguments(args: argparse.Namespace) -> None:
         )
     if not 0 <= args.min_p <= 1:
         raise UsageError(f"--min-p must be in [0, 1], got {args.min_p}")
-    if not 0 <= args.seed <= SEED_LIMIT - len(args.prompt):
+    if args.num_samples < 1:
+        raise UsageError(f"--num-samples must be >= 1, got {args.num_samples}")
+    num_requests = len(args.prompt) * args.num_samples
+    if not 0 <= args.seed <= SEED_LIMIT - num_requests:
         raise UsageError(
-            f"--seed must be in [0, 2**63 - {len(args.prompt)}] for {len(args.prompt)} "
-            f"prompt(s), got {args.seed}"
+            f"--seed must be in [0, 2**63 - {num_requests}] for {num_requests} request(s), "
+            f"got {args.seed}"
         )
     if args.parallel < 1:
         raise UsageError(f"--parallel must be >= 1, got {args.parallel}")
@@ -393,16 +406,22 @@ def run_generate(args: argparse.Namespace) -> int:
             f"byte), got {args.top_k}"
         )
     requests = []
-    for number, text in enumerate(args.prompt, start=1):
-        params = SamplingParams(
-            temperature=args.temperature,
-            top_k=args.top_k,
-            top_p=args.top_p,
-            min_p=args.min_p,
-            seed=args.seed + number - 1,
-            max_tokens=args.max_tokens,
-        )
-        requests.append(Request(number, encode_text(text), params))
+    labels = {}  # request id -> what its output is headed with
+    for prompt_number, text in enumerate(args.prompt, start=1):
+        for sample in range(1, args.num_samples + 1):
+            number = (prompt_number - 1) * args.num_samples + sample
+            params = SamplingParams(
+                temperature=args.temperature,
+                top_k=args.top_k,
+                top_p=args.top_p,
+                min_p=args.min_p,
+                seed=args.seed + number - 1,
+                max_tokens=args.max_tokens,
+            )
+            requests.append(Request(number, encode_text(text), params))
+            labels[number] = f"prompt {prompt_number}" + (
+                f", sample {sample}" if args.num_samples > 1 else ""
+            )
     longest = max(len(r.prompt_token_ids) for r in requests)
     # Room for every slot's longest request at once: no preemption.
     pages = pages_needed(longest + args.max_tokens + args.speculative, PAGE_SIZE)
@@ -429,7 +448,9 @@ def run_generate(args: argparse.Namespace) -> int:
         progress(output)
 
     print(
-        f"generating {progress.total_tokens} tokens for {len(requests)} prompt(s) on "
+        f"generating {progress.total_tokens} tokens for {len(args.prompt)} prompt(s)"
+        + (f" x {args.num_samples} samples" if args.num_samples > 1 else "")
+        + " on "
         f"{args.parallel} slot(s); the first steps compile the programs",
         file=sys.stderr,
         flush=True,
@@ -437,11 +458,16 @@ def run_generate(args: argparse.Namespace) -> int:
     outputs = engine.generate(requests, progress_callback=on_step)
     for output in outputs:
         if len(outputs) > 1:
-            print(f"--- prompt {output.request_id} ---")
+            print(f"--- {labels[output.request_id]} ---")
         print(decode_tokens(output.token_ids))
     print(progress.summary(), file=sys.stderr)
     if args.stats:
         _print_stats(engine, steps, args.speculative)
+        print(
+            "prompt pages shared by requests with a common prompt: "
+            f"{engine.scheduler.stats['shared_prefix_pages']}",
+            file=sys.stderr,
+        )
     return 0
 
 

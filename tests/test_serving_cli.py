@@ -170,7 +170,12 @@ def test_progress_writes_a_line_each_quarter_and_each_interval():
         (["--top-k", "0"], "--top-k must be >= 1 (leave it out to keep every byte), got 0"),
         (["--top-k", "300"], "--top-k must be at most the vocabulary size 256"),
         (["--min-p", "2"], "--min-p must be in [0, 1], got 2.0"),
-        (["--seed", "-1"], "--seed must be in [0, 2**63 - 1] for 1 prompt(s), got -1"),
+        (["--seed", "-1"], "--seed must be in [0, 2**63 - 1] for 1 request(s), got -1"),
+        (["--num-samples", "0"], "--num-samples must be >= 1, got 0"),
+        (
+            ["--num-samples", "4", "--seed", str(2**63 - 3)],
+            "--seed must be in [0, 2**63 - 4] for 4 request(s), got 9223372036854775805",
+        ),
         (["--parallel", "0"], "--parallel must be >= 1, got 0"),
         (["--speculative", "-1"], f"--speculative must be in [0, {MAX_SPECULATIVE}]"),
         (["--speculative", "16"], "(the target verifies N + 1 tokens a step), got 16"),
@@ -249,3 +254,26 @@ def test_the_command_lines_steps_limit_is_the_engines():
     from serving import engine
 
     assert cli.MAX_STEPS_PER_PROGRAM == engine.MAX_STEPS_PER_PROGRAM
+
+
+def test_num_samples_share_the_prompts_pages_and_draw_their_own_tokens(capsys):
+    """``--num-samples 3``: three requests of one prompt, headed "prompt 1, sample j", their
+    prompt's full pages shared in the cache (the scheduler's count, printed by --stats); greedy
+    they print the same continuation, sampled each draws from its own seed."""
+    prompt = "def main(argv):\n    parser = argparse.ArgumentParser()\n"  # > 2 pages of 16
+    argv = ["generate", "--prompt", prompt, "--max-tokens", "6", "--num-samples", "3"]
+    argv += ["--backend", "reference", "--parallel", "3", "--stats"]
+    assert main([*argv, "--temperature", "0"]) == 0
+    captured = capsys.readouterr()
+    blocks = re.split(r"^--- prompt 1, sample (\d) ---$", captured.out, flags=re.MULTILINE)
+    assert blocks[1::2] == ["1", "2", "3"], captured.out
+    # Six bytes each (greedy, this model continues with indentation): same bytes, same text.
+    assert blocks[2] == blocks[4] == blocks[6] and len(blocks[2].strip("\n")) == 6
+    assert "for 1 prompt(s) x 3 samples" in captured.err
+    shared = re.search(r"prompt pages shared by requests with a common prompt: (\d+)", captured.err)
+    # The first request computes the prompt's full pages; the other two share them.
+    full_pages = len(prompt.encode()) // 16
+    assert shared and int(shared.group(1)) == 2 * full_pages, captured.err
+    assert main([*argv, "--temperature", "1", "--seed", "5"]) == 0
+    sampled = re.split(r"^--- prompt 1, sample \d ---$", capsys.readouterr().out, flags=re.M)
+    assert len({block for block in sampled[1:]}) > 1  # three seeds, not one stream three times
