@@ -9,6 +9,7 @@ float32 inputs and 1e-2 for bfloat16 inputs (the oracle sees the same bf16-round
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 
 import jax
@@ -99,6 +100,31 @@ def assert_matches_oracle(o, lse, o_ref, lse_ref, seq_lens, dtype):
         np.testing.assert_allclose(lse[b], lse_ref[b], rtol=LSE_TOLERANCE, atol=LSE_TOLERANCE)
 
 
+# Called eagerly, the reference's lax.map over requests compiles anew for every call (its body
+# closes over the gathered pages): about 0.3 s of XLA compilation a hypothesis example. The
+# hypothesis tests below call it through jax.jit instead (one compilation per shape), after
+# running eagerly the concrete checks an eager call runs (shapes, page table, q_len).
+@functools.partial(jax.jit, static_argnames=("sm_scale", "logits_soft_cap"))
+def _jitted_reference_decode(q, cache, page_table, *, sm_scale, logits_soft_cap):
+    return paged.decode_attention(
+        q,
+        cache,
+        page_table,
+        sm_scale=sm_scale,
+        logits_soft_cap=logits_soft_cap,
+        return_lse=True,
+        backend="reference",
+    )
+
+
+def reference_decode(q, cache, page_table, *, sm_scale=None, logits_soft_cap=None):
+    """``paged.decode_attention(..., return_lse=True, backend="reference")``, jitted."""
+    paged.decode.validate_decode_inputs(q, cache, page_table, logits_soft_cap)
+    return _jitted_reference_decode(
+        q, cache, page_table, sm_scale=sm_scale, logits_soft_cap=logits_soft_cap
+    )
+
+
 @pytest.mark.parametrize("case", PAIRWISE_CASES, ids=_case_id)
 @given(batch=scattered_page_tables(DECODE_BUCKET), seed=st.integers(0, 2**32 - 1))
 def test_decode_matches_dense_float64_attention(case, batch, seed):
@@ -106,9 +132,7 @@ def test_decode_matches_dense_float64_attention(case, batch, seed):
     rng = np.random.default_rng(seed)
     cache = random_cache(rng, DECODE_BUCKET, head_dim, dtype, layout)
     q = random_queries(rng, DECODE_BUCKET.batch_size, NUM_KV_HEADS * group, head_dim, dtype)
-    o, lse = paged.decode_attention(
-        q, cache, batch.page_table, logits_soft_cap=cap, return_lse=True, backend="reference"
-    )
+    o, lse = reference_decode(q, cache, batch.page_table, logits_soft_cap=cap)
     assert o.dtype == dtype and o.shape == q.shape
     assert lse.dtype == jnp.float32 and lse.shape == q.shape[:2]
     o_ref, lse_ref = paged_attention_oracle(
@@ -134,9 +158,7 @@ def test_decode_with_shared_prefix_pages_matches_dense(batch, seed, sm_scale):
     rng = np.random.default_rng(seed)
     cache = random_cache(rng, DECODE_BUCKET, head_dim, jnp.float32, "NHD")
     q = random_queries(rng, DECODE_BUCKET.batch_size, NUM_KV_HEADS * group, head_dim, jnp.float32)
-    o, lse = paged.decode_attention(
-        q, cache, batch.page_table, sm_scale=sm_scale, return_lse=True, backend="reference"
-    )
+    o, lse = reference_decode(q, cache, batch.page_table, sm_scale=sm_scale)
     o_ref, lse_ref = paged_attention_oracle(
         q,
         cache.k_pages,
@@ -350,7 +372,7 @@ def test_append_then_decode_equals_dense_attention(
     )
 
     q = random_queries(rng, APPEND_BUCKET.batch_size, NUM_KV_HEADS * group, head_dim, dtype)
-    o, lse = paged.decode_attention(q, cache, final_table, return_lse=True, backend="reference")
+    o, lse = reference_decode(q, cache, final_table)
     o_ref, lse_ref = zip(
         *(
             dense_attention(q_b, k, v, sm_scale=head_dim**-0.5)
@@ -587,9 +609,7 @@ def test_multi_token_decode_matches_causal_dense_float64(q_len, case, data, seed
     q = random_multi_token_queries(
         rng, DECODE_BUCKET.batch_size, q_len, NUM_KV_HEADS * group, head_dim, dtype
     )
-    o, lse = paged.decode_attention(
-        q, cache, batch.page_table, logits_soft_cap=cap, return_lse=True, backend="reference"
-    )
+    o, lse = reference_decode(q, cache, batch.page_table, logits_soft_cap=cap)
     assert o.dtype == dtype and o.shape == q.shape
     assert lse.dtype == jnp.float32 and lse.shape == q.shape[:3]
     o_ref, lse_ref = causal_oracle(
