@@ -9,7 +9,6 @@ float32 inputs and 1e-2 for bfloat16 inputs (the oracle sees the same bf16-round
 from __future__ import annotations
 
 import dataclasses
-import functools
 import re
 
 import jax
@@ -18,6 +17,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from jitted_reference import reference_decode
 from reference_dense import (
     dense_attention,
     gather_tokens,
@@ -98,31 +98,6 @@ def assert_matches_oracle(o, lse, o_ref, lse_ref, seq_lens, dtype):
         assert error < TOLERANCE[dtype], f"request {b} (length {length}): error {error:.3g}"
         assert np.isfinite(lse[b]).all()
         np.testing.assert_allclose(lse[b], lse_ref[b], rtol=LSE_TOLERANCE, atol=LSE_TOLERANCE)
-
-
-# Called eagerly, the reference's lax.map over requests compiles anew for every call (its body
-# closes over the gathered pages): about 0.3 s of XLA compilation a hypothesis example. The
-# hypothesis tests below call it through jax.jit instead (one compilation per shape), after
-# running eagerly the concrete checks an eager call runs (shapes, page table, q_len).
-@functools.partial(jax.jit, static_argnames=("sm_scale", "logits_soft_cap"))
-def _jitted_reference_decode(q, cache, page_table, *, sm_scale, logits_soft_cap):
-    return paged.decode_attention(
-        q,
-        cache,
-        page_table,
-        sm_scale=sm_scale,
-        logits_soft_cap=logits_soft_cap,
-        return_lse=True,
-        backend="reference",
-    )
-
-
-def reference_decode(q, cache, page_table, *, sm_scale=None, logits_soft_cap=None):
-    """``paged.decode_attention(..., return_lse=True, backend="reference")``, jitted."""
-    paged.decode.validate_decode_inputs(q, cache, page_table, logits_soft_cap)
-    return _jitted_reference_decode(
-        q, cache, page_table, sm_scale=sm_scale, logits_soft_cap=logits_soft_cap
-    )
 
 
 @pytest.mark.parametrize("case", PAIRWISE_CASES, ids=_case_id)
