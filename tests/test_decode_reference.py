@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from jitted_reference import reference_decode
 from reference_dense import (
     dense_attention,
     gather_tokens,
@@ -106,9 +107,7 @@ def test_decode_matches_dense_float64_attention(case, batch, seed):
     rng = np.random.default_rng(seed)
     cache = random_cache(rng, DECODE_BUCKET, head_dim, dtype, layout)
     q = random_queries(rng, DECODE_BUCKET.batch_size, NUM_KV_HEADS * group, head_dim, dtype)
-    o, lse = paged.decode_attention(
-        q, cache, batch.page_table, logits_soft_cap=cap, return_lse=True, backend="reference"
-    )
+    o, lse = reference_decode(q, cache, batch.page_table, logits_soft_cap=cap)
     assert o.dtype == dtype and o.shape == q.shape
     assert lse.dtype == jnp.float32 and lse.shape == q.shape[:2]
     o_ref, lse_ref = paged_attention_oracle(
@@ -134,9 +133,7 @@ def test_decode_with_shared_prefix_pages_matches_dense(batch, seed, sm_scale):
     rng = np.random.default_rng(seed)
     cache = random_cache(rng, DECODE_BUCKET, head_dim, jnp.float32, "NHD")
     q = random_queries(rng, DECODE_BUCKET.batch_size, NUM_KV_HEADS * group, head_dim, jnp.float32)
-    o, lse = paged.decode_attention(
-        q, cache, batch.page_table, sm_scale=sm_scale, return_lse=True, backend="reference"
-    )
+    o, lse = reference_decode(q, cache, batch.page_table, sm_scale=sm_scale)
     o_ref, lse_ref = paged_attention_oracle(
         q,
         cache.k_pages,
@@ -350,7 +347,7 @@ def test_append_then_decode_equals_dense_attention(
     )
 
     q = random_queries(rng, APPEND_BUCKET.batch_size, NUM_KV_HEADS * group, head_dim, dtype)
-    o, lse = paged.decode_attention(q, cache, final_table, return_lse=True, backend="reference")
+    o, lse = reference_decode(q, cache, final_table)
     o_ref, lse_ref = zip(
         *(
             dense_attention(q_b, k, v, sm_scale=head_dim**-0.5)
@@ -587,9 +584,7 @@ def test_multi_token_decode_matches_causal_dense_float64(q_len, case, data, seed
     q = random_multi_token_queries(
         rng, DECODE_BUCKET.batch_size, q_len, NUM_KV_HEADS * group, head_dim, dtype
     )
-    o, lse = paged.decode_attention(
-        q, cache, batch.page_table, logits_soft_cap=cap, return_lse=True, backend="reference"
-    )
+    o, lse = reference_decode(q, cache, batch.page_table, logits_soft_cap=cap)
     assert o.dtype == dtype and o.shape == q.shape
     assert lse.dtype == jnp.float32 and lse.shape == q.shape[:3]
     o_ref, lse_ref = causal_oracle(

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from jitted_reference import reference_decode
 from reference_dense import dense_attention, merge_oracle, paged_attention_oracle, relative_error
 
 import paged
@@ -158,9 +159,7 @@ def test_split_kv_decode_merges_to_full_decode(part_pages, last_page_len, pool_o
     whole_table = paged.PageTable.from_page_lists(
         [pages], [seq_len], PAGE_SIZE, num_indices=SPLIT_POOL_PAGES
     )
-    part_o, part_lse = paged.decode_attention(
-        jnp.repeat(q, NUM_PARTS, axis=0), cache, parts_table, return_lse=True, backend="reference"
-    )
+    part_o, part_lse = reference_decode(jnp.repeat(q, NUM_PARTS, axis=0), cache, parts_table)
     merged_o, merged_lse = paged.merge_states(part_o, part_lse)  # [S, H, D] -> [H, D]
 
     o_ref, lse_ref = paged_attention_oracle(

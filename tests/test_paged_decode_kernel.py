@@ -80,17 +80,24 @@ def make_inputs(
     return q, cache, table
 
 
+# The float64 reference through jit: called eagerly, its lax.map over requests compiles anew on
+# every call (about three compilations); jitted, once per shape and soft cap.
+_decode_attention_reference_jit = jax.jit(
+    decode_attention_reference, static_argnames=("sm_scale", "logits_soft_cap")
+)
+
+
 def reference64(q, cache, table, soft_cap=None):
     """The reference in float64 on the same rounded inputs: (o, lse) as NumPy arrays."""
     with enable_x64():
         cache64 = paged.KVCache(
             cache.k_pages.astype(jnp.float64), cache.v_pages.astype(jnp.float64), cache.layout
         )
-        o, lse = decode_attention_reference(
+        o, lse = _decode_attention_reference_jit(
             q.astype(jnp.float64),
             cache64,
             table,
-            sm_scale=1.0 / np.sqrt(q.shape[-1]),
+            sm_scale=float(1.0 / np.sqrt(q.shape[-1])),
             logits_soft_cap=soft_cap,
         )
         return np.asarray(o), np.asarray(lse)

@@ -884,14 +884,17 @@ def run_case(
     step_us = step_s * 1e6
     num_bytes = weight_bytes(config, scenario.num_requests) + kv_bytes(config, int(lengths.sum()))
 
-    # The same ops alone at the step's shapes (memoized: dry-run scenarios share one shape).
+    # The same ops alone at the step's shapes (memoized: dry-run scenarios share one shape,
+    # and in a dry run the two arms under one kill switch share one timing, as they run the
+    # same ops: each interpreted op costs seconds of CPU to compile and run).
     context = DRY_RUN_OP_CONTEXT if options.dry_run else max(1, round(float(lengths.mean())))
     op_batch = DRY_RUN_PARALLEL if options.dry_run else scenario.num_requests
-    key = ("attention", arm.name, op_batch, context, bucket)
+    op_arm = (arm.backend, arm.kill_switch) if options.dry_run else arm.name
+    key = ("attention", op_arm, op_batch, context, bucket)
     if key not in ops:
         ops[key] = attention_op_us(config, op_batch, context, bucket, arm.backend, options)
     attention_op = ops[key]
-    key = ("sampling", arm.name, op_batch)
+    key = ("sampling", op_arm, op_batch)
     if key not in ops:
         ops[key] = sampling_op_us(config.vocab_size, op_batch, arm.backend, options)
     sampling_op = ops[key]
