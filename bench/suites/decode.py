@@ -5,8 +5,8 @@ cold L2, dispatch amortized (``bench.harness``). Bytes = K and V of the real tok
 
 - ``decodelab``: the public ``paged.decode_attention(..., plan=plan)`` with the plan
   ``paged.plan_decode`` made for the step, on the kernel ``backend="auto"`` runs on a GPU for
-  these shapes (``api_backend``: the Mosaic GPU kernel since it was measured faster), asked for
-  by name so that the CPU dry run interprets the same kernel: what a user gets.
+  these shapes (``api_backend``: the Mosaic GPU kernel since it was measured faster): what a
+  user gets. (The CPU dry run interprets the Triton kernel here: see ``api_backend``.)
 - ``decodelab_triton`` (while ``auto`` runs the Mosaic GPU kernel): the same API with
   ``backend="pallas"``, the Triton kernel that ``auto`` ran before, which goes once the Mosaic
   GPU kernel is faster on every case.
@@ -232,6 +232,15 @@ def api_backend(setup: AttentionSetup, options: RunOptions) -> str:
     return "pallas" if options.interpret else auto_backend(setup)
 
 
+def api_arms(backend: str) -> list[tuple[str, str]]:
+    """``(arm, backend)`` of the API arms a case times: ``decodelab`` on ``backend``, and
+    ``decodelab_triton`` beside it while that is not already the Triton kernel."""
+    arms = [("decodelab", backend)]
+    if backend != "pallas":
+        arms.append(("decodelab_triton", "pallas"))
+    return arms
+
+
 def api_loop(
     setup: AttentionSetup,
     plan: paged.DecodePlan,
@@ -446,10 +455,7 @@ def decodelab_results(
     plan = plan_for(setup)
     backend = api_backend(setup, options)
     rows = []
-    arms = [("decodelab", backend)]
-    if backend != "pallas":
-        arms.append(("decodelab_triton", "pallas"))
-    for arm, arm_backend in arms:
+    for arm, arm_backend in api_arms(backend):
         row = _api_result(setup, options, ceiling_tbps, plan=plan, arm=arm, backend=arm_backend)
         difference = peers.max_abs_difference(
             api_loop(setup, plan, backend=arm_backend).output(0), peers.reference_output(setup)
@@ -693,7 +699,6 @@ def multi_token_results(
     try:
         plan = plan_for(setup)  # one plan serves every q_len: plans do not depend on it
         backend = api_backend(setup, options)
-        arms = [("decodelab", backend)] + ([("decodelab_triton", "pallas")] * (backend != "pallas"))
         for q_len in q_lens:
             case = multi_token_case(batch, context, q_len)
             report.print_progress(f"{case}: timing decodelab and xla_gather")
@@ -701,7 +706,7 @@ def multi_token_results(
             try:
                 reference = _causal_reference(setup, queries)
                 api_rows = []
-                for arm, arm_backend in arms:
+                for arm, arm_backend in api_arms(backend):
                     loop = api_loop(setup, plan, queries, backend=arm_backend)
                     difference = peers.max_abs_difference(loop.output(0), reference)
                     if not difference <= DISAGREEMENT_TOLERANCE:
