@@ -11,6 +11,7 @@
 #   SAMPLING_BATCH=1 DECODELAB_SAMPLING_CASES=gumbel,top_p bash bench/run_on_gpu.sh sampling-part
 #   bash bench/run_on_gpu.sh mgpu-tests; bash bench/run_on_gpu.sh mgpu-sweep  # issue 16, one each
 #   bash bench/run_on_gpu.sh mgpu-merge-fold  # issue 16: the merge folded into the decode launch
+#   bash bench/run_on_gpu.sh decode-overhead  # issue 16: the small cases' time, split and merge
 # (merge a suite's parts into one report with python -m bench.harness.merge_reports)
 # Issue 18 (the engine's step, version 2): serving-batch, serving-single, serving-load-a and -b,
 # engine-overlap, engine-dispatch (where a step's host time goes), engine-multistep (the same
@@ -152,6 +153,11 @@ for stage in "$@"; do
           tests/test_paged_decode_mgpu.py; python3 -m bench.probes.mgpu_decode --merge-fold \
           --out '$out/mgpu-merge-fold'" 2>&1 | tee "$out/mgpu_merge_fold.log" \
         | awk '!/^ +B=/ || /FAILED|MISMATCH|skipped/' ;;
+    decode-overhead)  # issue 16: where a small decode call's time goes (the loop's floor, the
+      # kernel, the merge, the device trace), and the split and folded merge at B = 1 and 4
+      # (75 arms of about 3 s, estimated; no arm starts after 420 s)
+      timeout 560 python3 -m bench.probes.decode_overhead --trace --budget-s 420 \
+          --out "$out/decode-overhead" 2>&1 | tee "$out/decode_overhead.log" | grep -vE '^  B=' ;;
     mgpu-memcheck)  # issue 16: the Mosaic GPU decode kernel under compute-sanitizer, both pipelines
       XLA_PYTHON_CLIENT_ALLOCATOR=platform XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 300 \
         compute-sanitizer --tool memcheck python3 -m bench.probes.mgpu_decode --memcheck 2>&1 \

@@ -169,3 +169,47 @@ def test_engine_dispatch_probe_runs_a_smoke_case(tmp_path, capsys):
     for row in rows:
         assert row["steps_per_program_max"] == 4 and row["decode_steps"] > row["steps"] > 0
     assert rows[0]["block_steps"] > 1 and rows[0]["block_device_us_per_step"] > 0
+
+
+def test_decode_overhead_probe_reads_device_time_from_a_perfetto_trace(tmp_path):
+    """The ``--trace`` reader of ``bench.probes.decode_overhead`` (issue 16) on a hand-made
+    trace: device kernels summed per name and call, host events ignored, the span from the
+    first kernel's start to the last one's end."""
+    import gzip
+
+    from bench.probes import decode_overhead
+
+    events = [
+        {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/host:CPU"}},
+        {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/device:GPU:0"}},
+        {"ph": "X", "pid": 1, "tid": 1, "name": "PjitFunction", "ts": 0.0, "dur": 500.0},
+    ]
+    for call in range(2):  # two calls: a decode kernel of 10 us and a merge of 3 us each
+        start = 100.0 + 20.0 * call
+        events.append({"ph": "X", "pid": 2, "tid": 7, "name": "decode", "ts": start, "dur": 10.0})
+        events.append(
+            {"ph": "X", "pid": 2, "tid": 7, "name": "merge", "ts": start + 12, "dur": 3.0}
+        )
+    folder = tmp_path / "plugins" / "profile" / "run"
+    folder.mkdir(parents=True)
+    with gzip.open(folder / "perfetto_trace.json.gz", "wt") as handle:
+        json.dump({"traceEvents": events}, handle)
+    result = decode_overhead.gpu_kernel_time_from_trace(str(tmp_path), calls=2)
+    assert result["busy_us_per_call"] == {"decode": 10.0, "merge": 3.0}
+    assert result["total_busy_us_per_call"] == 13.0
+    assert result["span_us_per_call"] == (135.0 - 100.0) / 2
+    assert result["processes"] == ["/device:GPU:0"]
+    assert "error" in decode_overhead.gpu_kernel_time_from_trace(str(tmp_path / "none"), 1)
+
+
+def test_decode_overhead_probe_builds_its_arms_and_skips_past_its_budget(tmp_path, capsys):
+    """With no budget left every arm is reported as skipped, none is run (the arms themselves
+    ran interpreted when the probe was written; on the CPU each takes seconds)."""
+    from bench.probes import decode_overhead
+
+    assert decode_overhead.main(["--smoke", "--budget-s", "0", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "decode_overhead_probe.json").read_text())
+    arms = [row["arm"] for row in rows]
+    assert arms[:3] == ["floor", "api", "api.turn"]
+    assert {"kernel:ring.p2.s2@32", "split:ring.p2.s2@32", "folded:ring.p2.s2@32"} <= set(arms)
+    assert all(row.get("skipped") == "budget" for row in rows)

@@ -6,14 +6,15 @@ A case is one group of ``B`` requests sharing a ``prefix``-token prompt, each wi
 32 query heads, 8 KV heads, head_dim 128, page 16, bfloat16. Arms, each a whole decode step's
 attention for the batch:
 
-- ``plain``: ``paged.decode_attention(backend="pallas")`` over each request's whole row (prefix
+- ``plain``: ``paged.decode_attention(backend="auto")`` (on the H200 the Mosaic GPU decode
+  kernel; interpreted, the Triton one) over each request's whole row (prefix
   pages then its own), with ``paged.plan_decode``'s plan: what the project runs today. The
   prefix pages are the same pool pages for every request, so the L2 serves part of the
   repeated reads; the figure is what a user gets, not a cold-cache worst case.
 - ``cascade:<variant>``: ``kernels_pallas.cascade_shared_mgpu.shared_level_states_mgpu`` for the
   shared level (the pipeline of ``<variant>``, e.g. ``ring.reg.p4.s3``: the ring, p from
   registers, 4 pages a step, 3 slots; ``emit.reg.p2.s3``: ``emit_pipeline``), plus the own
-  level through ``paged.decode_attention(backend="pallas")`` with its plan, plus
+  level through ``paged.decode_attention`` (the plain arm's backend) with its plan, plus
   ``paged.merge_states`` of the two states: the cascade path as ``paged/cascade.py`` would run
   it with this kernel wired in. ``VARIANTS`` by default; where none passes its check (the ring
   has not yet run compiled), ``FALLBACK_VARIANT``, the pipeline that has.
@@ -253,7 +254,10 @@ def arm_steps(case: Case, variants, interpret: bool, *, parts: bool = True) -> d
     """name -> ``step(set_index, operands) -> (o [B, L, H, D], lse [B, L, H])`` (``shared:``
     and ``own`` arms, left out without ``parts``, return their partial state)."""
     sm_scale = 1.0 / np.sqrt(case.queries.shape[-1])
-    decode = dict(sm_scale=sm_scale, return_lse=True, backend="pallas")
+    # The plain arm and the own level run what backend="auto" runs on a GPU (the Mosaic GPU
+    # decode kernel for these shapes since 2026-12-02); interpreted, the Triton kernel, whose
+    # interpreter is the faster of the two on a CPU.
+    decode = dict(sm_scale=sm_scale, return_lse=True, backend="pallas" if interpret else "auto")
 
     def plain_step(set_index, operands):
         queries, k_pages, v_pages = operands[:3]
