@@ -34,7 +34,9 @@ kernels cost; span against the ``api`` figure is what the host-clocked loop adds
 
 Usage (GPU): ``PYTHONPATH=. python3 -m bench.probes.decode_overhead --out DIR [--trace]``
 (``--cases 1x4096,4x1024``, ``--grids 264``, ``--pipelines ring.p4.s2`` for a part; no arm
-starts after ``--budget-s``). ``--smoke`` runs a tiny case in Mosaic GPU's interpret mode on a
+starts after ``--budget-s``). ``--merge separate`` leaves out the folded arms, ``--merge folded`` runs only them: the
+folded launch has never run compiled, and a fault would poison the process's CUDA context for
+every later arm, so ``bench/run_on_gpu.sh decode-overhead`` runs it in a second process. ``--smoke`` runs a tiny case in Mosaic GPU's interpret mode on a
 CPU (the arms and checks, no figures; ``tests/test_bench_probes.py``).
 """
 
@@ -232,6 +234,13 @@ def main(argv=None) -> int:
     parser.add_argument("--pipelines", default=None, help="comma-separated ring.pP.sS")
     parser.add_argument("--trace", action="store_true", help="also read device time (profiler)")
     parser.add_argument("--budget-s", type=float, default=420.0)
+    parser.add_argument(
+        "--merge",
+        choices=("separate", "folded", "both"),
+        default="both",
+        help="which merge arms: the folded merge's compiled launch has not yet run on a GPU, "
+        "and a fault poisons the process's CUDA context, so run it in a process of its own",
+    )
     parser.add_argument("--smoke", action="store_true", help="tiny interpreted case (CPU)")
     args = parser.parse_args(argv)
 
@@ -269,8 +278,11 @@ def main(argv=None) -> int:
             )[0],
             np.float32,
         )
-        arms: list[tuple[str, object, bool, dict]] = [("floor", floor_loop(setup), False, {})]
-        arms += [("api", api_loop(setup), True, {}), ("api.turn", api_turn_loop(setup), True, {})]
+        arms: list[tuple[str, object, bool, dict]] = []
+        if args.merge != "folded":
+            arms.append(("floor", floor_loop(setup), False, {}))
+            arms.append(("api", api_loop(setup), True, {}))
+            arms.append(("api.turn", api_turn_loop(setup), True, {}))
         for grid in grids:
             plan = plan_with_grid(setup, grid, smoke)
             info = dict(
@@ -288,7 +300,7 @@ def main(argv=None) -> int:
                     probs_in_smem=interpret,
                 )
                 info_p = dict(info, smem_bytes=smem)
-                if name == pipelines[0]:
+                if name == pipelines[0] and args.merge != "folded":
                     arms.append(
                         (
                             f"kernel:{name}@{grid}",
@@ -305,7 +317,9 @@ def main(argv=None) -> int:
                         )
                     )
                 arms.append(
-                    (
+                    None
+                    if args.merge == "folded"
+                    else (
                         f"split:{name}@{grid}",
                         kernel_loop(
                             setup,
@@ -319,7 +333,7 @@ def main(argv=None) -> int:
                         info_p,
                     )
                 )
-                if name == pipelines[0] and not plan.write_final:
+                if name == pipelines[0] and not plan.write_final and args.merge != "separate":
                     arms.append(
                         (
                             f"folded:{name}@{grid}",
@@ -328,7 +342,7 @@ def main(argv=None) -> int:
                             info_p,
                         )
                     )
-        for arm, loop, check, info in arms:
+        for arm, loop, check, info in filter(None, arms):
             row = dict(case=case, arm=arm, mb=round(mbytes, 2), **info)
             if time.perf_counter() - started > args.budget_s:
                 row["skipped"] = "budget"
@@ -360,7 +374,7 @@ def main(argv=None) -> int:
                 flush=True,
             )
             write()
-        if args.trace:
+        if args.trace and args.merge != "folded":
             calls = 4 if smoke else TRACE_CALLS
             try:
                 traced = trace_program(api_loop(setup), calls)
