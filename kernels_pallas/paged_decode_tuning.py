@@ -45,10 +45,25 @@ KERNEL_TABLE: dict[tuple[int, int, bool, bool], dict[str, int]] = {
     (128, 16, False, False): {"pages_per_step": 16, "num_warps": 4, "num_stages": 1},
 }
 
-# Planner: programs per SM that fill the GPU, the smallest chunk worth splitting off, and the
-# static number of splits a traced (unplanned) call uses at most.
-DEFAULT_PLANNER = {"blocks_per_sm": 2, "min_chunk_pages": 8, "max_traced_splits": 16}
+# Planner: programs per SM that fill the GPU, the smallest chunk worth splitting off, the
+# static number of splits a traced (unplanned) call uses at most, and the most splits a request
+# is cut into (0: no cap beyond the grid rule).
+DEFAULT_PLANNER = {
+    "blocks_per_sm": 2,
+    "min_chunk_pages": 8,
+    "max_traced_splits": 16,
+    "max_splits_per_request": 0,
+}
 PLANNER_TABLE: dict[tuple[int, int], dict[str, int]] = {}
+# The Mosaic GPU kernel (paged_decode_mgpu.py) at one request: measured on the H200
+# (bench/probes/decode_overhead.py, 2026-12-02, docs/benchmark_results/2026-11-30-gpu-checks.md,
+# "Thirteenth session"), kernel plus separate merge, B=1 x 32768: 16 splits 49.3 us, 33 (the grid
+# rule's 264 programs) 56.9 us, 64 splits 64.5 us; B=1 x 4096: 16 splits 18.7 us, 32 splits
+# 21.3 us. At B=4 the grid rule's 8 splits were already the fastest of 4, 8 and 16 (a cap of 16
+# leaves them). The Triton kernel goes the other way at B=1 x 32768 (16 splits 0.84x the 33 of
+# the grid rule, docs/benchmark_results/archive/2026-12-01-decode-80e3fb9.md), so the cap is the
+# Mosaic GPU kernel's alone.
+MGPU_PLANNER = {"max_splits_per_request": 16}
 
 
 def group_rows(group_size: int) -> int:
@@ -109,9 +124,23 @@ def multi_token_parameters(
     return {**launch, "pages_per_step": pages_per_step, "num_warps": num_warps}
 
 
-def planner_parameters(head_dim: int, group_size: int) -> dict[str, int]:
-    """Planner parameters for a shape bucket."""
-    return {**DEFAULT_PLANNER, **PLANNER_TABLE.get((head_dim, group_rows(group_size)), {})}
+PLANNED_KERNELS = ("paged_decode", "paged_decode_mgpu")
+
+
+def planner_parameters(
+    head_dim: int, group_size: int, kernel: str = "paged_decode"
+) -> dict[str, int]:
+    """Planner parameters for a shape bucket and the kernel that will run the plan
+    (``"paged_decode"``, the Triton kernel, or ``"paged_decode_mgpu"``, the Mosaic GPU one).
+
+    Example:
+      >>> planner_parameters(128, 4, "paged_decode_mgpu")["max_splits_per_request"]
+      16
+    """
+    if kernel not in PLANNED_KERNELS:
+        raise ValueError(f"kernel must be one of {PLANNED_KERNELS}, got {kernel!r}")
+    params = {**DEFAULT_PLANNER, **PLANNER_TABLE.get((head_dim, group_rows(group_size)), {})}
+    return {**params, **MGPU_PLANNER} if kernel == "paged_decode_mgpu" else params
 
 
 @functools.cache

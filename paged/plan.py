@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kernels_pallas import paged_decode_tuning as tuning
-from kernels_pallas.platform import is_concrete
+from kernels_pallas.platform import is_concrete, on_gpu
 from paged.page_table import PageTable, bucket_size, validate_page_table
 
 
@@ -89,9 +89,15 @@ jax.tree_util.register_dataclass(
 
 
 def choose_chunk_pages(
-    pages_per_request: np.ndarray, num_kv_heads: int, *, max_grid: int, min_chunk_pages: int
+    pages_per_request: np.ndarray,
+    num_kv_heads: int,
+    *,
+    max_grid: int,
+    min_chunk_pages: int,
+    max_splits_per_request: int = 0,
 ) -> int:
-    """The smallest chunk (in pages) whose work items still fit ``max_grid`` programs.
+    """The smallest chunk (in pages) whose work items still fit ``max_grid`` programs, and that
+    cuts no request into more than ``max_splits_per_request`` items (0: no such cap).
 
     Returns the longest request's page count (no split) when the batch already fills the grid.
 
@@ -100,6 +106,10 @@ def choose_chunk_pages(
       63
       >>> choose_chunk_pages(np.array([64] * 64), 8, max_grid=264, min_chunk_pages=8)
       64
+      >>> choose_chunk_pages(  # 16 chunks at most
+      ...     np.array([2048]), 8, max_grid=264, min_chunk_pages=8, max_splits_per_request=16
+      ... )
+      128
     """
     longest = int(pages_per_request.max(initial=0))
     if longest == 0:
@@ -119,6 +129,8 @@ def choose_chunk_pages(
             high = middle
         else:
             low = middle + 1
+    if max_splits_per_request > 0:
+        low = max(low, -(-longest // max_splits_per_request))
     return low
 
 
@@ -137,6 +149,18 @@ def _work_items(indptr, last_page_len, page_size, chunk):
     return requests, starts, ends, last_lens, counts
 
 
+def default_planned_kernel() -> str:
+    """The decode kernel a plan is cut for by default: ``"paged_decode_mgpu"`` on a GPU while
+    ``backend="auto"`` runs the Mosaic GPU kernel (``paged.decode.AUTO_PICKS_MOSAIC_GPU_DECODE``),
+    else ``"paged_decode"`` (the Triton kernel; also on a CPU, where plans feed interpreted
+    kernels and tests)."""
+    from paged import decode  # a late import: paged.decode imports this module
+
+    return (
+        "paged_decode_mgpu" if on_gpu() and decode.AUTO_PICKS_MOSAIC_GPU_DECODE else "paged_decode"
+    )
+
+
 def plan_decode(
     page_table: PageTable,
     num_q_heads: int,
@@ -147,6 +171,7 @@ def plan_decode(
     max_grid: int | None = None,
     min_chunk_pages: int | None = None,
     num_work_items: int | None = None,
+    kernel: str | None = None,
 ) -> DecodePlan:
     """Plans one decode step on the host from the table's concrete lengths.
 
@@ -159,6 +184,12 @@ def plan_decode(
       max_grid: programs that fill the GPU (default: the tuned ``blocks_per_sm`` x SM count).
       min_chunk_pages: never cut chunks smaller than this (default: tuned).
       num_work_items: static length to pad the work arrays to (default ``bucket_size``).
+      kernel: the kernel that will run the plan, ``"paged_decode"`` (Triton) or
+        ``"paged_decode_mgpu"`` (Mosaic GPU), whose tuned planner parameters differ (the Mosaic
+        GPU kernel cuts a request into 16 items at most: ``paged_decode_tuning.MGPU_PLANNER``).
+        Default ``default_planned_kernel()``: the kernel ``backend="auto"`` runs on this
+        platform for the common shapes (HND pages of 16 tokens in bfloat16). Any plan is valid
+        for either kernel; this only picks the faster cut.
 
     Returns:
       A ``DecodePlan``; reuse it for every layer of the step.
@@ -172,6 +203,7 @@ def plan_decode(
         ``page_indices``; ``last_page_len`` outside ``[1, page_size]`` for a request with pages
         or not 0 for one without; arrays not int32 and 1-D), naming the field and value. Page
         indices are not checked here (the pool is unknown): ``decode_attention`` checks them.
+        An unknown ``kernel`` (naming it).
 
     Example:
       >>> table = PageTable.from_seq_lens([4096], page_size=16)
@@ -203,7 +235,8 @@ def plan_decode(
         raise ValueError(
             f"num_q_heads={num_q_heads} must be a positive multiple of num_kv_heads={num_kv_heads}"
         )
-    params = tuning.planner_parameters(head_dim, num_q_heads // num_kv_heads)
+    kernel = default_planned_kernel() if kernel is None else kernel
+    params = tuning.planner_parameters(head_dim, num_q_heads // num_kv_heads, kernel)
     max_grid = params["blocks_per_sm"] * tuning.num_sms() if max_grid is None else max_grid
     min_chunk = params["min_chunk_pages"] if min_chunk_pages is None else min_chunk_pages
     indptr = np.asarray(page_table.page_indptr)
@@ -213,7 +246,11 @@ def plan_decode(
         chunk, write_final = fixed_split_pages, False
     else:
         chunk = choose_chunk_pages(
-            pages, num_kv_heads, max_grid=max_grid, min_chunk_pages=min_chunk
+            pages,
+            num_kv_heads,
+            max_grid=max_grid,
+            min_chunk_pages=min_chunk,
+            max_splits_per_request=params["max_splits_per_request"],
         )
         write_final = bool(np.all(pages <= chunk))
     requests, starts, ends, last_lens, counts = _work_items(

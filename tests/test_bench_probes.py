@@ -171,13 +171,14 @@ def test_engine_dispatch_probe_runs_a_smoke_case(tmp_path, capsys):
     assert rows[0]["block_steps"] > 1 and rows[0]["block_device_us_per_step"] > 0
 
 
-def test_decode_overhead_probe_reads_device_time_from_a_perfetto_trace(tmp_path):
-    """The ``--trace`` reader of ``bench.probes.decode_overhead`` (issue 16) on a hand-made
-    trace: device kernels summed per name and call, host events ignored, the span from the
-    first kernel's start to the last one's end."""
+def test_device_time_is_read_from_a_perfetto_trace(tmp_path):
+    """``bench.harness.device_trace`` (the decode suite's device figures, the
+    ``decode_overhead`` probe's ``--trace``) on a hand-made trace: device kernels summed per
+    name and call, host events ignored, the span from the first kernel's start to the last
+    one's end."""
     import gzip
 
-    from bench.probes import decode_overhead
+    from bench.harness.device_trace import device_time_from_trace
 
     events = [
         {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/host:CPU"}},
@@ -194,12 +195,12 @@ def test_decode_overhead_probe_reads_device_time_from_a_perfetto_trace(tmp_path)
     folder.mkdir(parents=True)
     with gzip.open(folder / "perfetto_trace.json.gz", "wt") as handle:
         json.dump({"traceEvents": events}, handle)
-    result = decode_overhead.gpu_kernel_time_from_trace(str(tmp_path), calls=2)
+    result = device_time_from_trace(str(tmp_path), calls=2)
     assert result["busy_us_per_call"] == {"decode": 10.0, "merge": 3.0}
     assert result["total_busy_us_per_call"] == 13.0
     assert result["span_us_per_call"] == (135.0 - 100.0) / 2
     assert result["processes"] == ["/device:GPU:0"]
-    assert "error" in decode_overhead.gpu_kernel_time_from_trace(str(tmp_path / "none"), 1)
+    assert "error" in device_time_from_trace(str(tmp_path / "none"), 1)
 
 
 def test_decode_overhead_probe_builds_its_arms_and_skips_past_its_budget(tmp_path, capsys):

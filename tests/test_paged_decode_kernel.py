@@ -272,7 +272,9 @@ def test_planner_follows_the_grid_rule():
     for lens in ([4096], [4096, 100, 30000], [700] * 5):
         table = paged.PageTable.from_seq_lens(lens, PAGE_SIZE)
         pages = np.diff(np.asarray(table.page_indptr))
-        plan = paged.plan_decode(table, 32, 8, 128, max_grid=264, min_chunk_pages=8)
+        plan = paged.plan_decode(
+            table, 32, 8, 128, max_grid=264, min_chunk_pages=8, kernel="paged_decode"
+        )
         chunk = int(plan.chunk_pages)
         assert programs(pages, chunk) <= 264
         assert chunk == 8 or programs(pages, chunk - 1) > 264  # the smallest that fits
@@ -280,6 +282,32 @@ def test_planner_follows_the_grid_rule():
     many = paged.PageTable.from_seq_lens([1024] * 64, PAGE_SIZE)
     plan = paged.plan_decode(many, 32, 8, 128, max_grid=264)
     assert plan.write_final and plan.splits_per_request().tolist() == [1] * 64
+
+
+def test_planner_caps_splits_a_request_for_the_mosaic_gpu_kernel(monkeypatch):
+    """For the Mosaic GPU kernel a request is cut into 16 items at most (measured faster at one
+    request), the grid rule's smaller chunk otherwise; the Triton kernel's plan is the grid
+    rule's; the default follows what backend="auto" runs on the platform."""
+    from paged import plan as plan_module
+
+    one = paged.PageTable.from_seq_lens([32768 - 3], PAGE_SIZE)  # 2048 pages
+    grid = paged.plan_decode(one, 32, 8, 128, max_grid=264, kernel="paged_decode")
+    capped = paged.plan_decode(one, 32, 8, 128, max_grid=264, kernel="paged_decode_mgpu")
+    assert grid.splits_per_request().tolist() == [33]
+    assert int(capped.chunk_pages) == 128 and capped.splits_per_request().tolist() == [16]
+    four = paged.PageTable.from_seq_lens([4096] * 4, PAGE_SIZE)  # the grid rule's 8 splits stay
+    for kernel in ("paged_decode", "paged_decode_mgpu"):
+        plan = paged.plan_decode(four, 32, 8, 128, max_grid=264, kernel=kernel)
+        assert plan.splits_per_request().tolist() == [8] * 4
+    with pytest.raises(ValueError, match=r"kernel must be one of .* got 'triton'"):
+        paged.plan_decode(one, 32, 8, 128, kernel="triton")
+    monkeypatch.setattr(plan_module, "on_gpu", lambda: False)
+    assert plan_module.default_planned_kernel() == "paged_decode"
+    monkeypatch.setattr(plan_module, "on_gpu", lambda: True)
+    assert plan_module.default_planned_kernel() == "paged_decode_mgpu"
+    assert paged.plan_decode(one, 32, 8, 128, max_grid=264).splits_per_request().tolist() == [16]
+    monkeypatch.setattr(paged.decode, "AUTO_PICKS_MOSAIC_GPU_DECODE", False)
+    assert plan_module.default_planned_kernel() == "paged_decode"
 
 
 def test_auto_backend_and_kill_switch(monkeypatch):

@@ -43,11 +43,8 @@ CPU (the arms and checks, no figures; ``tests/test_bench_probes.py``).
 from __future__ import annotations
 
 import argparse
-import collections
-import gzip
 import json
 import pathlib
-import tempfile
 import time
 import traceback
 
@@ -57,6 +54,7 @@ import numpy as np
 
 import paged
 from bench.harness.attention_inputs import make_attention_setup
+from bench.harness.device_trace import trace_device_time
 from bench.harness.timing import SetsInTurnLoop, TimedLoop
 from bench.suites.decode import _mgpu_kernel, _table_of_set, kernel_loop
 from kernels_pallas.paged_decode_mgpu import smem_bytes_per_program
@@ -177,53 +175,6 @@ def folded_loop(setup, plan, params, interpret) -> TimedLoop:
         interpret=interpret,
         decode=folded_kernel,
     )
-
-
-def gpu_kernel_time_from_trace(trace_dir: str, calls: int) -> dict:
-    """Per call: each device kernel's busy time (us) and the device span (us), from the
-    Perfetto trace ``jax.profiler.trace(create_perfetto_trace=True)`` wrote under
-    ``trace_dir``."""
-    paths = sorted(pathlib.Path(trace_dir).rglob("perfetto_trace.json.gz"))
-    if not paths:
-        return {"error": f"no perfetto_trace.json.gz under {trace_dir}"}
-    data = json.load(gzip.open(paths[-1]))
-    events = data["traceEvents"] if isinstance(data, dict) else data
-    processes = {
-        e["pid"]: e["args"]["name"]
-        for e in events
-        if e.get("ph") == "M" and e.get("name") == "process_name"
-    }
-    devices = {pid for pid, name in processes.items() if "GPU" in name or "device" in name}
-    busy: dict[str, float] = collections.defaultdict(float)
-    counts: dict[str, int] = collections.Counter()
-    start, end = float("inf"), 0.0
-    for e in events:
-        if e.get("ph") != "X" or e.get("pid") not in devices:
-            continue
-        busy[e["name"]] += float(e.get("dur", 0.0))
-        counts[e["name"]] += 1
-        start = min(start, float(e["ts"]))
-        end = max(end, float(e["ts"]) + float(e.get("dur", 0.0)))
-    if not busy:
-        return {"error": "no device events", "processes": sorted(processes.values())}
-    per_call = {name: round(total / calls, 3) for name, total in busy.items()}
-    return {
-        "calls": calls,
-        "busy_us_per_call": dict(sorted(per_call.items(), key=lambda kv: -kv[1])),
-        "events_per_call": {name: counts[name] / calls for name in per_call},
-        "total_busy_us_per_call": round(sum(busy.values()) / calls, 3),
-        "span_us_per_call": round((end - start) / calls, 3),
-        "processes": sorted(processes[pid] for pid in devices),
-    }
-
-
-def trace_program(loop: TimedLoop, calls: int) -> dict:
-    program = loop.program(calls)
-    jax.block_until_ready(program(loop.operands))  # compiled and warm before the trace
-    with tempfile.TemporaryDirectory() as trace_dir:
-        with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
-            jax.block_until_ready(program(loop.operands))
-        return gpu_kernel_time_from_trace(trace_dir, calls)
 
 
 def main(argv=None) -> int:
@@ -377,7 +328,7 @@ def main(argv=None) -> int:
         if args.trace and args.merge != "folded":
             calls = 4 if smoke else TRACE_CALLS
             try:
-                traced = trace_program(api_loop(setup), calls)
+                traced = trace_device_time(api_loop(setup), calls)
             except Exception as error:
                 traced = {"error": f"{type(error).__name__}: {error}"}
             rows.append(dict(case=case, arm="api.trace", mb=round(mbytes, 2), **traced))

@@ -8,7 +8,7 @@ cold L2, dispatch amortized (``bench.harness``). Bytes = K and V of the real tok
   these shapes (``api_backend``: the Mosaic GPU kernel since it was measured faster): what a
   user gets. (The CPU dry run interprets the Triton kernel here: see ``api_backend``.)
 - ``decodelab_triton`` (while ``auto`` runs the Mosaic GPU kernel): the same API with
-  ``backend="pallas"``, the Triton kernel that ``auto`` ran before, which goes once the Mosaic
+  ``backend="pallas"`` and the plan cut for it, the Triton kernel that ``auto`` ran before, which goes once the Mosaic
   GPU kernel is faster on every case.
 - ``decodelab_kernel`` (only where the planner splits): the decode kernel alone, writing its
   partial states, with the merge launch excluded: how much of the API's time is the KV stream.
@@ -17,9 +17,17 @@ cold L2, dispatch amortized (``bench.harness``). Bytes = K and V of the real tok
 - ``decodelab_no_split`` and ``decodelab_split16`` (only where the planner splits): the same API
   with "never split" and "16 chunks a request", to show the planner's choice against both. Where
   the planner's choice coincides with one of them, a note says so instead of timing it twice.
+  Each arm's plan is cut for its own kernel (``plan_for_backend``).
+- ``decodelab_grid_rule`` (where the Mosaic GPU kernel's cap of 16 splits a request changes the
+  plan: one request): the same kernel on the plan of the grid rule alone, what the cap gains.
 - the peers (``bench.suites.peers.peer_attention_results``): XLA gather + softmax, JAX's Pallas
   ``paged_attention`` at its best ``k_splits``, PyTorch gather + SDPA.
 - ``decodelab (repeat)``: the API arm timed again at the end of the case, the noise level.
+
+On a GPU the ``decodelab`` arm also carries ``device_us_per_call``: the device time a call spends
+in the decode kernel and the merge, in every other device op (the timed loop's own slicing and
+checksum among them) and its span, read from a profiler trace (``device_time_of``). The timed
+figure stays the one compared; this says how much of a small case's call is the kernel.
 
 Each decodelab arm's attribution names the kernels its program calls (read from the lowered
 program: Triton and Mosaic GPU custom calls) and the number of splits, so no two arms can be
@@ -77,6 +85,7 @@ from bench.harness.attention_inputs import (
     kv_bytes_per_set,
     make_attention_setup,
 )
+from bench.harness.device_trace import split_by_kernel, trace_device_time
 from bench.suites import SuiteOutput, peers
 from kernels_pallas import paged_decode_tuning as tuning
 from kernels_pallas.merge_states import merge_partial_states
@@ -92,6 +101,10 @@ from paged.decode import (
 EXPECTED_TBPS = 2.5  # prior for sizing the first timed program
 DISAGREEMENT_TOLERANCE = 0.05  # max |ours - xla_gather| on bfloat16 outputs of magnitude < 1
 FIXED_SPLITS_ARM = 16
+# The decodelab arm's device time is read from a trace of a program of this many calls, and
+# split into the kernels whose names contain one of these and everything else.
+DEVICE_TRACE_CALLS = 64
+DECODELAB_KERNEL_NAMES = ("paged_decode", "merge_partial_states")
 DRY_RUN_MAX_CONTEXT = max(context for _, context in DRY_RUN_GRID)
 
 TUNE_CASES = ((1, 32768), (4, 4096), (32, 4096), (256, 512))
@@ -199,6 +212,18 @@ def plan_for(setup: AttentionSetup, **overrides) -> paged.DecodePlan:
         **overrides,
     )
     return jax.device_put(plan)  # on the device once, not copied by every timed program
+
+
+def planned_kernel(backend: str) -> str:
+    """The kernel a plan is cut for (``paged.plan_decode``'s ``kernel``) on a backend."""
+    return "paged_decode_mgpu" if backend == MOSAIC_GPU_BACKEND else "paged_decode"
+
+
+def plan_for_backend(setup: AttentionSetup, backend: str, **overrides) -> paged.DecodePlan:
+    """``plan_for`` cut for the kernel ``backend`` runs: each arm gets its own kernel's plan
+    (the Mosaic GPU kernel cuts a request into 16 items at most, the Triton one by the grid
+    rule alone)."""
+    return plan_for(setup, kernel=planned_kernel(backend), **overrides)
 
 
 def _operands(setup: AttentionSetup, plan: paged.DecodePlan):
@@ -403,7 +428,7 @@ def _api_result(
     loop = api_loop(setup, plan, backend=backend)
     iters = None if repeat is None else repeat.extra["iters"]
     arm = repeat_arm(repeat.arm) if repeat is not None else arm
-    return _timed_row(
+    row = _timed_row(
         setup,
         options,
         ceiling_tbps,
@@ -414,6 +439,22 @@ def _api_result(
         iters=iters,
         backend=backend,
     )
+    if arm == "decodelab" and not options.interpret:
+        row.extra["device_us_per_call"] = device_time_of(loop)
+    return row
+
+
+def device_time_of(loop: TimedLoop) -> dict:
+    """The device time a call of ``loop`` spends in decodelab's own kernels (the decode kernel,
+    the merge), in every other device op (the timed loop's slicing and checksum, the call's
+    small XLA ops), and its span, from a profiler trace of one program of
+    ``DEVICE_TRACE_CALLS`` calls (``bench.harness.device_trace``); ``{"error": ...}`` if the
+    trace fails (it never fails the suite)."""
+    try:
+        traced = trace_device_time(loop, DEVICE_TRACE_CALLS)
+    except Exception as error:  # a figure beside the timed one: it never fails the suite
+        return {"error": f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"}
+    return split_by_kernel(traced, DECODELAB_KERNEL_NAMES)
 
 
 def _mgpu_kernel(q, k_pages, v_pages, page_indices, *work, layout, **options):
@@ -452,19 +493,21 @@ def decodelab_results(
     setup: AttentionSetup, options: RunOptions, ceiling_tbps: float, notes: list[str]
 ) -> list[CaseResult]:
     """decodelab's arms on one case: API, kernel alone, and the split policies it beat."""
-    plan = plan_for(setup)
     backend = api_backend(setup, options)
+    plan = plan_for_backend(setup, backend)
     rows = []
     for arm, arm_backend in api_arms(backend):
-        row = _api_result(setup, options, ceiling_tbps, plan=plan, arm=arm, backend=arm_backend)
+        arm_plan = plan if arm_backend == backend else plan_for_backend(setup, arm_backend)
+        row = _api_result(setup, options, ceiling_tbps, plan=arm_plan, arm=arm, backend=arm_backend)
         difference = peers.max_abs_difference(
-            api_loop(setup, plan, backend=arm_backend).output(0), peers.reference_output(setup)
+            api_loop(setup, arm_plan, backend=arm_backend).output(0),
+            peers.reference_output(setup),
         )
         row.extra["max_abs_difference_from_xla_gather"] = difference
         row.extra["kernel_parameters"] = (
             mgpu_decode_launch_parameters(options.interpret)
             if arm_backend == MOSAIC_GPU_BACKEND
-            else _launch_parameters(setup, plan)
+            else _launch_parameters(setup, arm_plan)
         )
         if not difference <= DISAGREEMENT_TOLERANCE:
             notes.append(f"{setup.case}: {arm} differs from xla_gather by {difference:.3g}")
@@ -492,12 +535,21 @@ def decodelab_results(
     if splits > 1:
         if plan.write_final:  # cannot happen: more than one split always merges
             raise AssertionError("a split plan must merge")
-        no_split = plan_for(setup, max_grid=1)
+        no_split = plan_for_backend(setup, backend, max_grid=1)
         rows.append(
             _api_result(setup, options, ceiling_tbps, plan=no_split, arm="decodelab_no_split")
         )
+        grid_rule = plan_for_backend(setup, "pallas")
+        if backend == MOSAIC_GPU_BACKEND and not np.array_equal(
+            grid_rule.splits_per_request(), plan.splits_per_request()
+        ):
+            # What the Mosaic GPU kernel's cap on splits a request changes: the same kernel
+            # on the plan of the grid rule alone (the Triton kernel's).
+            rows.append(
+                _api_result(setup, options, ceiling_tbps, plan=grid_rule, arm="decodelab_grid_rule")
+            )
         chunk = math.ceil(setup.pages_per_sequence / FIXED_SPLITS_ARM)
-        fixed = plan_for(setup, fixed_split_pages=chunk)
+        fixed = plan_for_backend(setup, backend, fixed_split_pages=chunk)
         if np.array_equal(fixed.splits_per_request(), plan.splits_per_request()):
             notes.append(
                 f"{setup.case}: the planner's split ({_splits_label(plan)}) is the "
@@ -697,8 +749,10 @@ def multi_token_results(
     results: list[CaseResult] = []
     base_us = None
     try:
-        plan = plan_for(setup)  # one plan serves every q_len: plans do not depend on it
         backend = api_backend(setup, options)
+        # One plan a kernel serves every q_len: plans do not depend on it.
+        plans = {b: plan_for_backend(setup, b) for _, b in api_arms(backend)}
+        plan = plans[backend]
         for q_len in q_lens:
             case = multi_token_case(batch, context, q_len)
             report.print_progress(f"{case}: timing decodelab and xla_gather")
@@ -707,7 +761,7 @@ def multi_token_results(
                 reference = _causal_reference(setup, queries)
                 api_rows = []
                 for arm, arm_backend in api_arms(backend):
-                    loop = api_loop(setup, plan, queries, backend=arm_backend)
+                    loop = api_loop(setup, plans[arm_backend], queries, backend=arm_backend)
                     difference = peers.max_abs_difference(loop.output(0), reference)
                     if not difference <= DISAGREEMENT_TOLERANCE:
                         notes.append(f"{case}: {arm} differs from xla_gather by {difference:.3g}")
@@ -719,7 +773,7 @@ def multi_token_results(
                             loop,
                             arm,
                             f"paged.decode_attention({arm_backend}):",
-                            plan,
+                            plans[arm_backend],
                             case=case,
                             q_len=q_len,
                             backend=arm_backend,
