@@ -9,7 +9,9 @@ Public API (names are part of the contract):
 - ``decode_attention`` (``backend="auto" | "reference" | "pallas"``)
 - ``CascadeLevels``, ``SharedLevel``, ``cascade_levels_from_shared_prefix``,
   ``cascade_levels_from_nested_prefixes``, ``cascade_decode_attention`` (``backend=``): decode
-  with shared prefixes split into levels, merged exactly
+  with shared prefixes split into levels, merged exactly; ``plan_cascade``,
+  ``find_shared_prefix_groups``, ``CascadeCrossover``, ``CASCADE_CROSSOVER``: which requests of a
+  step share leading pages, and whether a shared level pays (host side, once a step)
 - ``merge_state``, ``merge_states``: exact merging of partial attention states
 - ``RopeParams``, ``Llama3Scaling``, ``apply_rope``, ``inverse_frequencies``: rotary embedding;
   ``YarnScaling``, ``yarn_inverse_frequencies``, ``yarn_mscale``, ``apply_rope_frequencies``:
@@ -36,6 +38,13 @@ from paged.cascade import (
     cascade_levels_from_nested_prefixes,
     cascade_levels_from_shared_prefix,
     validate_cascade_levels,
+)
+from paged.cascade_plan import (
+    CASCADE_CROSSOVER,
+    CascadeCrossover,
+    SharedPrefixGroup,
+    find_shared_prefix_groups,
+    plan_cascade,
 )
 from paged.decode import decode_attention
 from paged.kv_cache import KVCache, append_kv, new_kv_cache
@@ -81,7 +90,9 @@ from paged.sparse_quest import (
 from paged.sparse_tokens import TokenSelection
 
 __all__ = [
+    "CASCADE_CROSSOVER",
     "BlockSelection",
+    "CascadeCrossover",
     "CascadeLevels",
     "DecodePlan",
     "KVCache",
@@ -95,6 +106,7 @@ __all__ = [
     "QuestSelection",
     "RopeParams",
     "SharedLevel",
+    "SharedPrefixGroup",
     "TokenSelection",
     "YarnScaling",
     "append_kv",
@@ -107,6 +119,7 @@ __all__ = [
     "cascade_levels_from_shared_prefix",
     "check_holds_new_tokens",
     "decode_attention",
+    "find_shared_prefix_groups",
     "host_page_table",
     "inverse_frequencies",
     "lightning_indexer_top_k",
@@ -119,6 +132,7 @@ __all__ = [
     "new_latent_cache",
     "new_token_positions",
     "page_key_bounds",
+    "plan_cascade",
     "plan_decode",
     "plan_decode_tables",
     "prefill_attention",
