@@ -14,8 +14,8 @@ The planner reads a step's concrete (host) page table and finds those runs:
 - Nested prefixes (requests sharing page 0, some of them also page 1) become one group with the
   run all of them share: two levels only, though ``CascadeLevels`` would take more.
 - ``CascadeCrossover`` says which groups pay (group size, prefix pages); ``CASCADE_CROSSOVER``
-  is the measured rule, None until the H200 measured it, and then cascade is never chosen
-  automatically (the issue's rule: chosen only where measured to pay, never slower).
+  is the rule measured on the H200 (groups of 16 or more sharing 256 pages or more); None would
+  mean never chosen automatically (the issue's rule: chosen only where measured to pay).
 
 The levels have fixed shapes for a batch size and a table bucket, so a jitted step compiles once
 for them: the shared level has ``max_groups`` rows (``B // 2`` by default; unused rows are empty
@@ -75,9 +75,17 @@ class CascadeCrossover:
         return group_size >= self.min_group_size and prefix_pages >= self.min_prefix_pages
 
 
-# The measured crossover (CascadeCrossover), or None: not yet measured on the H200, so the
-# engine's cascade="auto" never chooses cascade. Filled from bench/probes/cascade_shared.py.
-CASCADE_CROSSOVER: CascadeCrossover | None = None
+# The measured crossover (CascadeCrossover), or None (not measured: cascade is never chosen
+# automatically). Measured on the H200 at 7ca362c (bench/probes/cascade_shared.py,
+# docs/benchmark_results/archive/2026-12-02-cascade-shared-probe.md): the Mosaic GPU cascade
+# path beat plain decode from 16 requests sharing 4096 tokens (1.07x; 32 x 4096: 1.64x; 128 x
+# 32768: 8.2x) and lost in every group of 8 or fewer and at 1024 tokens or less but for 128
+# requests (0.37x to 0.79x; 128 x 1024: 1.36x, declined here: two thresholds cannot admit it
+# without admitting 32 x 1024 at 0.64x). tests/test_cascade_plan.py checks the rule against that
+# JSON: every case it admits paid.
+CASCADE_CROSSOVER: CascadeCrossover | None = CascadeCrossover(
+    min_group_size=16, min_prefix_pages=256
+)
 
 # Any group of two sharing a page: the engine's cascade="on" (tests, and measuring cascade where
 # the crossover says it does not pay).
@@ -171,7 +179,7 @@ def plan_cascade(
 
     Args:
       page_table: the step's table, concrete (host arrays), ``B`` rows.
-      crossover: which groups pay; None (``CASCADE_CROSSOVER`` before it is measured): none.
+      crossover: which groups pay; None: none (``CASCADE_CROSSOVER`` is the measured rule).
       q_len: new tokens a request (``L``); they stay in each request's own level.
       active: bool[B], rows that may join a group (None: all).
       max_groups: rows of the shared level, a static shape (default ``B // 2``, every group

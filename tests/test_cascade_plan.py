@@ -269,3 +269,28 @@ def test_a_bad_or_traced_table_is_refused():
 def test_a_bad_crossover_is_refused(kwargs, match):
     with pytest.raises(ValueError, match=match):
         CascadeCrossover(**kwargs)
+
+
+def test_the_committed_crossover_admits_only_cases_measured_to_pay():
+    """``CASCADE_CROSSOVER`` against the H200 measurement it was read from
+    (``docs/benchmark_results/archive/2026-12-02-cascade-shared-probe.json``): every measured
+    case it admits was faster with cascade than with plain decode, and it admits at least the
+    headline case (128 requests sharing 32K tokens)."""
+    import json
+    import pathlib
+
+    from paged.cascade_plan import CASCADE_CROSSOVER
+
+    path = pathlib.Path(__file__).parent.parent / (
+        "docs/benchmark_results/archive/2026-12-02-cascade-shared-probe.json"
+    )
+    summary = json.loads(path.read_text())["summary"]
+    page_size = 16
+    admitted = [
+        row for row in summary if CASCADE_CROSSOVER.pays(row["group"], row["prefix"] // page_size)
+    ]
+    assert all(row["plain_over_cascade"] > 1.0 for row in admitted), admitted
+    assert any(row["group"] == 128 and row["prefix"] == 32768 for row in admitted)
+    assert len(summary) >= 10  # the measurement covered both sides of the rule
+    declined = [row for row in summary if row not in admitted]
+    assert any(row["plain_over_cascade"] < 1.0 for row in declined)
