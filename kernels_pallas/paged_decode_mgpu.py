@@ -9,9 +9,12 @@ table, one new token a request or ``q_len`` of them (causal among themselves, as
 ``paged.decode_attention`` runs it under ``backend="auto"`` on a GPU for the shapes it takes
 (``paged.decode.decode_kernel_for``), or by name (``backend="pallas_mgpu"``). Measured through
 that public path on the H200 (``docs/benchmark_results/2026-12-02-decode.md``, ring, four pages
-a step, two slots): 1.12x the Triton kernel as a geometric mean over the standard grid (0.99x at
-B=1 x 32768, up to 1.32x), 80-90% of the copy ceiling on the 512 MiB cases, 1.51x JAX's Pallas
-``paged_attention``; still about 2x its 10 us target on the 16 MiB cases.
+a step, two slots; the planner cuts a request into 16 items at most for it): faster than the
+Triton kernel on every case of the standard grid, 1.15x as a geometric mean (1.03x to 1.33x),
+82-92% of the copy ceiling on the 512 MiB cases (3.9-4.3 TB/s of the kernel's own device time,
+read from a profiler trace), 1.56x JAX's Pallas ``paged_attention``; the 16 MiB cases take about
+19 us against a 10 us target, of which the kernel and the merge are 10.5-12 us of device time
+(``docs/benchmark_results/archive/2026-12-02-decode-overhead-probe.md``).
 
 Every operand must start on 256 bytes: Mosaic GPU checks it at launch ("Input buffer N is not
 256-byte aligned"). A freshly allocated array always does, but XLA may hand a kernel a
