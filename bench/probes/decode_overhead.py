@@ -56,7 +56,7 @@ import paged
 from bench.harness.attention_inputs import make_attention_setup
 from bench.harness.device_trace import trace_device_time
 from bench.harness.timing import SetsInTurnLoop, TimedLoop
-from bench.suites.decode import _mgpu_kernel, _table_of_set, kernel_loop
+from bench.suites.decode import _mgpu_kernel, _operands, _table_of_set, kernel_loop
 from kernels_pallas.paged_decode_mgpu import smem_bytes_per_program
 
 CASES = ((1, 4096), (4, 1024), (1, 32768), (4, 4096), (4, 16384))
@@ -98,15 +98,8 @@ def api_call(setup, set_index, operands):
 
 
 def api_operands(setup):
-    k_pages, v_pages = setup.pool("HND")
-    return (
-        setup.queries,
-        k_pages,
-        v_pages,
-        setup.page_indptr,
-        setup.page_indices,
-        setup.last_page_len,
-    )
+    """The decode suite's operands without its plan: the call plans inside ``jit``."""
+    return _operands(setup, None)[:-1]
 
 
 def api_loop(setup) -> TimedLoop:
