@@ -19,7 +19,9 @@ costs, per case of ``CASES``:
   the first pipeline.
 - ``api``: ``paged.decode_attention`` as a user calls it (``backend="auto"``, the planner's own
   plan), and ``api.turn``: the same call in ``SetsInTurnLoop`` (every set its own arrays, named
-  statically, one call a set each round: no dynamic slice of the table a call).
+  statically, one call a set each round: no dynamic slice of the table a call);
+  ``api.planned`` and ``api.planned.turn``: both again with the planner's host plan, which is
+  what the decode suite's ``decodelab`` arm times (no plan built on the device a call).
 
 Every final-output arm is checked against the ``api`` arm's output (largest absolute
 difference of ``o``; above ``MAX_DIFFERENCE`` it is a MISMATCH and not timed). Each arm is
@@ -106,9 +108,10 @@ def api_loop(setup) -> TimedLoop:
     return TimedLoop(lambda s, ops: api_call(setup, s, ops), setup.num_sets, api_operands(setup))
 
 
-def api_turn_loop(setup) -> SetsInTurnLoop:
+def api_turn_loop(setup, plan=None) -> SetsInTurnLoop:
     """The API call with each set's arrays named statically (no dynamic slice a call). The
-    pool is shared; the call depends on the round through an optimization barrier."""
+    pool is shared; the call depends on the round through an optimization barrier. ``plan``:
+    a host plan every call uses (the suite's way), else the traced default plan."""
     k_pages, v_pages = setup.pool("HND")
     sets = [
         (
@@ -129,13 +132,31 @@ def api_turn_loop(setup) -> SetsInTurnLoop:
             q,
             paged.KVCache(k, v, "HND"),
             paged.PageTable(indptr, indices, last, setup.page_size),
+            plan=plan,
             return_lse=True,
         )
 
     return SetsInTurnLoop(call, sets)
 
 
-def plan_with_grid(setup, grid: int, smoke: bool) -> paged.DecodePlan:
+def planned_api_loop(setup, plan) -> TimedLoop:
+    """The decode suite's ``decodelab`` arm: the API with the step's host plan."""
+
+    def step(set_index, operands):
+        queries, k_pages, v_pages, page_indptr, page_indices, last_page_len = operands
+        return paged.decode_attention(
+            queries[set_index],
+            paged.KVCache(k_pages, v_pages, "HND"),
+            _table_of_set(page_indptr, page_indices, last_page_len, set_index, setup.page_size),
+            plan=plan,
+            return_lse=True,
+        )
+
+    return TimedLoop(step, setup.num_sets, api_operands(setup))
+
+
+def plan_with_grid(setup, grid: int | None, smoke: bool) -> paged.DecodePlan:
+    """``paged.plan_decode``'s plan of set 0 with ``max_grid=grid`` (None: the planner's)."""
     table = _table_of_set(
         setup.page_indptr, setup.page_indices, setup.last_page_len, 0, setup.page_size
     )
@@ -227,6 +248,11 @@ def main(argv=None) -> int:
             arms.append(("floor", floor_loop(setup), False, {}))
             arms.append(("api", api_loop(setup), True, {}))
             arms.append(("api.turn", api_turn_loop(setup), True, {}))
+            # The suite's own arm (a host plan), and the same with every set named statically:
+            # what the timed loop's dynamic slices cost the suite's figure.
+            host_plan = plan_with_grid(setup, None, smoke)
+            arms.append(("api.planned", planned_api_loop(setup, host_plan), True, {}))
+            arms.append(("api.planned.turn", api_turn_loop(setup, host_plan), True, {}))
         for grid in grids:
             plan = plan_with_grid(setup, grid, smoke)
             info = dict(
