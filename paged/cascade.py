@@ -75,8 +75,10 @@ from paged.page_table import (
 # What backend="auto" runs here follows decode_attention's evidence (kernels_pallas/platform.py):
 # every cascade level runs decode_attention's kernels, so the kernel path is faster than the
 # reference wherever decode_attention's is. The kernel that reads a shared level once per group
-# (backend="pallas_mgpu") is asked for by name only: nothing here claims a cascade speed-up over
-# plain decode until its crossover is measured on the H200.
+# (backend="pallas_mgpu") is asked for by name only. Its crossover with plain decode is measured
+# (docs/benchmark_results/archive/2026-12-02-cascade-shared-probe.md; the rule kept is
+# paged.cascade_plan.CASCADE_CROSSOVER, for a planner choosing which groups to cascade), but the
+# per-level "pallas" path was not timed against it, so "auto" does not switch between them.
 AUTO_PICKS_KERNEL.setdefault("cascade_decode_attention", AUTO_PICKS_KERNEL["decode_attention"])
 # backend="pallas_mgpu": the shared levels' pipeline (kernels_pallas/cascade_shared_mgpu.py's
 # defaults: the ring, four pages a step, three slots); the probe's sweep (run_on_gpu.sh
