@@ -326,3 +326,26 @@ def test_planned_cascade_has_far_fewer_device_side_equations():
     print(f"cascade non-Pallas jaxpr equations: planned {planned}, traced {traced}")
     assert planned * 4 < traced  # measured: 142 and 586 (JAX 0.11.2)
     assert planned <= 160
+
+
+@pytest.mark.gpu
+def test_planned_call_equals_unplanned_compiled_on_gpu():
+    """Compiled, the register path, a split prefix (16 requests sharing 4096 tokens, 2 groups):
+    the planned call equals the unplanned one bit for bit."""
+    from tests.conftest import ON_GPU
+
+    assert ON_GPU
+    queries, cache, level = make_level(
+        8, (16, 3), (4096, 100), batch=20, num_pool_pages=280, group=4, q_len=1
+    )
+    plan = plan_shared_level(
+        level, batch=20, q_len=1, num_q_heads=8, num_kv_heads=NUM_KV_HEADS, head_dim=64
+    )
+    assert plan.num_splits > 1
+
+    def states(plan):
+        return shared_level_states_mgpu(queries, cache, level, sm_scale=0.125, plan=plan)
+
+    (o_plan, lse_plan), (o, lse) = states(plan), states(None)
+    np.testing.assert_array_equal(np.asarray(o_plan), np.asarray(o))
+    np.testing.assert_array_equal(np.asarray(lse_plan), np.asarray(lse))
