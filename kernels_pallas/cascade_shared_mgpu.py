@@ -83,6 +83,7 @@ too.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -237,6 +238,286 @@ def _work_items(page_indptr, last_page_len, tile_group, *, num_splits, pages_per
     return tuple(x.reshape(-1).astype(jnp.int32) for x in (request, start, end, last))
 
 
+@dataclasses.dataclass(frozen=True)
+class SharedLevelPlan:
+    """One shared level's query-tile layout and work items, computed on the host with NumPy
+    (``plan_shared_level``) once a step, so the kernel call skips the dozens of small device
+    ops of ``_tile_rows`` and ``_work_items`` (a GPU pays ~1 us each).
+
+    Data fields (int32 NumPy arrays, the returns of ``_tile_rows`` and ``_work_items``):
+    ``tile_group [T]``, ``tile_start [NG]``, ``row_request [T, 64]``, ``row_within [T, 64]``,
+    ``request_group [B]``, ``request_member [B]``, ``work_request``, ``work_page_start``,
+    ``work_page_end``, ``work_last_page_len`` (each ``[T x S]``); and the two gathers the
+    call's wrapper would otherwise index on the device: ``query_rows [T x KVH x 64]``, the row
+    of ``queries.reshape(B x L x H, D)`` each tile row holds (-1: an empty row), and
+    ``state_rows [B x L x H]``, the tile row (of ``[T x KVH x 64]``) holding each query row's
+    state (-1: a request in no group). Meta fields (static):
+    ``batch``, ``rows_per_request``, ``num_tiles`` (T), ``num_splits`` (S), ``pages_per_step``.
+    """
+
+    tile_group: np.ndarray
+    tile_start: np.ndarray
+    row_request: np.ndarray
+    row_within: np.ndarray
+    request_group: np.ndarray
+    request_member: np.ndarray
+    work_request: np.ndarray
+    work_page_start: np.ndarray
+    work_page_end: np.ndarray
+    work_last_page_len: np.ndarray
+    query_rows: np.ndarray
+    state_rows: np.ndarray
+    batch: int
+    rows_per_request: int
+    num_tiles: int
+    num_splits: int
+    pages_per_step: int
+
+    @property
+    def tile_rows(self):
+        return (
+            self.tile_group,
+            self.tile_start,
+            self.row_request,
+            self.row_within,
+            self.request_group,
+            self.request_member,
+        )
+
+    @property
+    def work(self):
+        return (
+            self.work_request,
+            self.work_page_start,
+            self.work_page_end,
+            self.work_last_page_len,
+        )
+
+
+jax.tree_util.register_dataclass(
+    SharedLevelPlan,
+    data_fields=[
+        "tile_group",
+        "tile_start",
+        "row_request",
+        "row_within",
+        "request_group",
+        "request_member",
+        "work_request",
+        "work_page_start",
+        "work_page_end",
+        "work_last_page_len",
+        "query_rows",
+        "state_rows",
+    ],
+    meta_fields=["batch", "rows_per_request", "num_tiles", "num_splits", "pages_per_step"],
+)
+
+
+def _tile_rows_host(group_indptr, group_requests, *, batch, rows_per_request, num_tiles):
+    """``_tile_rows`` in NumPy on concrete arrays, op for op (same returns)."""
+    group_indptr = np.asarray(group_indptr, np.int64)
+    group_requests = np.asarray(group_requests, np.int64)
+    num_groups = group_indptr.shape[0] - 1
+    num_members = group_requests.shape[0]
+    members = np.maximum(group_indptr[1:] - group_indptr[:-1], 0)
+    tiles_per_group = -(-members * rows_per_request // TILE_ROWS)
+    tile_end = np.cumsum(tiles_per_group)
+    tile_start = tile_end - tiles_per_group
+    tile = np.arange(num_tiles)
+    tile_group = np.searchsorted(tile_end, tile, side="right")
+    safe_group = np.minimum(tile_group, num_groups - 1)
+    flat = (tile - tile_start[safe_group])[:, None] * TILE_ROWS + np.arange(TILE_ROWS)[None, :]
+    member = flat // rows_per_request
+    slot = np.clip(group_indptr[safe_group][:, None] + member, 0, num_members - 1)
+    request = group_requests[slot]
+    real = (
+        (tile_group < num_groups)[:, None]
+        & (member < members[safe_group][:, None])
+        & (request >= 0)
+        & (request < batch)
+    )
+    row_request = np.where(real, request, -1)
+    position = np.arange(num_members)
+    listed = (position < group_indptr[-1]) & (group_requests >= 0) & (group_requests < batch)
+    request_position = np.full((batch,), -1, np.int64)
+    request_position[group_requests[listed]] = position[listed]
+    request_group = np.searchsorted(group_indptr, request_position, side="right") - 1
+    request_group = np.where(request_position >= 0, np.clip(request_group, 0, num_groups - 1), -1)
+    request_member = request_position - group_indptr[np.maximum(request_group, 0)]
+    out = (tile_group, tile_start, row_request, flat % rows_per_request)
+    return tuple(x.astype(np.int32) for x in (*out, request_group, request_member))
+
+
+def _work_items_host(
+    page_indptr, last_page_len, tile_group, *, num_splits, pages_per_step, page_size
+):
+    """``_work_items`` in NumPy on concrete arrays, op for op (same returns)."""
+    page_indptr = np.asarray(page_indptr, np.int64)
+    last_page_len = np.asarray(last_page_len, np.int64)
+    num_groups = page_indptr.shape[0] - 1
+    num_tiles = tile_group.shape[0]
+    real_tile = tile_group < num_groups
+    group = np.minimum(tile_group, num_groups - 1)
+    group_first = page_indptr[group]
+    group_pages = np.where(real_tile, np.maximum(page_indptr[group + 1] - group_first, 0), 0)
+    group_end = group_first + group_pages
+    steps_per_chunk = _cdiv(_cdiv(group_pages, num_splits), pages_per_step)
+    chunk = steps_per_chunk * pages_per_step
+    start = group_first[:, None] + np.arange(num_splits)[None, :] * chunk[:, None]
+    start = np.minimum(start, group_end[:, None])
+    end = np.minimum(start + chunk[:, None], group_end[:, None])
+    last = np.where(end == group_end[:, None], last_page_len[group][:, None], page_size)
+    request = np.broadcast_to(np.where(real_tile, np.arange(num_tiles), -1)[:, None], start.shape)
+    return tuple(x.reshape(-1).astype(np.int32) for x in (request, start, end, last))
+
+
+def _gather_rows_host(tile_rows, *, q_len, num_q_heads, num_kv_heads, num_tiles):
+    """The query gather into tiles and the state gather back to the requests, as flat row
+    indices (see ``SharedLevelPlan``), by the formulas of ``cascade_shared_mgpu``."""
+    _, tile_start, row_request, row_within, request_group, request_member = tile_rows
+    group_size = num_q_heads // num_kv_heads
+    rows_per_request = q_len * group_size
+    # Tile row (t, h, r): queries[row_request, within // G, h x G + within % G].
+    token = (row_within // group_size)[:, None, :]
+    head = (np.arange(num_kv_heads) * group_size)[None, :, None] + (row_within % group_size)[
+        :, None, :
+    ]
+    request = row_request[:, None, :].astype(np.int64)
+    query_rows = np.where(request >= 0, (request * q_len + token) * num_q_heads + head, -1)
+    # Query row (b, l, h x G + g) of a grouped request: tile tile_start[group] + flat // 64,
+    # row flat % 64 of KV head h, flat = member x L x G + l x G + g.
+    batch = request_group.shape[0]
+    within = np.arange(q_len)[:, None, None] * group_size + np.arange(group_size)[None, None, :]
+    flat = np.maximum(request_member, 0)[:, None, None, None] * rows_per_request + within[None]
+    tile = np.clip(
+        tile_start[np.maximum(request_group, 0)][:, None, None, None] + flat // TILE_ROWS,
+        0,
+        num_tiles - 1,
+    )
+    kv_head = np.arange(num_kv_heads)[None, None, :, None]
+    state_rows = (tile.astype(np.int64) * num_kv_heads + kv_head) * TILE_ROWS + flat % TILE_ROWS
+    state_rows = np.where((request_group >= 0)[:, None, None, None], state_rows, -1)
+    shape = (batch, q_len, num_q_heads)
+    return query_rows.reshape(-1).astype(np.int32), state_rows.reshape(shape).reshape(-1).astype(
+        np.int32
+    )
+
+
+def plan_shared_level(
+    level,
+    *,
+    batch: int,
+    q_len: int,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype=jnp.bfloat16,
+    page_size: int = PAGE_SIZE,
+    num_splits: int | None = None,
+    pages_per_step: int = 4,
+    num_stages: int = 3,
+    index_window: int | None = None,
+    probs_in_smem: bool = False,
+    pipeline: str = "ring",
+) -> SharedLevelPlan | None:
+    """The host plan of one CONCRETE shared level for ``shared_level_states_mgpu(...,
+    plan=...)``: the same tile count, split count (``choose_num_splits``), tile layout and
+    work items the traced path computes on the device, computed once with NumPy.
+
+    Args:
+      level: a ``paged.cascade.SharedLevel`` with concrete (NumPy or committed) arrays.
+      batch, q_len, num_q_heads, num_kv_heads, head_dim, dtype: the queries' and cache's shape.
+      num_splits, pages_per_step, num_stages, index_window, probs_in_smem, pipeline: as
+        ``shared_level_states_mgpu`` takes them (they fix the split count).
+
+    Returns:
+      A ``SharedLevelPlan``, or None for a level that attends to no key (no groups, members or
+      pages: the states are constants, nothing to plan).
+
+    Example:
+      >>> import paged
+      >>> from paged.cascade import SharedLevel
+      >>> level = SharedLevel(
+      ...     group_pages=paged.PageTable.from_page_lists([[1, 3]], [20], page_size=16),
+      ...     group_indptr=np.array([0, 2], np.int32),
+      ...     group_requests=np.array([0, 2], np.int32),
+      ... )
+      >>> plan = plan_shared_level(
+      ...     level, batch=3, q_len=1, num_q_heads=4, num_kv_heads=2, head_dim=64
+      ... )
+      >>> plan.num_tiles, plan.num_splits, plan.request_group.tolist()
+      (1, 1, [0, -1, 0])
+    """
+    if not isinstance(level, SharedLevel):
+        raise TypeError(f"level must be a SharedLevel, got {type(level).__name__}")
+    pages = level.group_pages
+    if not is_concrete(level.group_indptr, level.group_requests, pages.page_indptr):
+        raise ValueError("level must have concrete arrays to be planned on the host, got traced")
+    if num_q_heads % num_kv_heads:
+        raise ValueError(
+            f"num_q_heads={num_q_heads} must be a multiple of num_kv_heads={num_kv_heads}"
+        )
+    rows_per_request = q_len * (num_q_heads // num_kv_heads)
+    num_groups = level.num_groups
+    num_members = level.group_requests.shape[0]
+    if batch == 0 or num_groups == 0 or num_members == 0 or pages.page_indices.shape[0] == 0:
+        return None
+    num_tiles = num_query_tiles(np.asarray(level.group_indptr), rows_per_request)
+    if num_tiles == 0:
+        return None
+    if num_splits is None:
+        smem = validate_mgpu_pipeline_arguments(
+            head_dim,
+            dtype,
+            pages_per_step=pages_per_step,
+            num_stages=num_stages,
+            index_window=resolve_index_window(index_window, pages_per_step),
+            probs_in_smem=probs_in_smem,
+            pipeline=pipeline,
+            interpret=False,
+        )
+        max_group_pages = int(np.max(np.diff(np.asarray(pages.page_indptr)), initial=0))
+        num_splits = choose_num_splits(
+            num_tiles,
+            num_kv_heads,
+            max_group_pages,
+            programs_per_wave=H200_NUM_SMS * max(programs_per_sm(smem), 1),
+        )
+    tile_rows = _tile_rows_host(
+        level.group_indptr,
+        level.group_requests,
+        batch=batch,
+        rows_per_request=rows_per_request,
+        num_tiles=num_tiles,
+    )
+    work = _work_items_host(
+        pages.page_indptr,
+        pages.last_page_len,
+        tile_rows[0],
+        num_splits=num_splits,
+        pages_per_step=pages_per_step,
+        page_size=page_size,
+    )
+    gathers = _gather_rows_host(
+        tile_rows,
+        q_len=q_len,
+        num_q_heads=num_q_heads,
+        num_kv_heads=num_kv_heads,
+        num_tiles=num_tiles,
+    )
+    return SharedLevelPlan(
+        *tile_rows,
+        *work,
+        *gathers,
+        batch=batch,
+        rows_per_request=rows_per_request,
+        num_tiles=num_tiles,
+        num_splits=num_splits,
+        pages_per_step=pages_per_step,
+    )
+
+
 @_runs_in_32_bits_also_interpreted  # x64 mode: as paged_decode_mgpu
 @functools.partial(
     jax.jit,
@@ -262,6 +543,7 @@ def cascade_shared_mgpu(
     group_last_page_len: jax.Array,
     group_indptr: jax.Array,
     group_requests: jax.Array,
+    layout: tuple | None = None,
     *,
     sm_scale: float,
     logits_soft_cap: float | None,
@@ -287,6 +569,9 @@ def cascade_shared_mgpu(
       num_tiles: static count of 64-row query tiles, at least ``num_query_tiles`` (tiles past
         the level's are padding items that store nothing read).
       num_splits: static chunks a tile's pages are cut into.
+      layout: None (computed on the device) or ``(work, query_rows, state_rows)``, the same
+        work items and row gathers computed on the host for these ``num_tiles`` and
+        ``num_splits`` (``SharedLevelPlan.work``, ``.query_rows``, ``.state_rows``).
       The rest: as ``paged_decode_mgpu``.
 
     Returns:
@@ -297,30 +582,36 @@ def cascade_shared_mgpu(
     num_kv_heads = k_pages.shape[1]
     group_size = num_q_heads // num_kv_heads
     rows_per_request = q_len * group_size
-    tile_group, tile_start, row_request, row_within, request_group, request_member = _tile_rows(
-        group_indptr,
-        group_requests,
-        batch=batch,
-        rows_per_request=rows_per_request,
-        num_tiles=num_tiles,
-    )
-    # q_tiles[t, h, r] = query head h * G + (within % G) of token within // G of the row's
-    # request: the decode kernel's row order (request, KV head, rows), with tiles as requests.
-    token = row_within // group_size
-    head = (jnp.arange(num_kv_heads) * group_size)[None, :, None] + (row_within % group_size)[
-        :, None, :
-    ]
-    rows = queries[jnp.maximum(row_request, 0)[:, None, :], token[:, None, :], head]
-    q_tiles = jnp.where((row_request >= 0)[:, None, :, None], rows, 0).astype(queries.dtype)
-
-    work = _work_items(
-        group_page_indptr,
-        group_last_page_len,
-        tile_group,
-        num_splits=num_splits,
-        pages_per_step=pages_per_step,
-        page_size=k_pages.shape[2],
-    )
+    if layout is None:
+        tile_rows = _tile_rows(
+            group_indptr,
+            group_requests,
+            batch=batch,
+            rows_per_request=rows_per_request,
+            num_tiles=num_tiles,
+        )
+        tile_group, tile_start, row_request, row_within, request_group, request_member = tile_rows
+        # q_tiles[t, h, r] = query head h * G + (within % G) of token within // G of the row's
+        # request: the decode kernel's row order (request, KV head, rows), tiles as requests.
+        token = row_within // group_size
+        head = (jnp.arange(num_kv_heads) * group_size)[None, :, None] + (row_within % group_size)[
+            :, None, :
+        ]
+        rows = queries[jnp.maximum(row_request, 0)[:, None, :], token[:, None, :], head]
+        q_tiles = jnp.where((row_request >= 0)[:, None, :, None], rows, 0).astype(queries.dtype)
+        work = _work_items(
+            group_page_indptr,
+            group_last_page_len,
+            tile_group,
+            num_splits=num_splits,
+            pages_per_step=pages_per_step,
+            page_size=k_pages.shape[2],
+        )
+    else:  # the same tiles and items, computed on the host (SharedLevelPlan)
+        work, query_rows, state_rows = layout
+        work = tuple(work)
+        rows = queries.reshape(-1, head_dim)[jnp.maximum(query_rows, 0)]
+        q_tiles = jnp.where((query_rows >= 0)[:, None], rows, 0).astype(queries.dtype)
     num_work = num_tiles * num_splits
     count = num_work * num_kv_heads * TILE_ROWS
     # Work items fastest on the grid (the launch's order): a group's tiles side by side.
@@ -364,6 +655,13 @@ def cascade_shared_mgpu(
         tile_o = tile_o.reshape(num_tiles, num_kv_heads, TILE_ROWS, head_dim)
         tile_lse = tile_lse.reshape(num_tiles, num_kv_heads, TILE_ROWS)
 
+    if layout is not None:
+        in_group = state_rows >= 0
+        o = tile_o.reshape(-1, head_dim)[jnp.maximum(state_rows, 0)]
+        lse = tile_lse.reshape(-1)[jnp.maximum(state_rows, 0)]
+        o = jnp.where(in_group[:, None], o, 0.0).reshape(queries.shape)
+        lse = jnp.where(in_group, lse, -jnp.inf).reshape(queries.shape[:-1])
+        return o.astype(jnp.float32), lse
     # Back to the requests: request b's row (l, g) of KV head h sits in tile tile_start[group]
     # + flat // 64, row flat % 64, flat = member x L x G + l x G + g.
     in_group = request_group >= 0
@@ -398,6 +696,7 @@ def shared_level_states_mgpu(
     probs_in_smem: bool = False,
     pipeline: str = "ring",
     interpret: bool | plgpu.InterpretGPUParams = False,
+    plan: SharedLevelPlan | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Each request's partial state over its group's pages at one shared level, on Mosaic GPU.
 
@@ -419,6 +718,10 @@ def shared_level_states_mgpu(
       pages_per_step, num_stages, index_window, probs_in_smem, pipeline: the decode kernel's
         pipeline (``paged_decode_mgpu``); default the ring, 4 pages a step, 3 slots.
       interpret: run in Mosaic GPU's interpret mode (CPU); needs ``probs_in_smem=True``.
+      plan: None (the tile layout and work items computed on the device, in the call), or
+        ``plan_shared_level``'s plan of this level for this batch, head layout and
+        ``pages_per_step`` (its split count replaces ``num_splits``, which must then be None
+        or equal). The plan is trusted to be of this level: only its shape is checked.
 
     Returns:
       ``(o [B, L, H, D] float32, lse [B, L, H] float32)``; ``o = 0``, ``lse = -inf`` for a
@@ -498,6 +801,36 @@ def shared_level_states_mgpu(
     num_members = level.group_requests.shape[0]
     if batch == 0 or num_groups == 0 or num_members == 0 or pages.page_indices.shape[0] == 0:
         return _no_key_states(queries)
+    if plan is not None:
+        _check_plan(
+            plan,
+            batch=batch,
+            rows_per_request=rows_per_request,
+            num_groups=num_groups,
+            pages_per_step=pages_per_step,
+            num_splits=num_splits,
+        )
+        return cascade_shared_mgpu(
+            queries,
+            cache.k_pages,
+            cache.v_pages,
+            jnp.asarray(pages.page_indptr),
+            jnp.asarray(pages.page_indices),
+            jnp.asarray(pages.last_page_len),
+            jnp.asarray(level.group_indptr),
+            jnp.asarray(level.group_requests),
+            (plan.work, plan.query_rows, plan.state_rows),
+            sm_scale=sm_scale,
+            logits_soft_cap=logits_soft_cap,
+            num_tiles=plan.num_tiles,
+            num_splits=plan.num_splits,
+            pages_per_step=pages_per_step,
+            num_stages=num_stages,
+            index_window=index_window,
+            probs_in_smem=probs_in_smem,
+            pipeline=pipeline,
+            interpret=interpret,
+        )
     if is_concrete(level.group_indptr, pages.page_indptr):
         num_tiles = num_query_tiles(np.asarray(level.group_indptr), rows_per_request)
         max_group_pages = int(np.max(np.diff(np.asarray(pages.page_indptr)), initial=0))
@@ -533,6 +866,22 @@ def shared_level_states_mgpu(
         pipeline=pipeline,
         interpret=interpret,
     )
+
+
+def _check_plan(plan, *, batch, rows_per_request, num_groups, pages_per_step, num_splits):
+    """Raises ValueError naming ``plan`` when it was made for another batch, head layout,
+    level size, ``pages_per_step`` or split count."""
+    if not isinstance(plan, SharedLevelPlan):
+        raise TypeError(f"plan must be a SharedLevelPlan or None, got {type(plan).__name__}")
+    got = (plan.batch, plan.rows_per_request, plan.tile_start.shape[0], plan.pages_per_step)
+    want = (batch, rows_per_request, num_groups, pages_per_step)
+    if got != want:
+        raise ValueError(
+            "plan was made for (batch, rows_per_request, num_groups, pages_per_step)="
+            f"{got}, this call has {want}"
+        )
+    if num_splits is not None and num_splits != plan.num_splits:
+        raise ValueError(f"num_splits={num_splits} differs from plan.num_splits={plan.num_splits}")
 
 
 def _no_key_states(queries: jax.Array) -> tuple[jax.Array, jax.Array]:

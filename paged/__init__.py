@@ -33,10 +33,12 @@ Public API (names are part of the contract):
 from paged.attention_reference import merge_state, merge_states
 from paged.cascade import (
     CascadeLevels,
+    CascadePlan,
     SharedLevel,
     cascade_decode_attention,
     cascade_levels_from_nested_prefixes,
     cascade_levels_from_shared_prefix,
+    plan_cascade_levels,
     validate_cascade_levels,
 )
 from paged.cascade_plan import (
@@ -94,6 +96,7 @@ __all__ = [
     "BlockSelection",
     "CascadeCrossover",
     "CascadeLevels",
+    "CascadePlan",
     "DecodePlan",
     "KVCache",
     "LatentCache",
@@ -133,6 +136,7 @@ __all__ = [
     "new_token_positions",
     "page_key_bounds",
     "plan_cascade",
+    "plan_cascade_levels",
     "plan_decode",
     "plan_decode_tables",
     "prefill_attention",

@@ -71,6 +71,7 @@ from paged.page_table import (
     host_page_table,
     validate_page_table,
 )
+from paged.plan import DecodePlan, plan_decode
 
 # What backend="auto" runs here follows decode_attention's evidence (kernels_pallas/platform.py):
 # every cascade level runs decode_attention's kernels, so the kernel path is faster than the
@@ -675,7 +676,90 @@ def _cascade_decode_attention_per_level(queries, cache, levels, sm_scale, logits
     return _merge_levels(states)
 
 
-def _cascade_decode_attention_mgpu(queries, cache, levels, sm_scale, logits_soft_cap):
+@dataclasses.dataclass(frozen=True)
+class CascadePlan:
+    """A step's host plan of the ``pallas_mgpu`` cascade path (``plan_cascade_levels``): the
+    shared levels' query tiles and work items and the own level's decode plan, computed once
+    with NumPy and reused by every layer, so a call runs no planning ops on the device.
+
+    ``shared``: one ``kernels_pallas.cascade_shared_mgpu.SharedLevelPlan`` per shared level
+    (None for a level that attends to no key); ``own``: ``paged.plan_decode(levels.own, ...)``.
+    Not to be confused with ``paged.cascade_plan.plan_cascade``, which decides which groups
+    to cascade at all.
+    """
+
+    shared: tuple
+    own: DecodePlan
+
+
+jax.tree_util.register_dataclass(CascadePlan, data_fields=["shared", "own"], meta_fields=[])
+
+
+def plan_cascade_levels(levels: CascadeLevels, q, cache: KVCache) -> CascadePlan:
+    """Plans ``cascade_decode_attention(q, cache, levels, backend="pallas_mgpu")`` on the host.
+
+    Args:
+      levels: the step's ``CascadeLevels`` with concrete (host) arrays.
+      q: the queries, or anything with their ``shape`` and ``dtype`` (``[B, H, D]`` or
+        ``[B, L, H, D]``); only the shape and dtype are read.
+      cache: the KV pool (only its shape and dtype are read).
+
+    Returns:
+      A ``CascadePlan`` for this batch, head layout and the levels as they are now.
+
+    Raises:
+      TypeError: ``levels`` is not a ``CascadeLevels``.
+      ValueError: traced levels, or what ``paged.plan_decode`` refuses for the own level.
+
+    Example:
+      >>> from paged import new_kv_cache
+      >>> cache = new_kv_cache(8, 16, 2, 64, jnp.bfloat16)
+      >>> table = PageTable.from_page_lists([[0, 1, 2], [0, 1, 3]], [40, 38], page_size=16)
+      >>> levels = cascade_levels_from_shared_prefix(table, [[0, 1]], prefix_lens=[32])
+      >>> q = jnp.ones((2, 8, 64), jnp.bfloat16)
+      >>> plan = plan_cascade_levels(levels, q, cache)
+      >>> len(plan.shared), plan.shared[0].num_tiles
+      (1, 1)
+    """
+    # Imported here: kernels_pallas.cascade_shared_mgpu imports this module (its level types).
+    from kernels_pallas import cascade_shared_mgpu
+
+    if not isinstance(levels, CascadeLevels):
+        raise TypeError(f"levels must be a CascadeLevels, got {type(levels).__name__}")
+    batch, num_q_heads, head_dim = q.shape[0], q.shape[-2], q.shape[-1]
+    q_len = q.shape[1] if len(q.shape) == 4 else 1
+    interpret = interpret_mode()
+    shared = tuple(
+        cascade_shared_mgpu.plan_shared_level(
+            level,
+            batch=batch,
+            q_len=q_len,
+            num_q_heads=num_q_heads,
+            num_kv_heads=cache.num_kv_heads,
+            head_dim=head_dim,
+            dtype=q.dtype,
+            page_size=cache.page_size,
+            probs_in_smem=interpret,  # as _cascade_decode_attention_mgpu launches it
+            **CASCADE_SHARED_MGPU_LAUNCH,
+        )
+        for level in levels.shared
+    )
+    # The plan decode_attention makes itself for a concrete own level, made here once.
+    own = plan_decode(levels.own, num_q_heads, cache.num_kv_heads, head_dim)
+    return CascadePlan(shared=shared, own=own)
+
+
+def _check_cascade_plan(plan, levels: CascadeLevels) -> None:
+    if not isinstance(plan, CascadePlan):
+        raise TypeError(f"plan must be a CascadePlan or None, got {type(plan).__name__}")
+    if len(plan.shared) != len(levels.shared):
+        raise ValueError(
+            f"plan has {len(plan.shared)} shared level plans, levels has "
+            f"{len(levels.shared)} shared levels"
+        )
+
+
+def _cascade_decode_attention_mgpu(queries, cache, levels, sm_scale, logits_soft_cap, plan=None):
     """``backend="pallas_mgpu"``: every shared level through the Mosaic GPU shared-level kernel
     (a group's pages read once per 64-row tile of its requests' query rows), the own level
     through the Mosaic GPU decode kernel, the states merged by the reference merge.
@@ -686,28 +770,39 @@ def _cascade_decode_attention_mgpu(queries, cache, levels, sm_scale, logits_soft
     from kernels_pallas import cascade_shared_mgpu
 
     interpret = interpret_mode()
-    states = [
-        cascade_shared_mgpu.shared_level_states_mgpu(
+    states = []
+    for index, level in enumerate(levels.shared):
+        try:
+            states.append(
+                cascade_shared_mgpu.shared_level_states_mgpu(
+                    queries,
+                    cache,
+                    level,
+                    sm_scale=sm_scale,
+                    logits_soft_cap=logits_soft_cap,
+                    probs_in_smem=interpret,
+                    interpret=interpret,
+                    plan=None if plan is None else plan.shared[index],
+                    **CASCADE_SHARED_MGPU_LAUNCH,
+                )
+            )
+        except ValueError as error:  # name the plan's field as the caller passed it
+            raise ValueError(str(error).replace("plan was", f"plan.shared[{index}] was")) from error
+    try:
+        o, lse = decode_attention(
             queries,
             cache,
-            level,
+            levels.own,
             sm_scale=sm_scale,
             logits_soft_cap=logits_soft_cap,
-            probs_in_smem=interpret,
-            interpret=interpret,
-            **CASCADE_SHARED_MGPU_LAUNCH,
+            return_lse=True,
+            plan=None if plan is None else plan.own,
+            backend=MOSAIC_GPU_BACKEND,
         )
-        for level in levels.shared
-    ]
-    o, lse = decode_attention(
-        queries,
-        cache,
-        levels.own,
-        sm_scale=sm_scale,
-        logits_soft_cap=logits_soft_cap,
-        return_lse=True,
-        backend=MOSAIC_GPU_BACKEND,
-    )
+    except ValueError as error:
+        if plan is None:
+            raise
+        raise ValueError(f"plan.own does not fit levels.own: {error}") from error
     states.append((o.astype(jnp.float32), lse))
     return _merge_levels(states)
 
@@ -721,6 +816,7 @@ def cascade_decode_attention(
     logits_soft_cap: float | None = None,
     return_lse: bool = False,
     backend: str = "auto",
+    plan: CascadePlan | None = None,
 ):
     """Decode attention over keys split into cascade levels (shared prefixes, then own pages).
 
@@ -776,6 +872,9 @@ def cascade_decode_attention(
       logits_soft_cap: optional cap ``> 0``, a Python float (static).
       return_lse: also return the log-sum-exp.
       backend: ``"auto"``, ``"reference"``, ``"pallas"`` or ``"pallas_mgpu"`` (see above).
+      plan: the step's ``CascadePlan`` (``plan_cascade_levels``, on the host, once a step), used
+        by ``"pallas_mgpu"`` only, which then computes no tile layout, work items or own-level
+        plan on the device; other backends check its type and level count and ignore it.
 
     Returns:
       ``o`` shaped like ``q`` in q's dtype, and with ``return_lse=True`` also ``lse`` float32
@@ -783,8 +882,10 @@ def cascade_decode_attention(
       ``o = 0``, ``lse = -inf``.
 
     Raises:
-      TypeError: ``levels`` is not a ``CascadeLevels``.
-      ValueError: what ``paged.decode_attention`` refuses for ``q``, the cache and the own
+      TypeError: ``levels`` is not a ``CascadeLevels``, ``plan`` not a ``CascadePlan``.
+      ValueError: a plan for another number of levels, or (``"pallas_mgpu"``) another batch,
+        head layout or own level, naming ``plan.shared[i]`` or ``plan.own``; what
+        ``paged.decode_attention`` refuses for ``q``, the cache and the own
         level (with ``backend="pallas_mgpu"``, the shapes its kernels cannot run); invalid
         shared levels (``validate_cascade_levels``); page sizes that differ from
         the cache's; and (concrete levels) a request whose own level holds fewer than ``L``
@@ -810,6 +911,8 @@ def cascade_decode_attention(
     except ValueError as error:
         raise _renamed("levels.own", error) from error
     validate_cascade_levels(levels, cache.num_pages, batch_size=q.shape[0])
+    if plan is not None:
+        _check_cascade_plan(plan, levels)
     queries = q[:, None] if q.ndim == 3 else q  # [B, L, H, D]
     _check_new_tokens_lie_in_own_level(levels, queries.shape[1])
     if sm_scale is None:
@@ -840,7 +943,9 @@ def cascade_decode_attention(
             queries, cache, levels, sm_scale=sm_scale, logits_soft_cap=logits_soft_cap
         )
     elif mosaic_gpu:
-        o, lse = _cascade_decode_attention_mgpu(queries, cache, levels, sm_scale, logits_soft_cap)
+        o, lse = _cascade_decode_attention_mgpu(
+            queries, cache, levels, sm_scale, logits_soft_cap, plan
+        )
     else:
         o, lse = _cascade_decode_attention_per_level(
             queries, cache, levels, sm_scale, logits_soft_cap

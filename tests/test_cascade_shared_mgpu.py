@@ -511,7 +511,14 @@ def test_probe_runs_a_smoke_case(tmp_path, capsys, monkeypatch):
         and "FAILED" not in printed
     )
     rows = json.loads((tmp_path / "cascade_shared_probe.json").read_text())["rows"]
-    assert {row["arm"] for row in rows} == {"plain", "cascade:ring.smem.p2.s2"}
+    # The cascade arm runs the shared level with its host plan, the traced arm without.
+    assert {row["arm"] for row in rows} == {
+        "plain",
+        "cascade:ring.smem.p2.s2",
+        "cascade-traced:ring.smem.p2.s2",
+    }
+    traced = next(row for row in rows if row["arm"].startswith("cascade-traced:"))
+    assert traced["max_abs_diff_o"] <= cascade_shared.MAX_DIFFERENCE
     assert all(row["status"] == "ok" for row in rows) and len(timed) == 1
     with pytest.raises(ValueError, match="must read"):
         cascade_shared.main(["--smoke", "--variants", "ring.p2"])

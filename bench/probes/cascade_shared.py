@@ -16,8 +16,12 @@ attention for the batch:
   registers, 4 pages a step, 3 slots; ``emit.reg.p2.s3``: ``emit_pipeline``), plus the own
   level through ``paged.decode_attention`` (the plain arm's backend) with its plan, plus
   ``paged.merge_states`` of the two states: the cascade path as ``paged/cascade.py`` would run
-  it with this kernel wired in. ``VARIANTS`` by default; where none passes its check (the ring
+  it with this kernel wired in, the shared level with its host plan
+  (``plan_shared_level``, made once a case outside the timed loop). ``VARIANTS`` by default; where none passes its check (the ring
   has not yet run compiled), ``FALLBACK_VARIANT``, the pipeline that has.
+- ``cascade-traced:<first variant>``: the same without the host plan (the tile layout and
+  work items computed on the device in every call), so the plan's gain shows; checked
+  against plain decode as the cascade arms, not counted as one in the summary.
 - with ``--parts``, ``shared:<variant>`` and ``own``: the two halves alone, where the time goes.
 
 First every arm runs once: a cascade arm further than ``MAX_DIFFERENCE`` from the plain arm
@@ -57,7 +61,7 @@ import numpy as np
 
 import paged
 from bench.harness.timing import TimedLoop, num_rotating_sets
-from kernels_pallas.cascade_shared_mgpu import shared_level_states_mgpu
+from kernels_pallas.cascade_shared_mgpu import plan_shared_level, shared_level_states_mgpu
 from paged.cascade import (
     CascadeLevels,
     SharedLevel,
@@ -281,7 +285,23 @@ def arm_steps(case: Case, variants, interpret: bool, *, parts: bool = True) -> d
             **decode,
         )
 
-    def shared_step(set_index, operands, variant):
+    def shared_plan(variant):
+        # On the host, once a case and variant (outside the timed loop, as the plain arm's
+        # plan_decode): the offsets are the same in every set, only page numbers rotate.
+        _, shared, _ = _set_tables(case, 0, operands_of(case))
+        batch, q_len, num_q_heads, head_dim = case.queries.shape[1:]
+        return plan_shared_level(
+            shared,
+            batch=batch,
+            q_len=q_len,
+            num_q_heads=num_q_heads,
+            num_kv_heads=case.k_pages.shape[1],
+            head_dim=head_dim,
+            dtype=case.queries.dtype,
+            **variant.launch(),
+        )
+
+    def shared_step(set_index, operands, variant, plan=None):
         queries, k_pages, v_pages = operands[:3]
         _, shared, _ = _set_tables(case, set_index, operands)
         return shared_level_states_mgpu(
@@ -290,11 +310,12 @@ def arm_steps(case: Case, variants, interpret: bool, *, parts: bool = True) -> d
             shared,
             sm_scale=sm_scale,
             interpret=interpret,
+            plan=plan,
             **variant.launch(),
         )
 
-    def cascade_step(set_index, operands, variant):
-        shared_o, shared_lse = shared_step(set_index, operands, variant)
+    def cascade_step(set_index, operands, variant, plan=None):
+        shared_o, shared_lse = shared_step(set_index, operands, variant, plan)
         own_o, own_lse = own_step(set_index, operands)
         o, lse = paged.merge_states(
             jnp.stack([shared_o, own_o.astype(jnp.float32)], axis=2),
@@ -305,10 +326,14 @@ def arm_steps(case: Case, variants, interpret: bool, *, parts: bool = True) -> d
     arms = {"plain": plain_step}
     for name in variants:
         variant = Variant.parse(name)
-        arms[f"cascade:{name}"] = lambda i, ops, v=variant: cascade_step(i, ops, v)
+        plan = shared_plan(variant)
+        arms[f"cascade:{name}"] = lambda i, ops, v=variant, p=plan: cascade_step(i, ops, v, p)
     first = Variant.parse(variants[0])
+    first_plan = shared_plan(first)
+    # The tile layout and work items computed on the device in the call, as without a plan.
+    arms[f"cascade-traced:{variants[0]}"] = lambda i, ops: cascade_step(i, ops, first)
     if parts:
-        arms[f"shared:{variants[0]}"] = lambda i, ops: shared_step(i, ops, first)
+        arms[f"shared:{variants[0]}"] = lambda i, ops: shared_step(i, ops, first, first_plan)
         arms["own"] = own_step
     return arms
 
@@ -453,7 +478,7 @@ def main(argv=None) -> int:
             ok = bool(np.isfinite(o).all())
             if arm == "plain":
                 checked["plain_out"] = (o, lse)
-            elif arm.startswith("cascade:") and checked["plain_out"] is not None:
+            elif arm.startswith(("cascade:", "cascade-traced:")) and checked["plain_out"]:
                 plain_o, plain_lse = checked["plain_out"]
                 o_diff = float(np.max(np.abs(o - plain_o)))
                 lse_diff = float(np.max(np.abs(lse - plain_lse)))
