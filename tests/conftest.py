@@ -8,6 +8,8 @@
 - ``interpret``: Pallas kernels run with ``interpret=True`` on a CPU and compiled on a GPU.
 - ``verify_triton_modules``: Triton modules lowered in the test go through the MLIR verifier,
   as the GPU host's parser will.
+- CPU computations run without async dispatch (see the comment at the import; it avoids a
+  deadlock of Mosaic GPU's interpreter on a two-core machine).
 - Every test module ends with JAX's compilation caches emptied (``_release_compiled_programs``),
   so one long-lived pytest-xdist worker never holds the whole suite's compiled programs at once.
 """
@@ -21,6 +23,16 @@ import os
 import jax
 import pytest
 from hypothesis import HealthCheck, settings
+
+# CPU computations run inline on the calling thread, not dispatched to XLA's CPU worker pool.
+# Mosaic GPU's interpreter runs a kernel of several warpgroups (the MLA kernel's producer and
+# consumers) as one jitted computation a warpgroup, each from its own Python thread, meeting at
+# barriers inside host callbacks. Dispatched asynchronously, every waiting callback holds one of
+# the pool's workers (as many as cores: two in CI), and a warpgroup whose computation cannot get
+# a worker never reaches the barrier: a run on two cores stalled for good in
+# tests/test_mla_decode_entry.py (all threads' stacks, from faulthandler_timeout). Inline, each
+# warpgroup's computation waits on its own Python thread. Set before the CPU client exists.
+jax.config.update("jax_cpu_enable_async_dispatch", False)
 
 settings.register_profile(
     "ci",
