@@ -89,12 +89,15 @@ def floor_loop(setup) -> TimedLoop:
     return TimedLoop(step, setup.num_sets, (setup.queries, setup.page_indices))
 
 
-def api_call(setup, set_index, operands):
+def api_call(setup, set_index, operands, plan=None):
+    """``paged.decode_attention`` on rotating set ``set_index``; ``plan``: a host plan, or None
+    for the traced default plan built inside the call."""
     queries, k_pages, v_pages, page_indptr, page_indices, last_page_len = operands
     return paged.decode_attention(
         queries[set_index],
         paged.KVCache(k_pages, v_pages, "HND"),
         _table_of_set(page_indptr, page_indices, last_page_len, set_index, setup.page_size),
+        plan=plan,
         return_lse=True,
     )
 
@@ -142,17 +145,9 @@ def api_turn_loop(setup, plan=None) -> SetsInTurnLoop:
 def planned_api_loop(setup, plan) -> TimedLoop:
     """The decode suite's ``decodelab`` arm: the API with the step's host plan."""
 
-    def step(set_index, operands):
-        queries, k_pages, v_pages, page_indptr, page_indices, last_page_len = operands
-        return paged.decode_attention(
-            queries[set_index],
-            paged.KVCache(k_pages, v_pages, "HND"),
-            _table_of_set(page_indptr, page_indices, last_page_len, set_index, setup.page_size),
-            plan=plan,
-            return_lse=True,
-        )
-
-    return TimedLoop(step, setup.num_sets, api_operands(setup))
+    return TimedLoop(
+        lambda s, ops: api_call(setup, s, ops, plan), setup.num_sets, api_operands(setup)
+    )
 
 
 def plan_with_grid(setup, grid: int | None, smoke: bool) -> paged.DecodePlan:
