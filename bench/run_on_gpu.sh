@@ -162,6 +162,18 @@ for stage in "$@"; do
       timeout 150 python3 -m bench.probes.decode_overhead --budget-s 100 --merge folded \
           --pipelines ring.p4.s2 --out "$out/decode-overhead-folded" 2>&1 \
         | tee "$out/decode_overhead_folded.log" | grep -vE '^  B=' ;;
+    loop-overhead)  # issue 16: what the timed loop costs a call, under five ways XLA can run it:
+      # as is, 8 calls an iteration, command buffers (CUDA graphs) for the body's kernels and
+      # custom calls, the same with the whole while loop in one graph, and both with 8 calls an
+      # iteration. Small cases and one large; floor, the suite's arm, turn loop, JAX's kernel.
+      cb="--xla_gpu_graph_min_graph_size=1 --xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN"
+      for config in "base||1" "u8||8" "cb|$cb|1" "cbw|$cb,WHILE,CONDITIONAL|1" "cbw.u8|$cb,WHILE,CONDITIONAL|8"; do
+        IFS='|' read -r tag flags unroll <<< "$config"
+        XLA_FLAGS="$flags" timeout 115 python3 -m bench.probes.decode_overhead --budget-s 90 \
+            --merge separate --grids 264 --arms floor,api.planned,jax --unroll "$unroll" \
+            --cases 1x4096,4x1024,4x4096,32x4096 --tag "$tag" --out "$out/loop-overhead" 2>&1 \
+          | tee "$out/loop_overhead_$tag.log" | grep -E ' \| ' | sed "s/^/$tag | /"
+      done ;;
     mgpu-memcheck)  # issue 16: the Mosaic GPU decode kernel under compute-sanitizer, both pipelines
       XLA_PYTHON_CLIENT_ALLOCATOR=platform XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 300 \
         compute-sanitizer --tool memcheck python3 -m bench.probes.mgpu_decode --memcheck 2>&1 \
@@ -220,6 +232,15 @@ for stage in "$@"; do
       timeout 350 python3 -m bench.probes.cascade_shared --budget-s 270 --out "$out" \
           --cases 128x32768,32x4096,64x4096,128x4096,32x16384,64x16384,128x16384,32x32768,64x32768 \
           2>&1 | tee "$out/cascade_shared_probe.log" | tail -n 28 ;;
+    cascade-planned)  # issue 17: the host-planned cascade path compiled (the gpu-marked tests of
+      # the host plan, the shared-level kernel and the public path), then the probe's planned
+      # and traced arms over the crossover grid (about 5 min)
+      timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_cascade_host_plan.py \
+          tests/test_cascade_shared_mgpu.py tests/test_cascade_mgpu_path.py 2>&1 \
+        | tee "$out/gpu_cascade_planned_tests.log" | tail -n 4
+      timeout 330 python3 -m bench.probes.cascade_shared --budget-s 260 --variants ring.reg.p4.s3 \
+          --cases 128x32768,32x4096,8x4096,4x4096,128x4096,32x1024,128x1024,8x1024,32x256,128x256,16x4096,16x1024 \
+          --out "$out/cascade-planned" 2>&1 | tee "$out/cascade_planned.log" | tail -n 30 ;;
     cascade-crossover)  # issue 17: short prefixes, where cascade starts to pay (about 4 min)
       timeout 400 python3 -m bench.probes.cascade_shared --budget-s 330 \
           --cases 32x256,128x256,32x1024,128x1024,32x2048,128x2048 --out "$out/crossover" 2>&1 \

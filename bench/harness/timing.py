@@ -248,14 +248,21 @@ class TimedLoop:
         pytree of arrays.
       num_sets: the number of rotating input sets.
       operands: the arrays ``step`` reads, or None.
+      unroll: calls per iteration of the ``fori_loop`` (its ``unroll``); 1 by default. A probe
+        of the loop's own cost (``bench/probes/decode_overhead.py``) varies it.
     """
 
-    def __init__(self, step: Callable[..., Any], num_sets: int, operands: Any = None):
+    def __init__(
+        self, step: Callable[..., Any], num_sets: int, operands: Any = None, unroll: int = 1
+    ):
         if num_sets < 1:
             raise ValueError(f"num_sets must be >= 1, got {num_sets}")
+        if isinstance(unroll, bool) or not isinstance(unroll, int) or unroll < 1:
+            raise ValueError(f"unroll must be an int >= 1, got {unroll!r}")
         self.step = step
         self.num_sets = num_sets
         self.operands = operands
+        self.unroll = unroll
         self._programs: dict[int, Callable[[Any], jax.Array]] = {}
 
     def _call_step(self, set_index, operands):
@@ -274,7 +281,7 @@ class TimedLoop:
                     set_index = lax.rem(call_index, jnp.int32(num_sets))
                     return checksum + checksum_of(self._call_step(set_index, operands))
 
-                return lax.fori_loop(0, iters, body, jnp.float32(0))
+                return lax.fori_loop(0, iters, body, jnp.float32(0), unroll=self.unroll)
 
             self._programs[iters] = jax.jit(loop_program)
         return self._programs[iters]

@@ -34,6 +34,16 @@ kernel name), and the device span a call (first kernel start to last kernel end 
 program, divided by the calls). Busy time against span is what launches and the gaps between
 kernels cost; span against the ``api`` figure is what the host-clocked loop adds.
 
+- ``jax``: JAX's Pallas ``paged_attention`` (the decode suite's peer) at the ``k_splits`` the
+  decode report found fastest for the case (``JAX_K_SPLITS``), to see whether what the loop
+  costs our arms costs the peer the same.
+
+What the loop itself costs is a property of how XLA runs it, not of any kernel: ``--unroll N``
+puts N calls in each iteration of the ``fori_loop``, and ``bench/run_on_gpu.sh
+loop-overhead`` runs the probe again under other ``XLA_FLAGS`` (command buffers, that is CUDA
+graphs, for the loop's body or the whole loop); every row records the flags and the unroll.
+``--arms floor,api.planned,...`` keeps only the arms whose name starts with one of those.
+
 Usage (GPU): ``PYTHONPATH=. python3 -m bench.probes.decode_overhead --out DIR [--trace]``
 (``--cases 1x4096,4x1024``, ``--grids 264``, ``--pipelines ring.p4.s2`` for a part; no arm
 starts after ``--budget-s``). ``--merge separate`` leaves out the folded arms, ``--merge folded`` runs only them: the
@@ -46,6 +56,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
 import time
 import traceback
@@ -57,7 +68,9 @@ import numpy as np
 import paged
 from bench.harness.attention_inputs import make_attention_setup
 from bench.harness.device_trace import trace_device_time
+from bench.harness.options import RunOptions
 from bench.harness.timing import SetsInTurnLoop, TimedLoop
+from bench.suites import peers
 from bench.suites.decode import _mgpu_kernel, _operands, _table_of_set, kernel_loop
 from kernels_pallas.paged_decode_mgpu import smem_bytes_per_program
 
@@ -67,6 +80,18 @@ GRIDS = (132, 264, 528)
 PIPELINES = ("ring.p4.s2", "ring.p4.s4")  # the default, and twice the pages in flight
 MAX_DIFFERENCE = 5e-2  # of o against the api arm (bfloat16 outputs of order 1)
 TRACE_CALLS = 64
+# JAX's Pallas paged_attention: the k_splits the decode report of 2026-12-02 found fastest.
+JAX_K_SPLITS = {1: 32, 4: 8}
+
+
+def jax_peer_loop(setup, interpret: bool) -> TimedLoop:
+    """The decode suite's ``jax_pallas_paged_attention`` arm at ``JAX_K_SPLITS``."""
+    scaled = (setup.queries * setup.sm_scale).astype(setup.queries.dtype)
+    k_splits = JAX_K_SPLITS.get(setup.queries.shape[-3], 1)
+    k_splits = max(1, min(k_splits, setup.pages_per_sequence))
+    options = RunOptions(dry_run=interpret)
+    loop, _ = peers._jax_pallas_loop(setup, scaled, k_splits, options)
+    return loop
 
 
 def parse_pipeline(name: str) -> dict:
@@ -202,7 +227,14 @@ def main(argv=None) -> int:
         "and a fault poisons the process's CUDA context, so run it in a process of its own",
     )
     parser.add_argument("--smoke", action="store_true", help="tiny interpreted case (CPU)")
+    parser.add_argument("--unroll", type=int, default=1, help="calls per fori_loop iteration")
+    parser.add_argument("--arms", default=None, help="comma-separated arm-name prefixes")
+    parser.add_argument("--tag", default="", help="suffix of the JSON file's name")
     args = parser.parse_args(argv)
+    if args.unroll < 1:
+        parser.error(f"--unroll must be >= 1, got {args.unroll}")
+    wanted = tuple(args.arms.split(",")) if args.arms else None
+    config = dict(xla_flags=os.environ.get("XLA_FLAGS", ""), unroll=args.unroll)
 
     smoke = args.smoke
     interpret = smoke or jax.default_backend() != "gpu"
@@ -226,10 +258,16 @@ def main(argv=None) -> int:
 
     def write():
         if out:
-            (out / "decode_overhead_probe.json").write_text(json.dumps(rows, indent=1))
+            name = f"decode_overhead_probe{'-' + args.tag if args.tag else ''}.json"
+            (out / name).write_text(json.dumps(rows, indent=1))
 
     for batch, context in cases:
-        setup = make_attention_setup(batch, context, num_sets=2 if smoke else None)
+        setup = make_attention_setup(
+            batch,
+            context,
+            num_sets=2 if smoke else None,
+            layouts=("HND", peers.PEER_ATTENTION_LAYOUT),
+        )
         case = f"B={batch} ctx={context}"
         mbytes = setup.kv_bytes_per_set / 1e6
         reference_o = np.asarray(
@@ -248,6 +286,7 @@ def main(argv=None) -> int:
             host_plan = plan_with_grid(setup, None, smoke)
             arms.append(("api.planned", planned_api_loop(setup, host_plan), True, {}))
             arms.append(("api.planned.turn", api_turn_loop(setup, host_plan), True, {}))
+            arms.append(("jax", jax_peer_loop(setup, interpret), False, {}))
         for grid in grids:
             plan = plan_with_grid(setup, grid, smoke)
             info = dict(
@@ -307,8 +346,12 @@ def main(argv=None) -> int:
                             info_p,
                         )
                     )
-        for arm, loop, check, info in filter(None, arms):
-            row = dict(case=case, arm=arm, mb=round(mbytes, 2), **info)
+        arms = [a for a in arms if a and (wanted is None or a[0].startswith(wanted))]
+        for _, loop, _, _ in arms:
+            if not isinstance(loop, SetsInTurnLoop):
+                loop.unroll = args.unroll  # a turn loop already holds one call a set
+        for arm, loop, check, info in arms:
+            row = dict(case=case, arm=arm, mb=round(mbytes, 2), **info, **config)
             if time.perf_counter() - started > args.budget_s:
                 row["skipped"] = "budget"
                 rows.append(row)
