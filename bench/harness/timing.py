@@ -41,13 +41,27 @@ MAX_CALLS_PER_PROGRAM = 1 << 20
 # minutes. Only sets under ~2 MB need more (batch-1 sampling: 0.5 MB a set), and for those the
 # L2 may hold a set between visits: the report says so (``bytes_between_visits``).
 MAX_UNROLLED_SETS = 32
+# Calls of the thing under test in each iteration of a timed ``fori_loop`` on a GPU. Measured on
+# the H200 (``docs/benchmark_results/archive/2026-12-03-loop-overhead-probe.md``): an iteration
+# of XLA's while loop costs about 13 to 15 us whatever its body holds, so with one call an
+# iteration a loop around nothing but the call's slicing and checksum took 14 to 19 us a call,
+# more than a 16 MiB decode kernel; eight calls an iteration bring that to 1.5 to 3.4 us, and
+# every arm, ours and the peers', gains the same few microseconds. On a CPU the loop's cost is
+# not what is measured and each unrolled call of an interpreted kernel is traced again, so 1.
+GPU_LOOP_UNROLL = 8
+
+
+def default_unroll() -> int:
+    """Calls an iteration of a timed loop: ``GPU_LOOP_UNROLL`` on a GPU, else 1."""
+    return GPU_LOOP_UNROLL if jax.default_backend() == "gpu" else 1
 
 
 def timing_method_description(repeats: int = DEFAULT_REPEATS) -> str:
     """The sentence every report states about how its figures were timed."""
     return (
         "dispatch amortized: N calls in one jitted lax.fori_loop over rotating input sets "
-        "(cold L2; N per case in `iters`), each result folded into a carried float32 checksum, "
+        f"(cold L2; N per case in `iters`; {GPU_LOOP_UNROLL} calls an iteration on a GPU, so the "
+        "while loop's own cost of about 14 us an iteration is spread over them), each result folded into a carried float32 checksum, "
         f"host clock (time.perf_counter) around the program, median of {repeats} repeats; "
         "PyTorch arms: N calls captured in one CUDA graph, CUDA events around the replays, "
         f"median of {repeats} repeats"
@@ -248,15 +262,22 @@ class TimedLoop:
         pytree of arrays.
       num_sets: the number of rotating input sets.
       operands: the arrays ``step`` reads, or None.
-      unroll: calls per iteration of the ``fori_loop`` (its ``unroll``); 1 by default. A probe
-        of the loop's own cost (``bench/probes/decode_overhead.py``) varies it.
+      unroll: calls per iteration of the ``fori_loop`` (its ``unroll``); None for
+        ``default_unroll()`` (8 on a GPU, 1 elsewhere). A probe of the loop's own cost
+        (``bench/probes/decode_overhead.py``) varies it.
     """
 
     def __init__(
-        self, step: Callable[..., Any], num_sets: int, operands: Any = None, unroll: int = 1
+        self,
+        step: Callable[..., Any],
+        num_sets: int,
+        operands: Any = None,
+        unroll: int | None = None,
     ):
         if num_sets < 1:
             raise ValueError(f"num_sets must be >= 1, got {num_sets}")
+        if unroll is None:
+            unroll = default_unroll()
         if isinstance(unroll, bool) or not isinstance(unroll, int) or unroll < 1:
             raise ValueError(f"unroll must be an int >= 1, got {unroll!r}")
         self.step = step

@@ -227,11 +227,13 @@ def main(argv=None) -> int:
         "and a fault poisons the process's CUDA context, so run it in a process of its own",
     )
     parser.add_argument("--smoke", action="store_true", help="tiny interpreted case (CPU)")
-    parser.add_argument("--unroll", type=int, default=1, help="calls per fori_loop iteration")
+    parser.add_argument(
+        "--unroll", type=int, default=None, help="calls a fori_loop iteration (default: harness)"
+    )
     parser.add_argument("--arms", default=None, help="comma-separated arm-name prefixes")
     parser.add_argument("--tag", default="", help="suffix of the JSON file's name")
     args = parser.parse_args(argv)
-    if args.unroll < 1:
+    if args.unroll is not None and args.unroll < 1:
         parser.error(f"--unroll must be >= 1, got {args.unroll}")
     wanted = tuple(args.arms.split(",")) if args.arms else None
     config = dict(xla_flags=os.environ.get("XLA_FLAGS", ""), unroll=args.unroll)
@@ -348,7 +350,7 @@ def main(argv=None) -> int:
                     )
         arms = [a for a in arms if a and (wanted is None or a[0].startswith(wanted))]
         for _, loop, _, _ in arms:
-            if not isinstance(loop, SetsInTurnLoop):
+            if args.unroll is not None and not isinstance(loop, SetsInTurnLoop):
                 loop.unroll = args.unroll  # a turn loop already holds one call a set
         for arm, loop, check, info in arms:
             row = dict(case=case, arm=arm, mb=round(mbytes, 2), **info, **config)
