@@ -6,7 +6,7 @@ each program again (``jax.eval_shape``, no compilation) under ``platform.record_
 reports what each op's calls chose: the Pallas kernels (by name) or the pure-JAX reference.
 A decode step that ran cascade attention (``serving/cascade_step.py``) is reported apart: its
 attention under ``"decode: cascade attention"``, and ``"decode: cascade"`` says in how many
-decode steps cascade ran, with which groups, or why it did not.
+decode steps cascade ran and with which groups (both absent if it never ran).
 """
 
 from __future__ import annotations

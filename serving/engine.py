@@ -739,12 +739,14 @@ class Engine:
 
         Returns:
           ``{"<program>: <op>": "pallas: <kernel names>" | "reference"}``; empty before the
-          first step. After a decode step, ``"decode: cascade"`` says in how many decode steps
-          cascade ran (``CascadeStats.describe``), and once it ran, ``"decode: cascade
-          attention"`` what its attention ran (``"decode: attention"`` is plain steps').
+          first step. Once cascade ran, ``"decode: cascade"`` says in how many decode steps
+          and with which groups (``CascadeStats.describe``) and ``"decode: cascade attention"``
+          what its attention ran (``"decode: attention"`` is plain steps'); absent while it
+          has not (why not: ``cascade_report().last_reason``), so a plain run's report, the
+          kill switch's included, is what it was.
         """
         stats = self._cascade_stats
-        cascade = stats.describe() if stats.decode_steps else None
+        cascade = stats.describe() if stats.cascade_steps else None
         return backend_report(self._traced, self.num_speculative, cascade=cascade)
 
     def cascade_report(self) -> cascade_step.CascadeStats:
