@@ -28,9 +28,10 @@ Which attention runs a cascaded step (``cascade_attention_backend``): on a GPU u
 engine's ``backend="auto"``, the Mosaic GPU path (``backend="pallas_mgpu"``: a group's pages read
 once per 64-row query tile) where its kernels take the shapes (``paged.decode.
 mgpu_kernel_supports``: bfloat16 or float16, HND pages of 16, ``head_dim`` 64 or 128); this is
-the path the crossover was measured on. Elsewhere the engine's backend as it is: on a CPU the
-reference (each level by the reference, merged exactly), with ``backend="pallas"`` the
-per-level Triton path.
+the path the crossover was measured on, and as it was measured: without the host plan
+(``paged.plan_cascade_levels``), the tiles and work items computed in the program. Elsewhere the
+engine's backend as it is: on a CPU the reference (each level by the reference, merged
+exactly), with ``backend="pallas"`` the per-level Triton path.
 """
 
 from __future__ import annotations

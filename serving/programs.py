@@ -8,8 +8,9 @@ small batch, so a step is never a chain of small calls. The decode program holds
 the ``n + 1`` draft passes, the target's verification of ``n + 1`` positions, the sampling and
 the acceptance test. Its shapes are static: ``B = parallel`` rows always (idle slots are phantom
 rows on the scheduler's padding page), ``page_indices`` padded to ``paged.bucket_size``, so it
-compiles once per bucket (and per split-KV plan variant on the Pallas path, ``paged.plan``),
-never per sequence length. Prefill chunks have power-of-two lengths (the scheduler's rule), one
+compiles once per bucket (and per split-KV plan variant on the Pallas path, ``paged.plan``;
+and once more for a step with cascade levels, whose shapes the bucket fixes too:
+``serving/cascade_step.py``), never per sequence length or group layout. Prefill chunks have power-of-two lengths (the scheduler's rule), one
 program per length and table bucket. The step's host arrays (tokens, keys, sampling parameters,
 page tables, plans) travel as one int32 buffer (``serving/host_inputs.py``): one
 host-to-device copy a step, not one an array.
