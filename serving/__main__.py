@@ -24,6 +24,9 @@ from kernels_pallas.platform import BACKENDS
 from paged.decode import MAX_KERNEL_Q_LEN
 from serving.step_decision import DEFAULT_PREFILL_GRANT_INTERVAL
 
+# serving.cascade_step.CASCADE_MODES, repeated for the same reason (tests/test_serving_cli.py
+# checks the two agree).
+CASCADE_MODES = ("auto", "on", "off")
 # Engine's MAX_STEPS_PER_PROGRAM, repeated: importing the engine here would load JAX's model
 # code for --help (tests/test_serving_cli.py checks the two agree).
 MAX_STEPS_PER_PROGRAM = 32
@@ -187,6 +190,17 @@ def build_parser() -> argparse.ArgumentParser:
         "same output; speculative decoding runs one step a program (default: %(default)s)",
     )
     generate.add_argument("--backend", default="auto", choices=BACKENDS, help=BACKEND_HELP)
+    generate.add_argument(
+        "--cascade",
+        default="auto",
+        choices=CASCADE_MODES,
+        help="cascade attention for requests sharing a prompt's pages (--num-samples): each "
+        "shared page read once per group rather than once per request, the same output; auto "
+        "only where measured to pay on the H200 (16 or more requests sharing 4096 tokens or "
+        "more), on for every group of two or more sharing a full page, off never; "
+        "DECODELAB_BACKEND=reference turns it off; --stats says when it ran "
+        "(default: %(default)s)",
+    )
     generate.add_argument(
         "--stats",
         action="store_true",
@@ -439,6 +453,7 @@ def run_generate(args: argparse.Namespace) -> int:
         prefill_grant_interval=args.prefill_grant_interval,
         overlap=not args.no_overlap,
         max_steps_per_program=args.steps_per_program,
+        cascade=args.cascade,
     )
     progress = GenerationProgress(engine, total_tokens=args.max_tokens * len(requests))
     steps = []
@@ -468,6 +483,7 @@ def run_generate(args: argparse.Namespace) -> int:
             f"{engine.scheduler.stats['shared_prefix_pages']}",
             file=sys.stderr,
         )
+        print(f"decode attention: {engine.cascade_report().describe()}", file=sys.stderr)
     return 0
 
 

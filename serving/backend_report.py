@@ -4,6 +4,9 @@
 choosing when traced (``kernels_pallas.platform.choose_backend``). ``backend_report`` traces
 each program again (``jax.eval_shape``, no compilation) under ``platform.record_backends`` and
 reports what each op's calls chose: the Pallas kernels (by name) or the pure-JAX reference.
+A decode step that ran cascade attention (``serving/cascade_step.py``) is reported apart: its
+attention under ``"decode: cascade attention"``, and ``"decode: cascade"`` says in how many
+decode steps cascade ran and with which groups (both absent if it never ran).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from serving.programs import decode_step, prefill_step
 # ``kernels_pallas.platform.choose_backend``).
 OP_OF_OPERATION = {
     "decode_attention": "attention",
+    "cascade_decode_attention": "attention",
     "rope_append_kv": "rope + kv append",
     "rmsnorm": "rmsnorm",
     "fused_add_rmsnorm": "rmsnorm",
@@ -43,13 +47,18 @@ def implementation_of(records) -> str:
     return implementation
 
 
-def backend_report(traced: dict[str, tuple], num_speculative: int) -> dict[str, str]:
+def backend_report(
+    traced: dict[str, tuple], num_speculative: int, *, cascade: str | None = None
+) -> dict[str, str]:
     """Which implementation ran each op of the programs in ``traced``, as each op chose it.
 
     Args:
-      traced: ``{"decode" | "prefill L=<length>": (kind, abstract args, static arguments)}``,
-        each program's inputs as it last ran (``Engine`` keeps them).
+      traced: ``{"decode" | "decode cascade" | "prefill L=<length>": (kind, abstract args,
+        static arguments)}``, each program's inputs as it last ran (``Engine`` keeps them);
+        kind ``"decode_cascade"`` is a decode step whose inputs hold cascade levels, of which
+        only the attention is reported (its other ops are the plain step's).
       num_speculative: the engine's ``n`` (0: plain decoding).
+      cascade: the ``"decode: cascade"`` line (``CascadeStats.describe``), or None for none.
 
     Returns:
       ``{"<program>: <op>": "pallas: <kernel names>" | "reference"}`` for the programs
@@ -57,14 +66,21 @@ def backend_report(traced: dict[str, tuple], num_speculative: int) -> dict[str, 
       ``attention``, then ``sampling`` (plain decoding) or ``draft sampling``, ``target
       distribution`` and ``speculative acceptance`` (``implementation_of``). Where prefill
       chunks of different lengths ran different implementations, each is followed by its
-      lengths: ``"... (L=1,2,4)"``. Empty for no programs.
+      lengths: ``"... (L=1,2,4)"``. Empty for no programs. With a cascaded step, also
+      ``"decode: cascade attention"``; with ``cascade``, ``"decode: cascade"``.
     """
     model_ops = ["rmsnorm", "rope + kv append", "attention"]
     found: dict[str, dict[str, list[str]]] = {}  # "<program>: <op>" -> implementation -> L
     for program, (kind, args, static) in sorted(traced.items()):
-        function = decode_step if kind == "decode" else prefill_step
+        function = prefill_step if kind == "prefill" else decode_step
         with record_backends() as records:
             jax.eval_shape(lambda *a, f=function, s=static: f(*a, **s), *args)
+        if kind == "decode_cascade":
+            # The cascade attention's own choice, then the decode_attention calls it makes
+            # (per level, or for the own level beside the Mosaic GPU shared-level kernel).
+            attention = [r for r in records if OP_OF_OPERATION[r.operation] == "attention"]
+            found["decode: cascade attention"] = {implementation_of(attention): [program]}
+            continue
         ops = dict.fromkeys(model_ops, "")
         if kind == "decode" and num_speculative:
             # The draft's samplers are the step's only samplers: the target's p comes from
@@ -89,4 +105,6 @@ def backend_report(traced: dict[str, tuple], num_speculative: int) -> dict[str, 
                 f"{implementation} (L={','.join(sorted(lengths, key=int))})"
                 for implementation, lengths in implementations.items()
             )
+    if cascade is not None:
+        report["decode: cascade"] = cascade
     return report

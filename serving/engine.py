@@ -56,17 +56,37 @@ The price is paid by arrivals and by time measurements:
   streaming client sees; the median gap is then 0 for ``K >= 3``, and the mean is the useful
   figure). ``StepStats`` describes a program: ``num_decode_steps`` says how many steps.
 
+Requests sharing a prompt: cascade attention (``cascade="auto" | "on" | "off"``)
+-------------------------------------------------------------------------------
+The scheduler's prefix sharing gives every request admitted with a common prompt the same
+physical pages for the prompt's full pages. Before each decode program the engine looks for
+them in the step's host table (``serving/cascade_step.py``: ``paged.plan_cascade``): running
+requests whose rows start with the same page numbers form a group, its shared prefix the whole
+pages all of them list (a prompt ending mid-page leaves its last, partly filled page to each
+request's own level). Where a group is worth it (``"auto"``: the crossover measured on the H200,
+``paged.CASCADE_CROSSOVER``, 16 requests sharing 256 pages, on the Mosaic GPU path it was
+measured on; ``"on"``: any group of two sharing a page), the program's attention runs
+``paged.cascade_decode_attention`` over two levels, the group's pages read once per group and
+each row's own pages once per row, merged exactly; otherwise plain decode. The levels are
+inputs of fixed shapes (``B // 2`` group rows, the table's bucket of page indices), so the
+decode program stays one jitted program: a table bucket compiles a plain and at most one
+cascade variant. Speculative verification steps attend through the levels too (``q_len = n +
+1``); the draft's passes stay plain. ``DECODELAB_BACKEND=reference`` turns cascade off.
+``cascade_report()`` counts what it did; ``backend_report()`` says when it ran.
+
 Where each part lives:
 
 - ``serving/programs.py``: the jitted decode and prefill programs, and how they sample;
 - ``serving/keys.py``: each request's key and each step's stream;
 - ``serving/step_stats.py``: what a step reports (``StepOutput``, ``StepStats``), acceptance
   counts and request timings;
-- ``serving/backend_report.py``: which backend each op of the programs ran.
+- ``serving/backend_report.py``: which backend each op of the programs ran;
+- ``serving/cascade_step.py``: which requests a decode program groups, and when it cascades.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections.abc import Callable, Hashable, Iterable
@@ -76,8 +96,9 @@ import numpy as np
 
 import paged
 from kernels_pallas.platform import BACKENDS, resolve_backend
+from paged.cascade_plan import CASCADE_CROSSOVER, CascadeCrossover
 from paged.decode import MAX_KERNEL_Q_LEN
-from serving import host_inputs, programs
+from serving import cascade_step, host_inputs, programs
 from serving import model as model_lib
 from serving.backend_report import backend_report
 from serving.config import ModelConfig
@@ -136,12 +157,22 @@ class Engine:
         docstring; a speculative engine runs single steps whatever this says). Outputs are
         the same for every ``K``; each ``K`` used compiles its own program. 1 (the default):
         one program a step.
+      cascade: ``"auto"``, ``"on"`` or ``"off"``: whether running requests that share leading
+        pages (a common prompt) attend to them as a group, each shared page read once per
+        group (module docstring, ``serving/cascade_step.py``). ``"auto"`` only for groups
+        ``cascade_crossover`` admits; ``"on"`` for every group of two or more sharing a whole
+        page. ``DECODELAB_BACKEND=reference`` turns it off. Outputs are the same either way
+        (within float rounding: the levels' states are merged exactly).
+      cascade_crossover: which groups ``"auto"`` cascades (default the measured
+        ``paged.CASCADE_CROSSOVER``; None: none).
 
     Raises:
       ValueError: naming the argument and the bad value (models that are not pairs, params
         unlike their config, a draft missing or of another vocabulary, ``num_speculative``
         outside ``[0, 15]``, an unknown backend or layout, ``max_steps_per_program`` not a power
-        of two in range, and whatever ``Scheduler`` refuses).
+        of two in range, a ``cascade`` mode not in ``("auto", "on", "off")`` or a
+        ``cascade_crossover`` that is not a ``paged.CascadeCrossover``, and whatever
+        ``Scheduler`` refuses).
 
     Example:
       >>> from serving.config import TINY_DRAFT
@@ -174,6 +205,8 @@ class Engine:
         seed: int = 0,
         overlap: bool = True,
         max_steps_per_program: int = 1,
+        cascade: str = "auto",
+        cascade_crossover: CascadeCrossover | None = CASCADE_CROSSOVER,
     ):
         self.target_config, self.target_params = _check_model("target", target)
         if isinstance(num_speculative, bool) or not isinstance(num_speculative, int):
@@ -213,6 +246,10 @@ class Engine:
                 f"max_steps_per_program must be a power of two in [1, {MAX_STEPS_PER_PROGRAM}], "
                 f"got {max_steps_per_program!r}"
             )
+        cascade_step.check_cascade_arguments(cascade, cascade_crossover)
+        self.cascade = cascade
+        self.cascade_crossover = cascade_crossover
+        self._cascade_stats = cascade_step.CascadeStats(cascade)
         # Speculative rows emit a varying number of tokens a step: one step a program.
         self.max_steps_per_program = 1 if num_speculative else steps
         self.backend = backend
@@ -255,6 +292,17 @@ class Engine:
         # (int32[B, 1]), which the next step's rows read there.
         self._in_flight: tuple[Step, jax.Array, int, jax.Array] | None = None
         self._no_previous_tokens = None  # int32[B, 1] zeros on the device, made once
+        # The target's decode queries and one layer's pool, abstract: what the cascade attention
+        # backend is chosen from on the host (cascade_step.cascade_attention_backend).
+        config = self.target_config
+        q_len = num_speculative + 1
+        self._abstract_query = jax.ShapeDtypeStruct(
+            (self.parallel, config.num_q_heads, config.head_dim)
+            if q_len == 1
+            else (self.parallel, q_len, config.num_q_heads, config.head_dim),
+            config.jnp_dtype,
+        )
+        self._abstract_cache = programs.abstract(self.target_caches[0])
 
     # --- requests --------------------------------------------------------------------------
 
@@ -456,11 +504,17 @@ class Engine:
         )
         # backend_report traces one step: a block's body is that step (its first step's table).
         first = inputs if num_steps == 1 else programs.first_step(inputs)
-        self._traced["decode"] = (
-            "decode",
-            self._abstract_args((*args, first)),
-            static | dict(num_speculative=self.num_speculative),
-        )
+        static_step = static | dict(num_speculative=self.num_speculative)
+        # "decode": what a plain step runs (a cascaded step's other ops are the same);
+        # "decode cascade": what the last cascaded step's attention ran.
+        plain = first._replace(cascade=None)
+        self._traced["decode"] = ("decode", self._abstract_args((*args, plain)), static_step)
+        if first.cascade is not None:
+            self._traced["decode cascade"] = (
+                "decode_cascade",
+                self._abstract_args((*args, first)),
+                static_step,
+            )
         # One host-to-device copy for all the step's host arrays (serving/host_inputs.py).
         packed, packing = host_inputs.pack(inputs)
         extra = () if previous is None else (previous,)
@@ -538,19 +592,29 @@ class Engine:
         plan, draft_plans = None, (None,) * len(draft_tables)
         pallas = resolve_backend(self.backend) == "pallas"
         num_steps = batch.num_steps
+        tables = batch.step_page_tables if num_steps > 1 else (table,)
+        levels, reason = self._cascade_levels(tables, batch.active)
+        # A cascaded step attends through its levels: the whole table needs no split-KV plan.
+        plan_target = pallas and levels is None
+        cascade = None
         if num_steps > 1:
-            tables = batch.step_page_tables
-            plans = _plan_tables(tables, self.target_config) if pallas else (None,) * num_steps
+            plans = _plan_tables(tables, self.target_config) if plan_target else (None,) * num_steps
             num_steps = _steps_of_one_variant(plans)
             if num_steps > 1:
                 table, plan = programs.stack_steps(tables[:num_steps], plans[:num_steps])
+                if levels is not None:
+                    cascade = cascade_step.stack_levels(levels[:num_steps])
             else:
                 table, plan = tables[0], plans[0]
-        elif pallas:
-            # FlashInfer's plan/run split: plan once on the host, every layer reuses it.
-            (plan,) = _plan_tables([table], self.target_config)
-            if draft_tables:  # speculating: the draft model's n + 1 tables
+                cascade = None if levels is None else levels[0]
+        else:
+            if plan_target:
+                # FlashInfer's plan/run split: plan once on the host, every layer reuses it.
+                (plan,) = _plan_tables([table], self.target_config)
+            if pallas and draft_tables:  # speculating: the draft model's n + 1 tables
                 draft_plans = _plan_tables(draft_tables, self.draft_config)
+            cascade = None if levels is None else levels[0]
+        self._cascade_stats.record(num_steps, None if levels is None else levels[0], reason)
         return programs.DecodeInputs(
             token_ids=batch.token_ids,
             key_data=key_data,
@@ -563,7 +627,31 @@ class Engine:
             draft_page_tables=draft_tables,
             plan=plan,
             draft_plans=draft_plans,
+            cascade=cascade,
         )
+
+    def _cascade_levels(self, tables, active) -> tuple[list | None, str | None]:
+        """The cascade levels of each step of a decode program (``tables``, host), or None;
+        and why not (None when cascaded)."""
+        attention = self.backend
+        if self.cascade == "auto":  # only "auto" asks whether the attention could pay
+            attention = cascade_step.cascade_attention_backend(
+                self.backend, self._abstract_query, self._abstract_cache
+            )
+        crossover, reason = cascade_step.step_crossover(
+            self.cascade, self.cascade_crossover, attention
+        )
+        if crossover is None:
+            return None, reason
+        levels = cascade_step.plan_step_levels(
+            tables, active, crossover, q_len=self.num_speculative + 1
+        )
+        if levels is None:
+            return None, (
+                f"no group of {crossover.min_group_size} or more requests sharing "
+                f"{crossover.min_prefix_pages} or more whole pages"
+            )
+        return levels, None
 
     def _run_decode(self, inputs: programs.DecodeInputs, num_steps: int) -> programs.DecodeResult:
         args = (self.target_params, self.draft_params, self.target_caches, self.draft_caches)
@@ -651,9 +739,21 @@ class Engine:
 
         Returns:
           ``{"<program>: <op>": "pallas: <kernel names>" | "reference"}``; empty before the
-          first step.
+          first step. Once cascade ran, ``"decode: cascade"`` says in how many decode steps
+          and with which groups (``CascadeStats.describe``) and ``"decode: cascade attention"``
+          what its attention ran (``"decode: attention"`` is plain steps'); absent while it
+          has not (why not: ``cascade_report().last_reason``), so a plain run's report, the
+          kill switch's included, is what it was.
         """
-        return backend_report(self._traced, self.num_speculative)
+        stats = self._cascade_stats
+        cascade = stats.describe() if stats.cascade_steps else None
+        return backend_report(self._traced, self.num_speculative, cascade=cascade)
+
+    def cascade_report(self) -> cascade_step.CascadeStats:
+        """What cascade attention did so far (a copy): decode steps with cascade, groups,
+        requests covered, shared pages read once a group, page reads saved
+        (``serving.cascade_step.CascadeStats``)."""
+        return dataclasses.replace(self._cascade_stats)
 
 
 def _steps_of_one_variant(plans) -> int:

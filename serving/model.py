@@ -42,6 +42,7 @@ import numpy as np
 
 import paged
 from kernels_pallas.platform import is_concrete
+from serving.cascade_step import cascade_attention_backend
 from serving.config import ModelConfig
 from serving.layers import fused_add_rmsnorm, rmsnorm
 
@@ -374,6 +375,7 @@ def forward_paged(
     *,
     plan: paged.DecodePlan | None = None,
     backend: str = "auto",
+    cascade: paged.CascadeLevels | None = None,
 ) -> tuple[jax.Array, list[paged.KVCache]]:
     """Runs ``L`` new tokens per request through the model over the paged KV cache.
 
@@ -394,6 +396,11 @@ def forward_paged(
       plan: the step's ``paged.plan_decode`` plan, shared by every layer (Pallas attention).
       backend: ``"auto"``, ``"reference"`` or ``"pallas"``, passed to every op (norms, RoPE +
         append, attention).
+      cascade: the step's ``paged.CascadeLevels`` over ``page_table``'s rows (the engine's
+        ``serving/cascade_step.py``), or None. Given, every layer attends through
+        ``paged.cascade_decode_attention`` (a group's shared pages as one level, each row's own
+        pages as another, merged exactly; its backend ``cascade_attention_backend``'s) and
+        ``plan`` is not used; the keys and values are still written through ``page_table``.
 
     Returns:
       ``(logits, caches)``: float32 ``[B, L, V]``, and the caches with the new keys and values.
@@ -445,7 +452,15 @@ def forward_paged(
         new_caches_list.append(cache)
         # One new token keeps decode's [B, H, D] query (the single-token kernel path).
         q_rotated = q_rotated.reshape(q.shape if length > 1 else (batch, *q.shape[2:]))
-        o = paged.decode_attention(q_rotated, cache, page_table, plan=plan, backend=backend)
+        if cascade is None:
+            o = paged.decode_attention(q_rotated, cache, page_table, plan=plan, backend=backend)
+        else:
+            o = paged.cascade_decode_attention(
+                q_rotated,
+                cache,
+                cascade,
+                backend=cascade_attention_backend(backend, q_rotated, cache),
+            )
         return o.reshape(q.shape)
 
     logits = _decoder(params, config, tokens, attention, backend)

@@ -8,8 +8,9 @@ small batch, so a step is never a chain of small calls. The decode program holds
 the ``n + 1`` draft passes, the target's verification of ``n + 1`` positions, the sampling and
 the acceptance test. Its shapes are static: ``B = parallel`` rows always (idle slots are phantom
 rows on the scheduler's padding page), ``page_indices`` padded to ``paged.bucket_size``, so it
-compiles once per bucket (and per split-KV plan variant on the Pallas path, ``paged.plan``),
-never per sequence length. Prefill chunks have power-of-two lengths (the scheduler's rule), one
+compiles once per bucket (and per split-KV plan variant on the Pallas path, ``paged.plan``;
+and once more for a step with cascade levels, whose shapes the bucket fixes too:
+``serving/cascade_step.py``), never per sequence length or group layout. Prefill chunks have power-of-two lengths (the scheduler's rule), one
 program per length and table bucket. The step's host arrays (tokens, keys, sampling parameters,
 page tables, plans) travel as one int32 buffer (``serving/host_inputs.py``): one
 host-to-device copy a step, not one an array.
@@ -72,7 +73,12 @@ class DecodeInputs(NamedTuple):
       page_table: the target's table, rows covering ``positions + n + 1`` tokens.
       draft_page_tables: ``n + 1`` tables, draft pass ``j``'s rows covering ``positions + j +
         1`` tokens (empty without speculation).
-      plan, draft_plans: split-KV plans for the Pallas attention (None on the reference).
+      plan, draft_plans: split-KV plans for the Pallas attention (None on the reference, and
+        ``plan`` None on a cascaded step).
+      cascade: the target's ``paged.CascadeLevels`` over ``page_table`` (requests sharing
+        leading pages attend to them as one group: ``serving/cascade_step.py``), or None for
+        plain decode. Its shapes are fixed by ``B`` and the table's bucket, so a bucket compiles
+        one plain and at most one cascade program. The draft passes always decode plainly.
     """
 
     token_ids: jax.Array
@@ -86,6 +92,7 @@ class DecodeInputs(NamedTuple):
     draft_page_tables: tuple[paged.PageTable, ...]
     plan: paged.DecodePlan | None
     draft_plans: tuple[paged.DecodePlan | None, ...]
+    cascade: paged.CascadeLevels | None = None
 
 
 class DecodeResult(NamedTuple):
@@ -168,6 +175,7 @@ def decode_step(
             inputs.page_table,
             plan=inputs.plan,
             backend=backend,
+            cascade=inputs.cascade,
         )
         tokens = sampling.filtered_sample(
             keys,
@@ -209,6 +217,7 @@ def decode_step(
         inputs.page_table,
         plan=inputs.plan,
         backend=backend,
+        cascade=inputs.cascade,
     )
     target_probs = speculative.sampling_distribution(target_logits, **row_params)  # [B, n+1, V]
     token_ids, num_accepted = speculative.chain_speculative_sampling(
@@ -240,8 +249,9 @@ def decode_steps(
     Args:
       target_params, draft_params, target_caches, draft_caches: as ``decode_step`` (plain
         decoding: the draft's are passed through untouched).
-      inputs: ``DecodeInputs`` whose ``page_table`` and ``plan`` leaves have a leading ``[K]``
-        axis (step ``k``'s table and plan: ``stack_steps``); the rest as for one step, step 0's.
+      inputs: ``DecodeInputs`` whose ``page_table``, ``plan`` and ``cascade`` leaves have a
+        leading ``[K]`` axis (step ``k``'s table and plan: ``stack_steps``; its cascade levels:
+        ``serving.cascade_step.stack_levels``); the rest as for one step, step 0's.
       previous_token_ids: int32[B, 1] or None, as ``decode_step``.
       target_config, draft_config, backend: static, as ``decode_step``.
 
@@ -262,12 +272,13 @@ def decode_steps(
 
     def one_step(carry, per_step):
         token_ids, caches = carry
-        step, page_table, plan = per_step
+        step, page_table, plan, cascade = per_step
         step_inputs = inputs._replace(
             token_ids=token_ids,
             num_generated=inputs.num_generated + step,
             page_table=page_table,
             plan=plan,
+            cascade=cascade,
         )
         result, caches, _ = decode_step(
             target_params,
@@ -285,7 +296,9 @@ def decode_steps(
 
     steps = jnp.arange(num_steps(inputs), dtype=jnp.int32)
     (last, target_caches), tokens = jax.lax.scan(
-        one_step, (inputs.token_ids, target_caches), (steps, inputs.page_table, inputs.plan)
+        one_step,
+        (inputs.token_ids, target_caches),
+        (steps, inputs.page_table, inputs.plan, inputs.cascade),
     )
     return _plain_decode_result(tokens.T), last[:, None], target_caches, draft_caches
 
@@ -353,7 +366,11 @@ def first_step(inputs: DecodeInputs) -> DecodeInputs:
     """The single step's inputs of step 0 of ``decode_steps``'s ``inputs`` (its table and
     plan, unstacked): what the scan's body runs first."""
     first = lambda tree: jax.tree.map(lambda leaf: leaf[0], tree)
-    return inputs._replace(page_table=first(inputs.page_table), plan=first(inputs.plan))
+    return inputs._replace(
+        page_table=first(inputs.page_table),
+        plan=first(inputs.plan),
+        cascade=first(inputs.cascade),
+    )
 
 
 _TABLE_FIELDS = ("page_indptr", "page_indices", "last_page_len")

@@ -38,6 +38,7 @@ GENERATE_FLAGS = (
     "--no-overlap",
     "--steps-per-program",
     "--backend",
+    "--cascade",
     "--stats",
 )
 
