@@ -236,10 +236,10 @@ for stage in "$@"; do
       # the host plan, the shared-level kernel and the public path), then the probe's planned
       # and traced arms over the crossover grid (about 5 min)
       timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_cascade_host_plan.py \
-          tests/test_cascade_shared_mgpu.py tests/test_cascade_mgpu_path.py 2>&1 \
-        | tee "$out/gpu_cascade_planned_tests.log" | tail -n 4
-      timeout 330 python3 -m bench.probes.cascade_shared --budget-s 260 --variants ring.reg.p4.s3 \
-          --cases 128x32768,32x4096,8x4096,4x4096,128x4096,32x1024,128x1024,8x1024,32x256,128x256,16x4096,16x1024 \
+          tests/test_cascade_shared_mgpu.py tests/test_cascade_mgpu_path.py \
+          tests/test_engine_cascade.py 2>&1 | tee "$out/gpu_cascade_planned_tests.log" | tail -n 4
+      timeout 240 python3 -m bench.probes.cascade_shared --budget-s 170 --variants ring.reg.p4.s3 \
+          --cases 128x32768,32x4096,16x4096,8x4096,128x1024,32x1024,16x1024 \
           --out "$out/cascade-planned" 2>&1 | tee "$out/cascade_planned.log" | tail -n 30 ;;
     cascade-crossover)  # issue 17: short prefixes, where cascade starts to pay (about 4 min)
       timeout 400 python3 -m bench.probes.cascade_shared --budget-s 330 \

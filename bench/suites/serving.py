@@ -56,6 +56,10 @@ Arms, each a fresh engine per scenario, one after the other (``ARMS``):
   reference below); in a dry run on the
   CPU "auto" is the reference, so the dry run passes ``backend="pallas"`` (every kernel,
   interpreted) to exercise the kernel path.
+- ``decodelab-nocascade``: the default with ``Engine(cascade="off")``, in the ``shared_prefix``
+  scenario only (on a GPU; a dry run skips it): what the engine's cascade attention gains
+  where its requests share a prompt, in the same run. The default arm's ``attribution`` says
+  whether cascade ran (``decode: cascade`` in the backend report).
 
 ``attribution`` is what ``Engine.backend_report()`` reads off the traced programs: the kernel
 names each op calls, or ``reference``, and the engine's loop (overlapped or synchronous). Two arms that ran the same code have the same
@@ -158,7 +162,7 @@ PREFILL_CHUNK = 512
 TEMPERATURE, TOP_K, TOP_P = 1.0, 50, 0.9
 SEED = 7
 # The report's arm names; reference first (the ratio's base).
-ARMS = ("reference", "decodelab-sync", "decodelab")
+ARMS = ("reference", "decodelab-sync", "decodelab-nocascade", "decodelab")
 # Seconds a timed step loop should last (its calls are sized from the engine's step time).
 LOOP_TARGET_SECONDS = 0.2
 MAX_LOOP_CALLS = 256
@@ -418,12 +422,13 @@ def pool_pages(
 @dataclasses.dataclass(frozen=True)
 class Arm:
     """An arm: its report name, the engine's ``backend=``, whether the kill switch is set, and
-    whether the engine overlaps its steps (``Engine(overlap=...)``)."""
+    whether the engine overlaps its steps (``Engine(overlap=...)``), and its ``cascade=``."""
 
     name: str
     backend: str
     kill_switch: bool
     overlap: bool = True
+    cascade: str = "auto"
 
 
 def scenarios_of_arm(arm: Arm, scenarios, options: RunOptions):
@@ -432,6 +437,8 @@ def scenarios_of_arm(arm: Arm, scenarios, options: RunOptions):
     loop only, and every interpreted scenario costs CI time)."""
     if options.dry_run and arm.name == "decodelab-sync":
         return tuple(scenario for scenario in scenarios if scenario.kind == "batch")
+    if arm.cascade == "off":
+        return tuple(scenario for scenario in scenarios if scenario.kind == "shared_prefix")
     return tuple(scenarios)
 
 
@@ -440,6 +447,8 @@ def arms_for(options: RunOptions) -> tuple[Arm, ...]:
     return (
         Arm("reference", "auto", True),
         Arm("decodelab-sync", default_backend, False, overlap=False),
+        # A dry run leaves it out: on the CPU the default arm does not cascade either.
+        *([] if options.dry_run else [Arm("decodelab-nocascade", "auto", False, cascade="off")]),
         Arm("decodelab", default_backend, False),
     )
 
@@ -546,6 +555,7 @@ def new_engine(model, scenario: Scenario, arm: Arm, num_pages: int, options: Run
         parallel=parallel,
         backend=arm.backend,
         overlap=arm.overlap,
+        cascade=arm.cascade,
         max_prefill_tokens=max(chunk, scenario.total_prompt_tokens),
         prefill_chunk_size=chunk,
         seed=SEED,
@@ -596,13 +606,17 @@ def run_engine(engine, requests: list[Request], capture: bool) -> MeasuredRun:
 
 @contextlib.contextmanager
 def ablated(variant: str) -> Iterator[None]:
-    """While tracing: ``no_attention`` makes ``paged.decode_attention`` return its query;
+    """While tracing: ``no_attention`` makes ``paged.decode_attention`` and
+    ``paged.cascade_decode_attention`` (the engine's cascade steps) return their query;
     ``no_sampling`` makes sampling an arg max of the logits; ``full`` changes nothing."""
     if variant == "full":
         yield
         return
     if variant == "no_attention":
-        targets = [(paged, "decode_attention", lambda q, cache, table, **_: q)]
+        targets = [
+            (paged, "decode_attention", lambda q, cache, table, **_: q),
+            (paged, "cascade_decode_attention", lambda q, cache, levels, **_: q),
+        ]
     elif variant == "no_sampling":
         targets = [
             (speculative, "tempered_probs", lambda logits, temperature: logits),
@@ -1085,7 +1099,8 @@ def run(options: RunOptions, ceiling: CopyCeiling) -> SuiteOutput:
         "clock around the program, median of the repeats; attention_op_us and sampling_op_us "
         "follow the timing method above",
         "arms: `reference` = DECODELAB_BACKEND=reference (the kill switch), `decodelab` = "
-        f"the default (Engine backend={arms_for(options)[1].backend!r})",
+        f"the default (Engine backend={arms_for(options)[-1].backend!r}), "
+        "`decodelab-nocascade` = the default with Engine(cascade='off') (shared_prefix only)",
     ]
     notes.append(SAMPLING_SHRINK_NOTE)
     for variable in (SCENARIOS_VARIABLE, LOAD_CONFIGS_VARIABLE):
