@@ -229,6 +229,25 @@ def plan_cascade(
     return _levels_of(page_table, rows, paying, max_groups, num_indices)
 
 
+def levels_without_groups(
+    page_table: PageTable, max_groups: int, num_indices: int | None = None
+) -> CascadeLevels:
+    """``plan_cascade``'s shapes with no group: ``max_groups`` empty shared rows, each request's
+    whole row its own level (so equal to plain decode). A block of steps stacks it for a step
+    where no group pays.
+
+    Example:
+      >>> table = PageTable.from_page_lists([[3, 4], [5]], [20, 7], page_size=16)
+      >>> levels = levels_without_groups(table, 1)
+      >>> levels.own.page_lists(), levels.shared[0].group_pages.page_lists()
+      ([[3, 4], [5]], [[]])
+    """
+    rows = _host_rows(page_table)
+    table_size = page_table.page_indices.shape[0]
+    num_indices = _check_size("num_indices", table_size if num_indices is None else num_indices)
+    return _levels_of(page_table, rows, [], _check_size("max_groups", max_groups), num_indices)
+
+
 class CascadeSummary(NamedTuple):
     """What a step's cascade levels share (for reports).
 

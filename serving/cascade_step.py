@@ -45,7 +45,7 @@ import numpy as np
 import paged
 from kernels_pallas.platform import KILL_SWITCH_VARIABLE, on_gpu, resolve_backend
 from paged.cascade import MOSAIC_GPU_BACKEND
-from paged.cascade_plan import ANY_SHARED_PAGE, CascadeCrossover
+from paged.cascade_plan import ANY_SHARED_PAGE, CascadeCrossover, levels_without_groups
 from paged.decode import mgpu_kernel_supports
 
 CASCADE_MODES = ("auto", "on", "off")
@@ -125,26 +125,9 @@ def _cannot_pay(crossover: CascadeCrossover, table: paged.PageTable, active) -> 
 
 
 def empty_levels(table: paged.PageTable, max_groups: int) -> paged.CascadeLevels:
-    """Levels of ``plan_cascade``'s shapes with no group: the shared level's ``max_groups`` rows
-    empty, each request's whole row its own level (equal to plain decode)."""
-    num_indices = table.page_indices.shape[0]
-    batch = table.batch_size
-    group_pages = paged.PageTable(
-        np.zeros(max_groups + 1, np.int32),
-        np.zeros(num_indices, np.int32),
-        np.zeros(max_groups, np.int32),
-        table.page_size,
-    )
-    shared = paged.SharedLevel(
-        group_pages, np.zeros(max_groups + 1, np.int32), np.zeros(batch, np.int32)
-    )
-    own = paged.PageTable(
-        np.asarray(table.page_indptr, np.int32),
-        np.asarray(table.page_indices, np.int32),
-        np.asarray(table.last_page_len, np.int32),
-        table.page_size,
-    )
-    return paged.CascadeLevels((shared,), own)
+    """Levels of ``plan_cascade``'s shapes with no group (``levels_without_groups``): equal to
+    plain decode."""
+    return levels_without_groups(table, max_groups)
 
 
 def plan_step_levels(
