@@ -153,6 +153,12 @@ for stage in "$@"; do
           tests/test_paged_decode_mgpu.py; python3 -m bench.probes.mgpu_decode --merge-fold \
           --out '$out/mgpu-merge-fold'" 2>&1 | tee "$out/mgpu_merge_fold.log" \
         | awk '!/^ +B=/ || /FAILED|MISMATCH|skipped/' ;;
+    fold-diagnose)  # issue 16: where the folded merge stops (compiling or running): its smallest
+      # compiled test alone, Python's stacks dumped every 40 s (pytest's faulthandler_timeout),
+      # every phase of the test timestamped (-s, -v); about 2 min at most
+      timeout -s INT 150 python3 -X faulthandler -m pytest -v -s -x -p no:cacheprovider \
+          -o faulthandler_timeout=40 -k 'test_folded_merge_on_gpu and 1-4096' \
+          tests/test_paged_decode_mgpu.py 2>&1 | tee "$out/fold_diagnose.log" | tail -n 60 ;;
     decode-overhead)  # issue 16: where a small decode call's time goes (the loop's floor, the
       # kernel, the merge, the device trace), and the split and folded merge at B = 1 and 4
       # (75 arms of about 3 s, estimated; no arm starts after 420 s)
@@ -241,6 +247,15 @@ for stage in "$@"; do
       timeout 240 python3 -m bench.probes.cascade_shared --budget-s 170 --variants ring.reg.p4.s3 \
           --cases 128x32768,32x4096,16x4096,8x4096,128x1024,32x1024,16x1024 \
           --out "$out/cascade-planned" 2>&1 | tee "$out/cascade_planned.log" | tail -n 30 ;;
+    cascade-variants)  # issue 17: the shared level's pipeline at the headline case (128 x 32K,
+      # where 10x is asked), then the short prefixes the 2026-12-03 run's budget cut, at the
+      # default variant, to re-read the crossover (about 8 min)
+      timeout 250 python3 -m bench.probes.cascade_shared --budget-s 200 --cases 128x32768 \
+          --variants ring.reg.p4.s3,ring.reg.p8.s2,ring.reg.p4.s4,ring.reg.p2.s4,ring.reg.p4.s2 \
+          --out "$out/cascade-variants" 2>&1 | tee "$out/cascade_variants.log" | tail -n 12
+      timeout 250 python3 -m bench.probes.cascade_shared --budget-s 200 --variants ring.reg.p4.s3 \
+          --cases 32x1024,16x1024,8x4096,4x4096,32x2048,16x2048,128x256,32x256 \
+          --out "$out/cascade-short" 2>&1 | tee "$out/cascade_short.log" | tail -n 16 ;;
     cascade-crossover)  # issue 17: short prefixes, where cascade starts to pay (about 4 min)
       timeout 400 python3 -m bench.probes.cascade_shared --budget-s 330 \
           --cases 32x256,128x256,32x1024,128x1024,32x2048,128x2048 --out "$out/crossover" 2>&1 \
