@@ -38,8 +38,9 @@ demo: $(STAMP)
 # --max-worker-restart=0: a worker that dies (a segfault in native code) fails the run at once;
 # pytest-xdist 3.8 replacing a crashed worker under --dist loadfile can wait forever at the end.
 # pytest exits 5 when it collects no test: say so (make then fails, as for any failure).
+# --durations=30: the slowest tests named at the end of every run, for keeping it under 20 minutes.
 test: $(STAMP)
-	@HYPOTHESIS_PROFILE=ci $(PY) -m pytest -q -n 2 --dist loadfile --max-worker-restart=0 --nbmake notebooks tests paged kernels_pallas sampling speculative serving bench; \
+	@HYPOTHESIS_PROFILE=ci $(PY) -m pytest -q -n 2 --dist loadfile --max-worker-restart=0 --durations=30 --nbmake notebooks tests paged kernels_pallas sampling speculative serving bench; \
 	status=$$?; if [ $$status -eq 5 ]; then echo "error: pytest collected no tests"; fi; exit $$status
 
 # Execute every notebook on this machine's CPU and save it with its outputs and figures, so a

@@ -149,14 +149,14 @@ for stage in "$@"; do
     mgpu-merge-fold)  # issue 16: the folded merge's tests compiled (gpu-marked and the small
       # ragged ones), then the probe's merge arms, separate vs folded at B=1 and 4 (about 4 min,
       # estimated); the probe runs even if a test fails (it checks each arm before timing it)
-      timeout 560 bash -c "python3 -m pytest -q -p no:cacheprovider -k 'folded or folds' \
+      timeout -s KILL 560 bash -c "python3 -m pytest -q -p no:cacheprovider -k 'folded or folds' \
           tests/test_paged_decode_mgpu.py; python3 -m bench.probes.mgpu_decode --merge-fold \
           --out '$out/mgpu-merge-fold'" 2>&1 | tee "$out/mgpu_merge_fold.log" \
         | awk '!/^ +B=/ || /FAILED|MISMATCH|skipped/' ;;
     fold-diagnose)  # issue 16: where the folded merge stops (compiling or running): its smallest
       # compiled test alone, Python's stacks dumped every 40 s (pytest's faulthandler_timeout),
       # every phase of the test timestamped (-s, -v); about 2 min at most
-      timeout -s INT 150 python3 -X faulthandler -m pytest -v -s -x -p no:cacheprovider \
+      timeout -s KILL 150 python3 -X faulthandler -m pytest -v -s -x -p no:cacheprovider \
           -o faulthandler_timeout=40 -k 'test_folded_merge_on_gpu and 1-4096' \
           tests/test_paged_decode_mgpu.py 2>&1 | tee "$out/fold_diagnose.log" | tail -n 60 ;;
     decode-overhead)  # issue 16: where a small decode call's time goes (the loop's floor, the
@@ -165,7 +165,7 @@ for stage in "$@"; do
       # The folded merge (never yet run compiled) in a process of its own, after the rest.
       timeout 420 python3 -m bench.probes.decode_overhead --trace --budget-s 330 --merge separate \
           --out "$out/decode-overhead" 2>&1 | tee "$out/decode_overhead.log" | grep -vE '^  B='
-      timeout 150 python3 -m bench.probes.decode_overhead --budget-s 100 --merge folded \
+      timeout -s KILL 150 python3 -m bench.probes.decode_overhead --budget-s 100 --merge folded \
           --pipelines ring.p4.s2 --out "$out/decode-overhead-folded" 2>&1 \
         | tee "$out/decode_overhead_folded.log" | grep -vE '^  B=' ;;
     loop-overhead)  # issue 16: what the timed loop costs a call, under five ways XLA can run it:
