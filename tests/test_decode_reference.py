@@ -594,17 +594,18 @@ def test_multi_token_decode_matches_causal_dense_float64(q_len, case, data, seed
 
 
 @pytest.mark.parametrize("layout", ["HND", "NHD"])
-def test_multi_token_decode_equals_one_token_calls_on_truncated_tables(layout):
+def test_multi_token_decode_equals_one_token_calls_on_truncated_tables(float64, layout):
     """Query ``i`` of ``L`` equals a one-token decode over the table cut after its own token:
-    verification of ``L`` tokens is ``L`` decode steps done at once."""
+    verification of ``L`` tokens is ``L`` decode steps done at once. In float64, so the two paths'
+    different summation orders cost ~1e-15, and any masking difference stands out."""
     q_len, seq_lens = 6, [6, 0, 16, 17, 38]  # exactly L, empty, a full page, page + 1, longer
     rng = np.random.default_rng(11)
     bucket = PagedBucket(batch_size=len(seq_lens), page_size=16, max_seq_len=40)
-    cache = random_cache(rng, bucket, 16, jnp.float32, layout)
+    cache = random_cache(rng, bucket, 16, jnp.float64, layout)
     table = paged.PageTable.from_seq_lens(
         seq_lens, 16, pages=rng.permutation(bucket.num_pool_pages).tolist()
     )
-    q = random_multi_token_queries(rng, len(seq_lens), q_len, NUM_KV_HEADS * 4, 16, jnp.float32)
+    q = random_multi_token_queries(rng, len(seq_lens), q_len, NUM_KV_HEADS * 4, 16, jnp.float64)
     o, lse = paged.decode_attention(
         q, cache, table, logits_soft_cap=SOFT_CAP, return_lse=True, backend="reference"
     )
@@ -624,11 +625,9 @@ def test_multi_token_decode_equals_one_token_calls_on_truncated_tables(layout):
             return_lse=True,
             backend="reference",
         )
-        np.testing.assert_allclose(np.asarray(o[:, i]), np.asarray(o_l), rtol=1e-6, atol=1e-6)
-        # The LSE is max + log(sum) in float32: near zero it is the difference of two terms of
-        # order 1, so a relative tolerance alone asks more than float32 gives there (one element
-        # at -0.227 differed by 3e-7 in a fresh environment). A wrong mask moves it by far more.
-        np.testing.assert_allclose(np.asarray(lse[:, i]), np.asarray(lse_l), rtol=1e-6, atol=1e-6)
+        assert o.dtype == jnp.float64
+        np.testing.assert_allclose(np.asarray(o[:, i]), np.asarray(o_l), rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(np.asarray(lse[:, i]), np.asarray(lse_l), rtol=1e-12, atol=1e-12)
 
 
 def test_one_new_token_as_4d_equals_3d():
