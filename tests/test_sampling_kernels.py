@@ -13,7 +13,10 @@ and prints it. The distribution itself is tested on the reference
 
 from __future__ import annotations
 
+import functools
+
 import jax
+import jax.experimental.pallas.fuser  # registers a tracing-context value: see below
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -29,6 +32,26 @@ from tests.conftest import ON_GPU
 
 ALLOWED_MISMATCH = 1e-3 if ON_GPU else 0.0
 
+# Importing ``jax.experimental.pallas.fuser`` registers a value of JAX's tracing context. The
+# first interpreted kernel imports it lazily, so without the import above the first kernel
+# compiled here would be keyed without it and compiled a second time by the first later call
+# with the same shapes (about 5 s).
+
+# The Gumbel kernel's interpreted program is mostly Philox integer arithmetic, where LLVM's
+# optimizer spends about 8 s a compile and the tiny test shapes run in milliseconds either way;
+# unoptimized (``xla_backend_optimization_level`` 0) it compiles in about 2 s. LLVM's
+# optimization level changes no float result (XLA's CPU backend compiles without fast-math at
+# every level), so the kernel's tokens are the same bits.
+FAST_COMPILE = {"xla_backend_optimization_level": 0}
+
+# ``gumbel_sample`` compiled as above on a CPU (on a GPU, as the library compiles it). One
+# module-level function, so that calls with the same shapes share its compiled program.
+gumbel_sample_fast_compile = jax.jit(
+    gumbel_sample,
+    static_argnames=("from_logits", "stream", "quads", "steps", "interpret"),
+    compiler_options=None if ON_GPU else FAST_COMPILE,
+)
+
 
 def _logits(seed, batch, vocab, dtype):
     rng_np = np.random.default_rng(seed)
@@ -43,7 +66,21 @@ def _mismatch(got, expected):
     return float(np.mean(np.asarray(got) != np.asarray(expected)))
 
 
-@pytest.mark.parametrize("vocab", [1, 7, 1000, 3000])
+# The public samplers on the kernel, compiled as ``gumbel_sample_fast_compile`` is (under
+# ``jit`` the API skips only its checks of concrete values, which these valid inputs pass).
+api_logits_fast_compile = jax.jit(
+    functools.partial(sampling.sample_from_logits, backend="pallas"),
+    compiler_options=None if ON_GPU else FAST_COMPILE,
+)
+api_probs_fast_compile = jax.jit(
+    functools.partial(sampling.sample_from_probs, backend="pallas"),
+    compiler_options=None if ON_GPU else FAST_COMPILE,
+)
+
+
+# Vocab 1, 7 (and 1000, dropped: it has the same launch as 7, one 1024-column step a row with
+# its tail masked) take one chunk a row; 3000 three.
+@pytest.mark.parametrize("vocab", [1, 7, 3000])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_kernel_picks_the_references_tokens_from_logits(vocab, dtype):
     """Through the API: one key (the kernel derives the rows' keys) and a temperature a row,
@@ -55,7 +92,7 @@ def test_kernel_picks_the_references_tokens_from_logits(vocab, dtype):
     expected = sampling.sample_from_logits(
         key, logits, temperature=temperature, backend="reference"
     )
-    got = sampling.sample_from_logits(key, logits, temperature=temperature, backend="pallas")
+    got = api_logits_fast_compile(key, logits, temperature=temperature)
     assert _mismatch(got, expected) <= ALLOWED_MISMATCH
     assert np.asarray(got)[1] == (2 if vocab > 4 else np.argmax(np.asarray(logits[1])))
     if vocab > 4:
@@ -67,7 +104,7 @@ def test_kernel_picks_the_references_tokens_from_probs(vocab):
     probs = jax.nn.softmax(_logits(vocab + 1, 6, vocab, jnp.float32), axis=-1)
     keys = jax.random.split(jax.random.key(5), 6)  # per-row keys
     expected = sampling.sample_from_probs(keys, probs, backend="reference")
-    got = sampling.sample_from_probs(keys, probs, backend="pallas")
+    got = api_probs_fast_compile(keys, probs)
     assert _mismatch(got, expected) <= ALLOWED_MISMATCH
     assert np.asarray(got)[0] >= vocab // 3  # a token of probability 0 never wins
 
@@ -176,7 +213,7 @@ def test_kernel_runs_the_documented_race(from_logits, keys, temperatures, steps)
 
     def kernel(temperature):
         return np.asarray(
-            gumbel_sample(
+            gumbel_sample_fast_compile(
                 values,
                 key_words,
                 temperature,
@@ -543,17 +580,25 @@ def test_dual_pivot_kernel_draws_the_filtered_distribution():
     """The kernel's own draws (not only its agreement with the reference) pass the calibrated
     test of ``tests/test_sampling_api.py`` (false-fail rate 1e-6) on a 64-token distribution
     with ties and a zero. 16384 draws, not the API tests' 100000: interpret mode runs the rows
-    one program at a time; the bound is computed for the draws taken."""
+    one program at a time; the bound is computed for the draws taken. The draws are taken 256
+    rows a call, each row with its own key: interpret mode copies the whole batch into each
+    row's program, so one call's time grows with the square of its rows (64 calls of 256 rows
+    took 1 s, one call of 16384 rows 20 s)."""
     from tests.test_sampling_api import _distribution, assert_distributed_as
 
     probs = jnp.asarray(_distribution(5))
     parameters = dict(top_k=12, top_p=0.7, min_p=0.01)
-    rows = jnp.broadcast_to(probs, (16384, probs.shape[0]))
-    tokens = np.asarray(
-        jax.jit(
-            lambda p: sampling.filtered_sample(jax.random.key(2), p, backend="pallas", **parameters)
-        )(rows)
+    draws, rows_a_call = 16384, 256
+    keys = jax.random.split(jax.random.key(2), draws)
+    rows = jnp.broadcast_to(probs, (rows_a_call, probs.shape[0]))
+    draw = jax.jit(lambda k: sampling.filtered_sample(k, rows, backend="pallas", **parameters))
+    tokens = np.concatenate(
+        [
+            np.asarray(draw(keys[start : start + rows_a_call]))
+            for start in range(0, draws, rows_a_call)
+        ]
     )
+    assert tokens.shape == (draws,)
     target = np.asarray(
         sampling.filters.filtered_distribution(
             probs.astype(jnp.float32), sampling.filters.FilterParams(12, 0.7, 0.01)
