@@ -85,12 +85,42 @@ def test_sampling_dry_run_times_every_decodelab_arm_beside_the_peers(tmp_path):
     assert any(note.startswith(f"target gumbel B={batch}") for note in document["notes"])
 
 
+@contextlib.contextmanager
+def _compiled_programs_kept_in(directory):
+    """JAX's persistent compilation cache in ``directory`` for the body only: a second run of a
+    suite compiles the very programs of the first (same HLO), which the suite's fresh closures
+    would otherwise compile again. Every program is kept, however fast its compile."""
+    from jax.experimental.compilation_cache import compilation_cache
+
+    settings = {
+        "jax_compilation_cache_dir": str(directory),
+        "jax_persistent_cache_min_compile_time_secs": 0.0,
+        "jax_persistent_cache_min_entry_size_bytes": -1,
+    }
+    before = {name: getattr(jax.config, name) for name in settings}
+    compilation_cache.reset_cache()
+    for name, value in settings.items():
+        jax.config.update(name, value)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            jax.config.update(name, value)
+        compilation_cache.reset_cache()
+
+
 def test_sampling_part_keeps_a_partial_report_when_the_run_is_cut_short(tmp_path, monkeypatch):
     """DECODELAB_SAMPLING_CASES runs a part of a batch's cases; a run that dies after its first
     group of arms (here: its repeat row raises, as a time limit would strike) leaves those rows
     in ``<date>-sampling-partial.json``, which merge_reports can read; a run that ends replaces
     the partial files with its report."""
     monkeypatch.setenv(sampling_suite.CASES_VARIABLE, "top_k")
+    with _compiled_programs_kept_in(tmp_path / "compiled"):
+        _run_cut_short_then_whole(tmp_path / "reports", monkeypatch)
+
+
+def _run_cut_short_then_whole(out, monkeypatch):
+    """The body of the test above, its reports in ``out``."""
 
     def cut_short(*args, **kwargs):
         raise TimeoutError("cut short")
@@ -98,8 +128,8 @@ def test_sampling_part_keeps_a_partial_report_when_the_run_is_cut_short(tmp_path
     with monkeypatch.context() as patch:
         patch.setattr(sampling_suite, "_repeat_row", cut_short)
         with contextlib.redirect_stdout(io.StringIO()), pytest.raises(TimeoutError):
-            main(["sampling", "--dry-run", "--batches", "1", "--out", str(tmp_path)])
-    [partial] = tmp_path.glob("*-sampling-partial.json")
+            main(["sampling", "--dry-run", "--batches", "1", "--out", str(out)])
+    [partial] = out.glob("*-sampling-partial.json")
     document = json.loads(partial.read_text())
     assert document["suite"] == "sampling"
     assert {(case["case"], case["arm"]) for case in document["cases"]} == {
@@ -108,13 +138,13 @@ def test_sampling_part_keeps_a_partial_report_when_the_run_is_cut_short(tmp_path
         ("top_k B=1", "decodelab_kernel"),
     }
     assert any(note.startswith("PARTIAL") for note in document["notes"])
-    assert not list(tmp_path.glob("*-sampling.json"))
+    assert not list(out.glob("*-sampling.json"))
 
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
-        assert main(["sampling", "--dry-run", "--batches", "1", "--out", str(tmp_path)]) == 0
-    assert not list(tmp_path.glob("*-partial.*"))
-    [whole] = tmp_path.glob("*-sampling.json")
+        assert main(["sampling", "--dry-run", "--batches", "1", "--out", str(out)]) == 0
+    assert not list(out.glob("*-partial.*"))
+    [whole] = out.glob("*-sampling.json")
     cases = {case["case"] for case in json.loads(whole.read_text())["cases"]}
     assert cases == {"top_k B=1"}  # no peers: they join the gumbel and top_p cases
     assert "top_k B=1: decodelab_kernel done in" in printed.getvalue()
