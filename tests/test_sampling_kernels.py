@@ -28,6 +28,7 @@ from kernels_pallas.gumbel import default_launch
 from kernels_pallas.sampling import gumbel_sample
 from sampling import reference
 from sampling.api import EXPONENTIAL_STREAM
+from sampling.filters import ORDERS
 from tests.conftest import ON_GPU
 
 ALLOWED_MISMATCH = 1e-3 if ON_GPU else 0.0
@@ -527,8 +528,10 @@ def test_dual_pivot_kernel_picks_the_references_tokens(vocab, name, max_rounds):
 def test_min_p_alone_takes_one_round_in_the_kernel():
     """The kernel starts from min-p's kept set as the reference does, and with min-p the only
     filter it skips the pivot pass: every row, the all-zero-but-one row and ties included,
-    decides in exactly one round and draws a kept token."""
-    batch, vocab = 16, 3000
+    decides in exactly one round and draws a kept token. (96 rows at vocab 3000: the shape of
+    the 3000-column cases of ``test_dual_pivot_kernel_picks_the_references_tokens``, whose
+    compiled kernel it shares.)"""
+    batch, vocab = 96, 3000
     probs = _filter_rows(11, batch, vocab)
     keys = jax.random.split(jax.random.key(5), batch)
     min_p = jnp.linspace(0.0, 1.0, batch)  # 0 (no filter) to 1 (only the maximum's ties)
@@ -636,20 +639,39 @@ def test_kernels_under_jit_never_return_an_out_of_range_token():
     probs = _filter_rows(3, 6, 300)
     probs = probs.at[1].set(jnp.nan).at[2].set(0.0).at[4].set(-1.0).at[5].set(1e-38)
     keys = jax.random.split(jax.random.key(0), 6)
-    # The last case is min-p alone: the path that skips the pivot pass.
+    # One program per order and round bound, the filters as data (a filter left off is top_k
+    # V, top_p 1, min_p 0: what None means), so the two joint cases share a compile.
+    programs = {
+        (order, max_rounds): jax.jit(
+            lambda p, top_k, top_p, min_p, order=order, max_rounds=max_rounds: (
+                sampling.filtered_sample(
+                    keys,
+                    p,
+                    top_k=top_k,
+                    top_p=top_p,
+                    min_p=min_p,
+                    order=order,
+                    max_rounds=max_rounds,
+                    backend="pallas",
+                )
+            )
+        )
+        for order in ORDERS
+        for max_rounds in (32, 0)
+    }
+    # The last case is min-p alone: the path that skips the pivot pass (decided at run time).
     for order, filters in (
         ("joint", dict(top_k=5, top_p=0.5, min_p=0.1)),
         ("top_k_first", dict(top_k=5, top_p=0.5, min_p=0.1)),
         ("joint", dict(min_p=0.1)),
     ):
         for max_rounds in (32, 0):
-            tokens = jax.jit(
-                lambda p, order=order, max_rounds=max_rounds, filters=filters: (
-                    sampling.filtered_sample(
-                        keys, p, order=order, max_rounds=max_rounds, backend="pallas", **filters
-                    )
-                )
-            )(probs)
+            tokens = programs[order, max_rounds](
+                probs,
+                jnp.int32(filters.get("top_k", 300)),
+                jnp.float32(filters.get("top_p", 1.0)),
+                jnp.float32(filters.get("min_p", 0.0)),
+            )
             tokens = np.asarray(tokens)
             assert ((tokens >= 0) & (tokens < 300)).all(), (order, filters, tokens)
 
@@ -753,7 +775,9 @@ def _exact_rows(batch: int, vocab: int) -> jax.Array:
 def test_kernels_equal_the_reference_where_every_sum_is_exact(case, max_rounds):
     from kernels_pallas.sampling import dual_pivot_sample
 
-    batch, vocab = 24, 200
+    # TIE_BATCH rows: the shape and launch of the tie test's 32-column-block calls below, whose
+    # compiled kernels they share.
+    batch, vocab = TIE_BATCH, TIE_VOCAB
     probs = _exact_rows(batch, vocab)
     keys = jax.random.split(jax.random.key(case), batch)
     filters = EXACT_CASES[case]
