@@ -75,14 +75,31 @@ FILTER_CASES = {
 }
 
 
+@functools.cache
+def _filtered_draws(order: str):
+    """``_draw``'s program for ``filtered_sample``, the filter values as data (a filter left
+    off is top_k V, top_p 1, min_p 0: what None means), so that the cases of one order share
+    one compile: the same key, rows and draws as ``_draw``'s."""
+    return jax.jit(
+        lambda rows, top_k, top_p, min_p: sampling.filtered_sample(
+            jax.random.key(7), rows, top_k=top_k, top_p=top_p, min_p=min_p, order=order
+        )
+    )
+
+
 @pytest.mark.parametrize("name", sorted(FILTER_CASES))
 def test_filtered_samplers_draw_the_filtered_distribution(name):
     probs = _distribution(1)
     options = dict(FILTER_CASES[name])
     order = options.pop("order", "joint")
-    tokens = _draw(sampling.filtered_sample, probs, order=order, **options)
     params = FilterParams(
         options.get("top_k", VOCAB), options.get("top_p", 1.0), options.get("min_p", 0.0)
+    )
+    rows = jnp.broadcast_to(jnp.asarray(probs), (NUM_DRAWS, VOCAB))
+    tokens = np.asarray(
+        _filtered_draws(order)(
+            rows, jnp.int32(params.top_k), jnp.float32(params.top_p), jnp.float32(params.min_p)
+        )
     )
     target = np.asarray(filtered_distribution(jnp.asarray(probs), params, order), np.float64)
     assert_distributed_as(tokens, target / target.sum())
