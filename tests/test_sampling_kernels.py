@@ -16,7 +16,6 @@ from __future__ import annotations
 import functools
 
 import jax
-import jax.experimental.pallas.fuser  # registers a tracing-context value: see below
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -32,11 +31,6 @@ from sampling.filters import ORDERS
 from tests.conftest import ON_GPU
 
 ALLOWED_MISMATCH = 1e-3 if ON_GPU else 0.0
-
-# Importing ``jax.experimental.pallas.fuser`` registers a value of JAX's tracing context. The
-# first interpreted kernel imports it lazily, so without the import above the first kernel
-# compiled here would be keyed without it and compiled a second time by the first later call
-# with the same shapes (about 5 s).
 
 # The Gumbel kernel's interpreted program is mostly Philox integer arithmetic, where LLVM's
 # optimizer spends about 8 s a compile and the tiny test shapes run in milliseconds either way;
