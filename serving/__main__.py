@@ -27,7 +27,8 @@ from serving.step_decision import DEFAULT_PREFILL_GRANT_INTERVAL
 # serving.cascade_step.CASCADE_MODES, repeated for the same reason (tests/test_serving_cli.py
 # checks the two agree).
 CASCADE_MODES = ("auto", "on", "off")
-# serving.sparse_step.SPARSE_MODES and DEFAULT_SPARSE_BUDGET, repeated likewise.
+# serving.sparse_step.SPARSE_MODES and DEFAULT_SPARSE_BUDGET, repeated likewise
+# (tests/test_engine_sparse.py checks they agree); "off" is the engine's sparse=None.
 SPARSE_MODES = ("quest", "recent")
 DEFAULT_SPARSE_BUDGET = 2048
 # Engine's MAX_STEPS_PER_PROGRAM, repeated: importing the engine here would load JAX's model
@@ -206,22 +207,22 @@ def build_parser() -> argparse.ArgumentParser:
     )
     generate.add_argument(
         "--sparse",
-        default=None,
-        choices=SPARSE_MODES,
+        default="off",
+        choices=("off", *SPARSE_MODES),
         help="sparse decode: each decode step attends over a selection of each request's "
         "pages within --sparse-budget tokens, the first and the last page always (prompts "
         "are prefilled densely): quest, the pages with the highest bound on their attention "
         "logits (per KV head, from each page's key minima and maxima), or recent, the latest "
         "pages; changes the output once a context exceeds the budget; not with --speculative "
-        "or --cascade on; --stats says what it did (default: dense decode)",
+        "or --cascade on; --stats says what it did; off decodes densely (default: %(default)s)",
     )
     generate.add_argument(
         "--sparse-budget",
         type=int,
-        default=None,
+        default=DEFAULT_SPARSE_BUDGET,
         metavar="TOKENS",
         help=f"tokens a request reads a decode step with --sparse: a multiple of the page size "
-        f"{PAGE_SIZE}, at least two pages (default: {DEFAULT_SPARSE_BUDGET})",
+        f"{PAGE_SIZE}, at least two pages (default: %(default)s)",
     )
     generate.add_argument(
         "--stats",
@@ -326,12 +327,10 @@ def check_sparse_flags(args: argparse.Namespace) -> None:
       UsageError: naming the flag and its value.
     """
     budget = args.sparse_budget
-    if args.sparse is None:
-        if budget is not None:
-            raise UsageError(f"--sparse-budget {budget} needs --sparse (quest or recent)")
+    if args.sparse == "off":
+        if budget != DEFAULT_SPARSE_BUDGET:  # a budget asked for, but nothing to spend it on
+            raise UsageError(f"--sparse-budget {budget} needs --sparse quest or recent")
         return
-    if budget is None:
-        budget = DEFAULT_SPARSE_BUDGET
     if budget % PAGE_SIZE or budget < 2 * PAGE_SIZE:
         raise UsageError(
             f"--sparse-budget must be a multiple of the page size {PAGE_SIZE}, at least two "
@@ -508,8 +507,8 @@ def run_generate(args: argparse.Namespace) -> int:
         overlap=not args.no_overlap,
         max_steps_per_program=args.steps_per_program,
         cascade=args.cascade,
-        sparse=args.sparse,
-        sparse_budget=(DEFAULT_SPARSE_BUDGET if args.sparse_budget is None else args.sparse_budget),
+        sparse=None if args.sparse == "off" else args.sparse,
+        sparse_budget=args.sparse_budget,
     )
     progress = GenerationProgress(engine, total_tokens=args.max_tokens * len(requests))
     steps = []
