@@ -50,8 +50,8 @@ Pages freed and not yet reused keep stale bounds; no table lists them. A slot wr
 without its page restarting (a speculative rollback inside a page) would leave the old key
 inside the bounds, still a valid bound, only looser; the engine does not speculate with sparse
 decode, so it does not happen here. ``tests/test_engine_sparse.py`` compares the kept bounds
-with ``paged.page_key_bounds`` of the pool over the live requests after prefill, decode, and a
-page freed and reused.
+with ``paged.page_key_bounds`` of the pool over the live requests after every step: prefill
+chunks, decode steps and blocks of them, a shared prefix page, pages freed and reused.
 
 Interactions
 ------------
