@@ -16,7 +16,8 @@
 Shapes are shared between tests (slots, pool, prompt lengths) so that compiled programs are
 reused: the engine's programs are module-level ``jax.jit`` functions. The pool is the one the
 command line sizes for ``PROMPTS`` and ``MAX_TOKENS`` (``NUM_PAGES``), so its test reuses them
-too. About 50 s on a busy 2-core CPU (one core's worth), most of it compiling.
+too. 47 to 69 s on the shared 2-core CPU under a load of 4 (one core's worth), most of it
+compiling.
 """
 
 from __future__ import annotations
