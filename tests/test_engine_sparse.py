@@ -4,8 +4,10 @@
 - A budget covering every context selects every page: greedy float32 tokens equal dense
   decoding's (both selections).
 - A small budget: every decode step's selection, as the engine computes it, holds each
-  request's first and last page and exactly ``min(n, budget pages)`` pages; requests run to
-  their ``max_tokens`` and every page comes back.
+  request's first and last page and exactly ``min(n, budget pages)`` pages; Quest's selection
+  reads its own layer's bounds, equal to the pool's on every listed page; the tokens are dense
+  decoding's while the contexts fit the budget and not after; requests run to their
+  ``max_tokens`` and every page comes back.
 - Quest's key bounds the engine keeps equal the bounds recomputed from the pool over the live
   requests after every step: prefill chunks (one starting mid-page), decode steps and blocks of
   steps, a prefix page shared by two requests, pages freed and reused by a later request; and
@@ -31,6 +33,7 @@ import paged
 import paged.sparse as paged_sparse
 from bench.quality.sparse_selections import recent_pages_selection as study_recent_pages
 from kernels_pallas import platform
+from serving import model as model_lib
 from serving import sparse_step
 from serving.__main__ import main
 from serving.demo import decode_tokens, encode_text, load_tiny_pair
@@ -92,26 +95,39 @@ def _record(seen, *arrays):
 
 @pytest.fixture(scope="module")
 def quest_run(target):
-    """Quest at ``SMALL_BUDGET``: ``(tokens, selections, engine)``, the selections those that
-    every layer of every decode step computed (``paged.sparse.quest_selected_rows``, spied
+    """Quest at ``SMALL_BUDGET``: ``(tokens, selections, engine, reads)``, the selections those
+    that every layer of every decode step computed (``paged.sparse.quest_selected_rows``, spied
     inside the program: each call records the step's ``page_indptr`` and its bool ``[B, KVH,
-    nnz]`` selection). The spy must be in when the decode program is traced: this fixture is
-    the first run of it in this file (a test that found it compiled would see no selection and
-    fail, not pass)."""
-    seen = []
+    nnz]`` selection), and ``reads`` one bool a layer and step: whether the key bounds its
+    selection read equal, on every page the step lists, ``paged.page_key_bounds`` of the pool
+    that layer attends (its own layer's bounds, the new keys included: no stale bound read).
+    The spies must be in when the decode program is traced: this fixture is the first run of it
+    in this file (a test that found it compiled would see no selection and fail, not pass)."""
+    seen, reads = [], []
     real = paged_sparse.quest_selected_rows
+    real_attention = model_lib.sparse_attention
 
     def spy(q, page_table, selection, backend):
         selected = real(q, page_table, selection, backend)
         _record(seen, page_table.page_indptr, selected)
         return selected
 
+    def read_spy(q, cache, page_table, sparse, bounds, *, backend):
+        pool = paged.page_key_bounds(cache, page_table)
+        pages = page_table.page_indices  # the entries past page_indptr[-1] are padding
+        listed = (jnp.arange(pages.shape[0]) < page_table.page_indptr[-1])[:, None, None]
+        same_min = jnp.all(~listed | (bounds.kmin[pages] == pool.kmin[pages]))
+        same_max = jnp.all(~listed | (bounds.kmax[pages] == pool.kmax[pages]))
+        _record(reads, same_min & same_max)
+        return real_attention(q, cache, page_table, sparse, bounds, backend=backend)
+
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(paged_sparse, "quest_selected_rows", spy)
+        patch.setattr(model_lib, "sparse_attention", read_spy)
         engine = _engine(target, sparse="quest", sparse_budget=SMALL_BUDGET)
         tokens = _run(engine, _requests())
         jax.effects_barrier()
-    return tokens, seen, engine
+    return tokens, seen, engine, reads
 
 
 @pytest.fixture(scope="module")
@@ -148,7 +164,10 @@ def test_a_small_budget_reads_the_first_and_last_page_of_every_request(
     and return every page (``_run``), and their tokens are dense decoding's as long as their
     context fits the budget (after that they may differ, and do on this model)."""
     if mode == "quest":
-        tokens, seen, engine = quest_run
+        tokens, seen, engine, reads = quest_run
+        # Every layer of every step read its own layer's bounds, current on every listed page.
+        assert len(reads) == engine.target_config.num_layers * engine.sparse_report().decode_steps
+        assert all(bool(read[0]) for read in reads)
     else:
         seen = []
         real = sparse_step.recent_pages_selection
@@ -163,6 +182,9 @@ def test_a_small_budget_reads_the_first_and_last_page_of_every_request(
         tokens = _run(engine, _requests())
         jax.effects_barrier()
     assert [t[:WHOLE_TOKENS] for t in tokens] == [t[:WHOLE_TOKENS] for t in dense_tokens]
+    # Past the budget the selection changes what the model reads: an engine that computed the
+    # selection but attended densely would give dense decoding's tokens here.
+    assert tokens != dense_tokens
     layers = engine.target_config.num_layers
     assert len(seen) == layers * engine.sparse_report().decode_steps
     budget_pages = SMALL_BUDGET // PAGE_SIZE
