@@ -31,7 +31,6 @@ import pytest
 
 import paged
 import paged.sparse as paged_sparse
-from bench.quality.sparse_selections import recent_pages_selection as study_recent_pages
 from kernels_pallas import platform
 from serving import model as model_lib
 from serving import sparse_step
@@ -417,21 +416,6 @@ def test_the_command_lines_sparse_modes_are_the_engines():
 
 # ----------------------------------------------------------------------------------------------
 # The pieces
-
-
-@pytest.mark.parametrize("token_budget", [16, 32, 48, 100])
-def test_recent_is_the_quality_studys_recent_pages_baseline(token_budget):
-    """The engine's ``"recent"`` (``paged.recent_pages_selection``) is the selection the
-    quality study measured as ``recent_pages`` (``bench/quality/sparse_selections.py``)."""
-    table = paged.PageTable.from_page_lists(
-        [[5], [1, 2, 3, 4, 6], [7, 8, 9], []], [3, 70, 40, 0], PAGE_SIZE, num_indices=16
-    )
-    ours, theirs = (
-        paged.recent_pages_selection(table, token_budget),
-        study_recent_pages(table, token_budget),
-    )
-    np.testing.assert_array_equal(ours.block_indptr, theirs.block_indptr)
-    np.testing.assert_array_equal(ours.block_indices, theirs.block_indices)
 
 
 def test_the_report_counts_requests_over_the_budget():
