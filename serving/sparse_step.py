@@ -102,6 +102,15 @@ class SparseDecode:
     mode: str
     token_budget: int
 
+    def __post_init__(self):
+        # Checked here too (not only by check_sparse_arguments): forward_paged takes one
+        # directly, and an unknown mode would otherwise run as "recent" without a word.
+        if self.mode not in SPARSE_MODES:
+            raise ValueError(f"SparseDecode mode must be one of {SPARSE_MODES}, got {self.mode!r}")
+        budget = self.token_budget
+        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+            raise ValueError(f"SparseDecode token_budget must be an int >= 1, got {budget!r}")
+
     @property
     def keeps_bounds(self) -> bool:
         """Whether the selection reads Quest's key bounds (which must then be kept)."""

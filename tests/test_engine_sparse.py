@@ -357,6 +357,10 @@ def test_bad_sparse_arguments_are_named(target):
         forward_paged(params, config, tokens, caches, table, sparse=quest)
     with pytest.raises(ValueError, match="sparse mode 'quest' reads key bounds"):
         forward_paged(params, config, tokens[:, :1], caches, table, sparse=quest)
+    with pytest.raises(ValueError, match=r"SparseDecode mode must be one of .*got 'top_k'"):
+        sparse_step.SparseDecode("top_k", SMALL_BUDGET)
+    with pytest.raises(ValueError, match=r"SparseDecode token_budget must be an int >= 1, got 0"):
+        sparse_step.SparseDecode("recent", 0)
 
 
 # ----------------------------------------------------------------------------------------------
