@@ -34,6 +34,12 @@ from hypothesis import HealthCheck, settings
 # warpgroup's computation waits on its own Python thread. Set before the CPU client exists.
 jax.config.update("jax_cpu_enable_async_dispatch", False)
 
+# Importing ``jax.experimental.pallas.fuser`` registers a value of JAX's tracing context, and the
+# first interpreted Pallas kernel of a process imports it lazily: without this import that first
+# kernel is keyed without the value and compiled a second time by the next call with the same
+# shapes (about 5 s in tests/test_sampling_kernels.py). Imported once here for every module.
+import jax.experimental.pallas.fuser  # noqa: E402
+
 settings.register_profile(
     "ci",
     derandomize=True,

@@ -10,6 +10,7 @@ of ``serving.layers``, on both backends (kernels interpreted on a CPU):
 
 from __future__ import annotations
 
+import functools
 import re
 
 import jax
@@ -20,7 +21,8 @@ import pytest
 import sampling
 import speculative
 from serving import layers
-from tests.conftest import enable_x64
+from tests.conftest import ON_GPU, enable_x64
+from tests.test_sampling_kernels import FAST_COMPILE
 
 BACKENDS = ("reference", "pallas")
 BATCH, VOCAB, NUM_DRAFTS, HIDDEN = 3, 40, 2, 24
@@ -249,6 +251,20 @@ FILTERS = {
 }
 
 
+@functools.cache
+def _jitted_sample_from_logits(temperature: float, backend: str):
+    """``sample_from_logits`` of ``DEGENERATE_LOGITS`` under ``jit`` at one temperature (a
+    constant of the program, as a caller's would be). Cached: five of the filter cases share a
+    temperature of 1, and the interpreted kernel takes seconds to compile; the pallas program
+    compiles unoptimized (``tests/test_sampling_kernels.py``, ``FAST_COMPILE``)."""
+    return jax.jit(
+        lambda x: sampling.sample_from_logits(
+            jax.random.key(3), x, temperature=temperature, return_logprob=True, backend=backend
+        ),
+        compiler_options=FAST_COMPILE if backend == "pallas" and not ON_GPU else None,
+    )
+
+
 @pytest.mark.parametrize("filters", sorted(FILTERS))
 def test_under_jit_a_row_without_finite_logits_is_a_point_mass_never_nan(filters):
     """A fully masked row is one-hot at token 0 (the token the samplers return), a row with
@@ -271,11 +287,7 @@ def test_under_jit_a_row_without_finite_logits_is_a_point_mass_never_nan(filters
     assert q[np.arange(4), tokens].min() > 0, (tokens, q)
     temperature = kwargs.get("temperature", 1.0)
     for backend in BACKENDS:
-        tokens, logprob = jax.jit(
-            lambda x, backend=backend: sampling.sample_from_logits(
-                jax.random.key(3), x, temperature=temperature, return_logprob=True, backend=backend
-            )
-        )(logits)
+        tokens, logprob = _jitted_sample_from_logits(temperature, backend)(logits)
         for row, token in POINT_MASS_TOKEN.items():
             assert (int(tokens[row]), float(logprob[row])) == (token, 0.0), (backend, row)
         assert not np.isnan(np.asarray(logprob)).any(), (backend, logprob)
@@ -306,7 +318,12 @@ def test_under_jit_nan_and_negative_probabilities_weigh_zero(name, backend):
     the kernel), so the result is the one of the row with those entries zeroed."""
     bad = jnp.array([[np.nan, 0.2, 0.5, 0.3, 0.1], [0.4, -0.5, 0.3, 0.3, 0.0]], jnp.float32)
     zeroed = jnp.where(jnp.isnan(bad) | (bad < 0), 0.0, bad)
-    call = jax.jit(lambda p: PROBABILITY_CALLS[name](p, backend))
+    # The interpreted Gumbel kernel compiles unoptimized (``FAST_COMPILE``): the same bits.
+    fast = backend == "pallas" and not ON_GPU
+    call = jax.jit(
+        lambda p: PROBABILITY_CALLS[name](p, backend),
+        compiler_options=FAST_COMPILE if fast else None,
+    )
     _assert_same(_described(call(bad)), _described(call(zeroed)), f"{name} on {backend}")
 
 

@@ -24,9 +24,42 @@ def _timing(median_us: float = 1.0) -> Timing:
     return Timing.from_samples([median_us], 1, 2, "jax_loop")
 
 
-def test_sampling_dry_run_times_every_decodelab_arm_beside_the_peers(tmp_path):
+@contextlib.contextmanager
+def _compiled_programs_kept_in(directory):
+    """JAX's persistent compilation cache in ``directory`` for the body only: a later run of
+    the suite's programs (same HLO) loads them instead of compiling them again, which the
+    suite's fresh closures would otherwise do. Every program is kept, however fast its
+    compile."""
+    from jax.experimental.compilation_cache import compilation_cache
+
+    settings = {
+        "jax_compilation_cache_dir": str(directory),
+        "jax_persistent_cache_min_compile_time_secs": 0.0,
+        "jax_persistent_cache_min_entry_size_bytes": -1,
+    }
+    before = {name: getattr(jax.config, name) for name in settings}
+    compilation_cache.reset_cache()
+    for name, value in settings.items():
+        jax.config.update(name, value)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            jax.config.update(name, value)
+        compilation_cache.reset_cache()
+
+
+@pytest.fixture(scope="module")
+def compiled_programs(tmp_path_factory):
+    """One directory of compiled programs for this file's dry runs (``make test`` runs a file's
+    tests on one worker, ``--dist loadfile``): the partial-report test runs cases of the full
+    dry run, at its batch, and loads their programs rather than compiling them (twice)."""
+    return tmp_path_factory.mktemp("compiled_programs")
+
+
+def test_sampling_dry_run_times_every_decodelab_arm_beside_the_peers(tmp_path, compiled_programs):
     printed = io.StringIO()
-    with contextlib.redirect_stdout(printed):
+    with _compiled_programs_kept_in(compiled_programs), contextlib.redirect_stdout(printed):
         status = main(["sampling", "--dry-run", "--out", str(tmp_path)])
     assert status == 0
     [json_path] = tmp_path.glob("*-sampling.json")
@@ -85,12 +118,28 @@ def test_sampling_dry_run_times_every_decodelab_arm_beside_the_peers(tmp_path):
     assert any(note.startswith(f"target gumbel B={batch}") for note in document["notes"])
 
 
-def test_sampling_part_keeps_a_partial_report_when_the_run_is_cut_short(tmp_path, monkeypatch):
-    """DECODELAB_SAMPLING_CASES runs a part of a batch's cases; a run that dies after its first
-    group of arms (here: its repeat row raises, as a time limit would strike) leaves those rows
-    in ``<date>-sampling-partial.json``, which merge_reports can read; a run that ends replaces
-    the partial files with its report."""
+def test_sampling_part_keeps_a_partial_report_when_the_run_is_cut_short(
+    tmp_path, monkeypatch, compiled_programs
+):
+    """DECODELAB_SAMPLING_CASES runs a part of a batch's cases, a kind outside the dry run's
+    defaults too; a run that dies after its first group of arms (here: its repeat row raises,
+    as a time limit would strike) leaves those rows in ``<date>-sampling-partial.json``, which
+    merge_reports can read; a run that ends replaces the partial files with its report.
+
+    The runs take the joint kind at the dry run's batch, whose programs the dry-run test above
+    compiled (``compiled_programs``); the choice of a kind outside ``DRY_RUN_KINDS`` (top_k) is
+    checked on ``chosen_kinds``, which decides what a run times."""
     monkeypatch.setenv(sampling_suite.CASES_VARIABLE, "top_k")
+    assert "top_k" not in sampling_suite.DRY_RUN_KINDS
+    assert sampling_suite.chosen_kinds(RunOptions(dry_run=True)) == ("top_k",)
+    monkeypatch.setenv(sampling_suite.CASES_VARIABLE, "joint")
+    with _compiled_programs_kept_in(compiled_programs):
+        _run_cut_short_then_whole(tmp_path, monkeypatch)
+
+
+def _run_cut_short_then_whole(out, monkeypatch):
+    """The body of the test above, its reports in ``out``."""
+    [batch] = sampling_suite.DRY_RUN_BATCHES
 
     def cut_short(*args, **kwargs):
         raise TimeoutError("cut short")
@@ -98,26 +147,26 @@ def test_sampling_part_keeps_a_partial_report_when_the_run_is_cut_short(tmp_path
     with monkeypatch.context() as patch:
         patch.setattr(sampling_suite, "_repeat_row", cut_short)
         with contextlib.redirect_stdout(io.StringIO()), pytest.raises(TimeoutError):
-            main(["sampling", "--dry-run", "--batches", "1", "--out", str(tmp_path)])
-    [partial] = tmp_path.glob("*-sampling-partial.json")
+            main(["sampling", "--dry-run", "--batches", str(batch), "--out", str(out)])
+    [partial] = out.glob("*-sampling-partial.json")
     document = json.loads(partial.read_text())
     assert document["suite"] == "sampling"
     assert {(case["case"], case["arm"]) for case in document["cases"]} == {
-        ("top_k B=1", "decodelab_reference"),
-        ("top_k B=1", "decodelab"),
-        ("top_k B=1", "decodelab_kernel"),
+        (f"joint B={batch}", "decodelab_reference"),
+        (f"joint B={batch}", "decodelab"),
+        (f"joint B={batch}", "decodelab_kernel"),
     }
     assert any(note.startswith("PARTIAL") for note in document["notes"])
-    assert not list(tmp_path.glob("*-sampling.json"))
+    assert not list(out.glob("*-sampling.json"))
 
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
-        assert main(["sampling", "--dry-run", "--batches", "1", "--out", str(tmp_path)]) == 0
-    assert not list(tmp_path.glob("*-partial.*"))
-    [whole] = tmp_path.glob("*-sampling.json")
+        assert main(["sampling", "--dry-run", "--batches", str(batch), "--out", str(out)]) == 0
+    assert not list(out.glob("*-partial.*"))
+    [whole] = out.glob("*-sampling.json")
     cases = {case["case"] for case in json.loads(whole.read_text())["cases"]}
-    assert cases == {"top_k B=1"}  # no peers: they join the gumbel and top_p cases
-    assert "top_k B=1: decodelab_kernel done in" in printed.getvalue()
+    assert cases == {f"joint B={batch}"}  # no peers: they join the gumbel and top_p cases
+    assert f"joint B={batch}: decodelab_kernel done in" in printed.getvalue()
 
 
 def test_sampling_cases_variable_refuses_an_unknown_kind(monkeypatch):

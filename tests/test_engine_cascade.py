@@ -51,8 +51,15 @@ def pair():
 
 
 def _engine(pair, *, cascade, num_speculative=0, backend="reference", **options):
+    """An engine on the module's pool and slots. Prompts are prefilled a token a chunk (all in
+    the first step, within the default budget): cascade is a decode path, and one prefill
+    program then serves every prompt length here, where the ragged prompts' power-of-two
+    pieces would compile six."""
     target, draft = pair
-    options = dict(num_pages=NUM_PAGES, page_size=PAGE_SIZE, parallel=PARALLEL) | options
+    options = (
+        dict(num_pages=NUM_PAGES, page_size=PAGE_SIZE, parallel=PARALLEL, prefill_chunk_size=1)
+        | options
+    )
     return Engine(
         target,
         draft,
@@ -388,9 +395,10 @@ def test_auto_cascades_at_the_measured_crossover_on_a_gpu(pair):
 
 def test_generate_cascade_flag_runs_cascade_for_samples_of_one_prompt(capsys):
     """``--num-samples 3 --cascade on``: the samples share the prompt's pages, cascade runs
-    (``--stats`` says so), and the output is ``--cascade off``'s."""
+    (``--stats`` says so), and the output is ``--cascade off``'s. (Prompts prefilled a token a
+    chunk: one compiled prefill program, not one a power-of-two piece; what differs is decode.)"""
     argv = ["generate", "--prompt", PREFIX, "--max-tokens", "4", "--num-samples", "3"]
-    argv += ["--temperature", "0", "--parallel", "3", "--stats"]
+    argv += ["--temperature", "0", "--parallel", "3", "--stats", "--prefill-chunk-size", "1"]
     printed = {}
     for mode in ("off", "on"):
         assert main([*argv, "--cascade", mode]) == 0

@@ -10,6 +10,7 @@ probability near one. Any draw outside the kept set fails outright. Seeds are fi
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -20,6 +21,8 @@ import pytest
 import sampling
 from sampling import reference
 from sampling.filters import FilterParams, filtered_distribution
+from tests.conftest import ON_GPU
+from tests.test_sampling_kernels import FAST_COMPILE
 
 ALPHA = 1e-6
 NUM_DRAWS = 100_000
@@ -72,14 +75,31 @@ FILTER_CASES = {
 }
 
 
+@functools.cache
+def _filtered_draws(order: str):
+    """``_draw``'s program for ``filtered_sample``, the filter values as data (a filter left
+    off is top_k V, top_p 1, min_p 0: what None means), so that the cases of one order share
+    one compile: the same key, rows and draws as ``_draw``'s."""
+    return jax.jit(
+        lambda rows, top_k, top_p, min_p: sampling.filtered_sample(
+            jax.random.key(7), rows, top_k=top_k, top_p=top_p, min_p=min_p, order=order
+        )
+    )
+
+
 @pytest.mark.parametrize("name", sorted(FILTER_CASES))
 def test_filtered_samplers_draw_the_filtered_distribution(name):
     probs = _distribution(1)
     options = dict(FILTER_CASES[name])
     order = options.pop("order", "joint")
-    tokens = _draw(sampling.filtered_sample, probs, order=order, **options)
     params = FilterParams(
         options.get("top_k", VOCAB), options.get("top_p", 1.0), options.get("min_p", 0.0)
+    )
+    rows = jnp.broadcast_to(jnp.asarray(probs), (NUM_DRAWS, VOCAB))
+    tokens = np.asarray(
+        _filtered_draws(order)(
+            rows, jnp.int32(params.top_k), jnp.float32(params.top_p), jnp.float32(params.min_p)
+        )
     )
     target = np.asarray(filtered_distribution(jnp.asarray(probs), params, order), np.float64)
     assert_distributed_as(tokens, target / target.sum())
@@ -285,13 +305,16 @@ def test_sampler_and_definition_agree_on_top_p_boundaries_in_float32():
     """Uniform and tied rows put top_p exactly on a partial sum; the sampler's test and the
     definition read one prefix-mass table, so every drawn token has the log-probability of the
     kept set the definition (and top_p_renorm_probs) describes, never -inf."""
+    # One compiled program a vocabulary (the rows and top_p are data; traced eagerly, each call
+    # compiled the reference's rejection loop again).
+    sample = jax.jit(
+        lambda key, probs, top_p: sampling.top_p_sample(key, probs, top_p, return_logprob=True)
+    )
     for vocab, top_p in [(50, 0.5), (83, 0.8), (40, 0.9)]:
         levels = np.where(np.arange(vocab) % 2 == 0, 0.1, 0.05).astype(np.float32)
         for row in (np.full(vocab, 1.0 / vocab, np.float32), levels / levels.sum()):
             probs = jnp.broadcast_to(jnp.asarray(row), (2000, vocab))
-            tokens, logprob = sampling.top_p_sample(
-                jax.random.key(vocab), probs, top_p, return_logprob=True
-            )
+            tokens, logprob = sample(jax.random.key(vocab), probs, jnp.float32(top_p))
             renormed = np.asarray(sampling.top_p_renorm_probs(probs[:1], top_p))[0]
             tokens = np.asarray(tokens)
             assert np.all(renormed[tokens] > 0)
@@ -327,9 +350,24 @@ def test_enough_rounds_never_reach_the_fallback():
     an over-strict accept test would hide behind the exact fallback; this catches it."""
     rng_np = np.random.default_rng(12)
     probs = jnp.asarray(rng_np.dirichlet(np.full(12, 0.5), size=512), jnp.float32)
+    # One compiled program for the four filter settings (a filter left off is top_k V, top_p 1,
+    # min_p 0, what None means).
+    rounds_of = jax.jit(
+        lambda top_k, top_p, min_p: sampling.filtered_sample(
+            jax.random.key(4),
+            probs,
+            top_k=top_k,
+            top_p=top_p,
+            min_p=min_p,
+            max_rounds=13,
+            return_rounds=True,
+        )[1]
+    )
     for options in ({"top_k": 3}, {"top_p": 0.7}, {"min_p": 0.2}, {"top_k": 5, "top_p": 0.5}):
-        _, rounds = sampling.filtered_sample(
-            jax.random.key(4), probs, max_rounds=13, return_rounds=True, **options
+        rounds = rounds_of(
+            jnp.int32(options.get("top_k", 12)),
+            jnp.float32(options.get("top_p", 1.0)),
+            jnp.float32(options.get("min_p", 0.0)),
         )
         assert int(np.max(np.asarray(rounds))) <= 13, options
 
@@ -352,12 +390,14 @@ def test_huge_weights_do_not_overflow_the_race():
 
 def test_nan_under_jit_never_wins_in_reference_or_kernel():
     logits = jnp.zeros((4, 300)).at[:, 200].set(50.0).at[:, 5].set(jnp.nan)
-    sample = jax.jit(
-        lambda x, backend: sampling.sample_from_logits(jax.random.key(1), x, backend=backend),
-        static_argnums=1,
-    )
-    assert np.asarray(sample(logits, "reference")).tolist() == [200] * 4
-    assert np.asarray(sample(logits, "pallas")).tolist() == [200] * 4
+    for backend in ("reference", "pallas"):
+        sample = jax.jit(
+            lambda x, backend=backend: sampling.sample_from_logits(
+                jax.random.key(1), x, backend=backend
+            ),
+            compiler_options=FAST_COMPILE if backend == "pallas" and not ON_GPU else None,
+        )
+        assert np.asarray(sample(logits)).tolist() == [200] * 4, backend
 
 
 # ----------------------------------------------------------------------------------------------
@@ -431,7 +471,8 @@ def test_logits_logprob_is_the_tempered_log_softmax(backend):
     sample = jax.jit(
         lambda x, t: sampling.sample_from_logits(
             jax.random.key(4), x, temperature=t, return_logprob=True, backend=backend
-        )
+        ),
+        compiler_options=FAST_COMPILE if backend == "pallas" and not ON_GPU else None,
     )
     for temperature in [temperatures, *LOGPROB_TEMPERATURES]:
         per_row = np.broadcast_to(np.asarray(temperature, np.float32), (batch,))
@@ -446,6 +487,56 @@ def test_logits_logprob_is_the_tempered_log_softmax(backend):
         np.testing.assert_allclose(logprob, expected, rtol=0, atol=LOGPROB_ATOL)
 
 
+@functools.cache
+def _logprob_programs(backend: str, order: str):
+    """The three samplers the next test calls, under ``jit`` with the temperature and the filter
+    values as data (a filter left off is top_k V, top_p 1, min_p 0: what None means), so that
+    one compiled program serves every temperature and every filter case of an order. (Traced
+    eagerly, each call compiled the reference's rejection loop again.) The interpreted Gumbel
+    kernel compiles unoptimized (``FAST_COMPILE``)."""
+    from speculative import sample_draft
+
+    options = dict(compiler_options=FAST_COMPILE if backend == "pallas" and not ON_GPU else None)
+    filtered = jax.jit(
+        lambda probs, top_k, top_p, min_p: sampling.filtered_sample(
+            jax.random.key(8),
+            probs,
+            top_k=top_k,
+            top_p=top_p,
+            min_p=min_p,
+            order=order,
+            return_logprob=True,
+            backend=backend,
+        ),
+        **options,
+    )
+    draft = jax.jit(
+        lambda logits, temperature, top_k, top_p, min_p: sample_draft(
+            jax.random.key(9),
+            logits,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            min_p=min_p,
+            order=order,
+            backend=backend,
+        ),
+        **options,
+    )
+    return filtered, draft, _race_program(backend)
+
+
+@functools.cache
+def _race_program(backend: str):
+    """``sample_from_probs`` under ``jit`` for ``_logprob_programs`` (one for both orders)."""
+    return jax.jit(
+        lambda q: sampling.sample_from_probs(
+            jax.random.key(9), q, return_logprob=True, backend=backend
+        ),
+        compiler_options=FAST_COMPILE if backend == "pallas" and not ON_GPU else None,
+    )
+
+
 @pytest.mark.parametrize("backend", ["reference", "pallas"])
 @pytest.mark.parametrize("name", sorted(LOGPROB_FILTERS))
 def test_filtered_logprob_is_of_the_tempered_filtered_distribution(name, backend):
@@ -453,8 +544,6 @@ def test_filtered_logprob_is_of_the_tempered_filtered_distribution(name, backend
     filtered, renormalized, tempered distribution at the token (float64 definition), at every
     temperature; and ``speculative.sample_draft``'s ``q`` sampled by ``sample_from_probs``
     reports the same number."""
-    from speculative import sample_draft
-
     logits = _logprob_logits()
     filters = LOGPROB_FILTERS[name]
     params = (
@@ -463,11 +552,11 @@ def test_filtered_logprob_is_of_the_tempered_filtered_distribution(name, backend
         filters.get("min_p", 0.0),
         filters.get("order", "joint"),
     )
+    filtered, draft, race = _logprob_programs(backend, params[3])
+    values = (jnp.int32(params[0]), jnp.float32(params[1]), jnp.float32(params[2]))
     for temperature in LOGPROB_TEMPERATURES:
         probs = jax.nn.softmax(jnp.asarray(logits) / temperature, axis=-1)
-        tokens, logprob = sampling.filtered_sample(
-            jax.random.key(8), probs, return_logprob=True, backend=backend, **filters
-        )
+        tokens, logprob = filtered(probs, *values)
         tokens, logprob = np.asarray(tokens), np.asarray(logprob)
         probs64 = np.asarray(probs, np.float64)
         expected = [
@@ -475,17 +564,9 @@ def test_filtered_logprob_is_of_the_tempered_filtered_distribution(name, backend
             for row, token in zip(probs64, tokens, strict=True)
         ]
         np.testing.assert_allclose(logprob, expected, rtol=0, atol=LOGPROB_ATOL, err_msg=name)
-        draws, q = sample_draft(
-            jax.random.key(9),
-            jnp.asarray(logits),
-            temperature=temperature,
-            backend=backend,
-            **filters,
-        )
+        draws, q = draft(jnp.asarray(logits), jnp.float32(temperature), *values)
         draws, q = np.asarray(draws), np.asarray(q, np.float64)
-        resampled, draft_logprob = sampling.sample_from_probs(
-            jax.random.key(9), jnp.asarray(q, jnp.float32), return_logprob=True, backend=backend
-        )
+        resampled, draft_logprob = race(jnp.asarray(q, jnp.float32))
         np.testing.assert_array_equal(np.asarray(resampled), draws)  # the same race on q
         tempered = np.exp(_log_softmax64(logits, temperature))
         expected = [

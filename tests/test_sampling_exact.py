@@ -44,6 +44,17 @@ def _jitted_inverse_transform():
     return jax.jit(reference.inverse_transform)
 
 
+@functools.cache
+def _jitted_min_p_sample():
+    """``reference.filtered_sample_from_uniforms`` with min-p alone, ``min_p`` as data: one
+    compile for every example (traced eagerly, each call compiled its rounds' loop again)."""
+    return jax.jit(
+        lambda probs, uniforms, min_p: reference.filtered_sample_from_uniforms(
+            probs, uniforms, min_p=min_p
+        )
+    )
+
+
 def _intervals(weights: jax.Array):
     """The uniform's intervals ``(token, start, end)`` of positive length: token j owns
     ``[F[j-1], F[j])`` of the normalized running sums ``F`` the reference computes (the same
@@ -193,7 +204,7 @@ def test_min_p_alone_decides_in_one_round_from_its_kept_set(probs, min_p, unifor
         positive = probs > 0
         np.testing.assert_array_equal(np.asarray(candidates & positive), np.asarray(kept))
         uniforms = jnp.full((1, 33), uniform, jnp.float64)
-        token, rounds = reference.filtered_sample_from_uniforms(probs[None], uniforms, min_p=min_p)
+        token, rounds = _jitted_min_p_sample()(probs[None], uniforms, jnp.float64(min_p))
     assert int(rounds[0]) == 1
     assert bool(kept[int(token[0])])
 

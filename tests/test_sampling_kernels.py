@@ -13,6 +13,8 @@ and prints it. The distribution itself is tested on the reference
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -25,9 +27,25 @@ from kernels_pallas.gumbel import default_launch
 from kernels_pallas.sampling import gumbel_sample
 from sampling import reference
 from sampling.api import EXPONENTIAL_STREAM
+from sampling.filters import ORDERS
 from tests.conftest import ON_GPU
 
 ALLOWED_MISMATCH = 1e-3 if ON_GPU else 0.0
+
+# The Gumbel kernel's interpreted program is mostly Philox integer arithmetic, where LLVM's
+# optimizer spends about 8 s a compile and the tiny test shapes run in milliseconds either way;
+# unoptimized (``xla_backend_optimization_level`` 0) it compiles in about 2 s. LLVM's
+# optimization level changes no float result (XLA's CPU backend compiles without fast-math at
+# every level), so the kernel's tokens are the same bits.
+FAST_COMPILE = {"xla_backend_optimization_level": 0}
+
+# ``gumbel_sample`` compiled as above on a CPU (on a GPU, as the library compiles it). One
+# module-level function, so that calls with the same shapes share its compiled program.
+gumbel_sample_fast_compile = jax.jit(
+    gumbel_sample,
+    static_argnames=("from_logits", "stream", "quads", "steps", "interpret"),
+    compiler_options=None if ON_GPU else FAST_COMPILE,
+)
 
 
 def _logits(seed, batch, vocab, dtype):
@@ -43,7 +61,21 @@ def _mismatch(got, expected):
     return float(np.mean(np.asarray(got) != np.asarray(expected)))
 
 
-@pytest.mark.parametrize("vocab", [1, 7, 1000, 3000])
+# The public samplers on the kernel, compiled as ``gumbel_sample_fast_compile`` is (under
+# ``jit`` the API skips only its checks of concrete values, which these valid inputs pass).
+api_logits_fast_compile = jax.jit(
+    functools.partial(sampling.sample_from_logits, backend="pallas"),
+    compiler_options=None if ON_GPU else FAST_COMPILE,
+)
+api_probs_fast_compile = jax.jit(
+    functools.partial(sampling.sample_from_probs, backend="pallas"),
+    compiler_options=None if ON_GPU else FAST_COMPILE,
+)
+
+
+# Vocab 1, 7 (and 1000, dropped: it has the same launch as 7, one 1024-column step a row with
+# its tail masked) take one chunk a row; 3000 three.
+@pytest.mark.parametrize("vocab", [1, 7, 3000])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_kernel_picks_the_references_tokens_from_logits(vocab, dtype):
     """Through the API: one key (the kernel derives the rows' keys) and a temperature a row,
@@ -55,7 +87,7 @@ def test_kernel_picks_the_references_tokens_from_logits(vocab, dtype):
     expected = sampling.sample_from_logits(
         key, logits, temperature=temperature, backend="reference"
     )
-    got = sampling.sample_from_logits(key, logits, temperature=temperature, backend="pallas")
+    got = api_logits_fast_compile(key, logits, temperature=temperature)
     assert _mismatch(got, expected) <= ALLOWED_MISMATCH
     assert np.asarray(got)[1] == (2 if vocab > 4 else np.argmax(np.asarray(logits[1])))
     if vocab > 4:
@@ -67,7 +99,7 @@ def test_kernel_picks_the_references_tokens_from_probs(vocab):
     probs = jax.nn.softmax(_logits(vocab + 1, 6, vocab, jnp.float32), axis=-1)
     keys = jax.random.split(jax.random.key(5), 6)  # per-row keys
     expected = sampling.sample_from_probs(keys, probs, backend="reference")
-    got = sampling.sample_from_probs(keys, probs, backend="pallas")
+    got = api_probs_fast_compile(keys, probs)
     assert _mismatch(got, expected) <= ALLOWED_MISMATCH
     assert np.asarray(got)[0] >= vocab // 3  # a token of probability 0 never wins
 
@@ -176,7 +208,7 @@ def test_kernel_runs_the_documented_race(from_logits, keys, temperatures, steps)
 
     def kernel(temperature):
         return np.asarray(
-            gumbel_sample(
+            gumbel_sample_fast_compile(
                 values,
                 key_words,
                 temperature,
@@ -490,8 +522,10 @@ def test_dual_pivot_kernel_picks_the_references_tokens(vocab, name, max_rounds):
 def test_min_p_alone_takes_one_round_in_the_kernel():
     """The kernel starts from min-p's kept set as the reference does, and with min-p the only
     filter it skips the pivot pass: every row, the all-zero-but-one row and ties included,
-    decides in exactly one round and draws a kept token."""
-    batch, vocab = 16, 3000
+    decides in exactly one round and draws a kept token. (96 rows at vocab 3000: the shape of
+    the 3000-column cases of ``test_dual_pivot_kernel_picks_the_references_tokens``, whose
+    compiled kernel it shares.)"""
+    batch, vocab = 96, 3000
     probs = _filter_rows(11, batch, vocab)
     keys = jax.random.split(jax.random.key(5), batch)
     min_p = jnp.linspace(0.0, 1.0, batch)  # 0 (no filter) to 1 (only the maximum's ties)
@@ -543,17 +577,25 @@ def test_dual_pivot_kernel_draws_the_filtered_distribution():
     """The kernel's own draws (not only its agreement with the reference) pass the calibrated
     test of ``tests/test_sampling_api.py`` (false-fail rate 1e-6) on a 64-token distribution
     with ties and a zero. 16384 draws, not the API tests' 100000: interpret mode runs the rows
-    one program at a time; the bound is computed for the draws taken."""
+    one program at a time; the bound is computed for the draws taken. The draws are taken 256
+    rows a call, each row with its own key: interpret mode copies the whole batch into each
+    row's program, so one call's time grows with the square of its rows (64 calls of 256 rows
+    took 1 s, one call of 16384 rows 20 s)."""
     from tests.test_sampling_api import _distribution, assert_distributed_as
 
     probs = jnp.asarray(_distribution(5))
     parameters = dict(top_k=12, top_p=0.7, min_p=0.01)
-    rows = jnp.broadcast_to(probs, (16384, probs.shape[0]))
-    tokens = np.asarray(
-        jax.jit(
-            lambda p: sampling.filtered_sample(jax.random.key(2), p, backend="pallas", **parameters)
-        )(rows)
+    draws, rows_a_call = 16384, 256
+    keys = jax.random.split(jax.random.key(2), draws)
+    rows = jnp.broadcast_to(probs, (rows_a_call, probs.shape[0]))
+    draw = jax.jit(lambda k: sampling.filtered_sample(k, rows, backend="pallas", **parameters))
+    tokens = np.concatenate(
+        [
+            np.asarray(draw(keys[start : start + rows_a_call]))
+            for start in range(0, draws, rows_a_call)
+        ]
     )
+    assert tokens.shape == (draws,)
     target = np.asarray(
         sampling.filters.filtered_distribution(
             probs.astype(jnp.float32), sampling.filters.FilterParams(12, 0.7, 0.01)
@@ -591,20 +633,39 @@ def test_kernels_under_jit_never_return_an_out_of_range_token():
     probs = _filter_rows(3, 6, 300)
     probs = probs.at[1].set(jnp.nan).at[2].set(0.0).at[4].set(-1.0).at[5].set(1e-38)
     keys = jax.random.split(jax.random.key(0), 6)
-    # The last case is min-p alone: the path that skips the pivot pass.
+    # One program per order and round bound, the filters as data (a filter left off is top_k
+    # V, top_p 1, min_p 0: what None means), so the two joint cases share a compile.
+    programs = {
+        (order, max_rounds): jax.jit(
+            lambda p, top_k, top_p, min_p, order=order, max_rounds=max_rounds: (
+                sampling.filtered_sample(
+                    keys,
+                    p,
+                    top_k=top_k,
+                    top_p=top_p,
+                    min_p=min_p,
+                    order=order,
+                    max_rounds=max_rounds,
+                    backend="pallas",
+                )
+            )
+        )
+        for order in ORDERS
+        for max_rounds in (32, 0)
+    }
+    # The last case is min-p alone: the path that skips the pivot pass (decided at run time).
     for order, filters in (
         ("joint", dict(top_k=5, top_p=0.5, min_p=0.1)),
         ("top_k_first", dict(top_k=5, top_p=0.5, min_p=0.1)),
         ("joint", dict(min_p=0.1)),
     ):
         for max_rounds in (32, 0):
-            tokens = jax.jit(
-                lambda p, order=order, max_rounds=max_rounds, filters=filters: (
-                    sampling.filtered_sample(
-                        keys, p, order=order, max_rounds=max_rounds, backend="pallas", **filters
-                    )
-                )
-            )(probs)
+            tokens = programs[order, max_rounds](
+                probs,
+                jnp.int32(filters.get("top_k", 300)),
+                jnp.float32(filters.get("top_p", 1.0)),
+                jnp.float32(filters.get("min_p", 0.0)),
+            )
             tokens = np.asarray(tokens)
             assert ((tokens >= 0) & (tokens < 300)).all(), (order, filters, tokens)
 
@@ -708,7 +769,9 @@ def _exact_rows(batch: int, vocab: int) -> jax.Array:
 def test_kernels_equal_the_reference_where_every_sum_is_exact(case, max_rounds):
     from kernels_pallas.sampling import dual_pivot_sample
 
-    batch, vocab = 24, 200
+    # TIE_BATCH rows: the shape and launch of the tie test's 32-column-block calls below, whose
+    # compiled kernels they share.
+    batch, vocab = TIE_BATCH, TIE_VOCAB
     probs = _exact_rows(batch, vocab)
     keys = jax.random.split(jax.random.key(case), batch)
     filters = EXACT_CASES[case]
