@@ -27,7 +27,8 @@ Public API (names are part of the contract):
 - ``sparse_decode_attention`` (``backend=``) with a ``QuestSelection`` (``PageKeyBounds``,
   ``page_key_bounds``, ``update_page_key_bounds``), a ``TokenSelection``
   (``lightning_indexer_top_k``) or a ``BlockSelection``: decode over a selected subset of the
-  keys, as a smaller page table for ``decode_attention`` (``docs/sparse_decode.md``)
+  keys, as a smaller page table for ``decode_attention`` (``docs/sparse_decode.md``);
+  ``recent_pages_selection``: the "recent pages only" baseline, a ``BlockSelection``
 """
 
 from paged.attention_reference import merge_state, merge_states
@@ -89,6 +90,7 @@ from paged.sparse_quest import (
     page_key_bounds,
     update_page_key_bounds,
 )
+from paged.sparse_recent import recent_pages_selection
 from paged.sparse_tokens import TokenSelection
 
 __all__ = [
@@ -141,6 +143,7 @@ __all__ = [
     "plan_decode_tables",
     "prefill_attention",
     "prefill_chunks",
+    "recent_pages_selection",
     "rope_append_kv",
     "sparse_decode_attention",
     "truncated_page_table",

@@ -27,6 +27,10 @@ from serving.step_decision import DEFAULT_PREFILL_GRANT_INTERVAL
 # serving.cascade_step.CASCADE_MODES, repeated for the same reason (tests/test_serving_cli.py
 # checks the two agree).
 CASCADE_MODES = ("auto", "on", "off")
+# serving.sparse_step.SPARSE_MODES and DEFAULT_SPARSE_BUDGET, repeated likewise
+# (tests/test_engine_sparse.py checks they agree); "off" is the engine's sparse=None.
+SPARSE_MODES = ("quest", "recent")
+DEFAULT_SPARSE_BUDGET = 2048
 # Engine's MAX_STEPS_PER_PROGRAM, repeated: importing the engine here would load JAX's model
 # code for --help (tests/test_serving_cli.py checks the two agree).
 MAX_STEPS_PER_PROGRAM = 32
@@ -202,6 +206,25 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: %(default)s)",
     )
     generate.add_argument(
+        "--sparse",
+        default="off",
+        choices=("off", *SPARSE_MODES),
+        help="sparse decode: each decode step attends over a selection of each request's "
+        "pages within --sparse-budget tokens, the first and the last page always (prompts "
+        "are prefilled densely): quest, the pages with the highest bound on their attention "
+        "logits (per KV head, from each page's key minima and maxima), or recent, the latest "
+        "pages; changes the output once a context exceeds the budget; not with --speculative "
+        "or --cascade on; --stats says what it did; off decodes densely (default: %(default)s)",
+    )
+    generate.add_argument(
+        "--sparse-budget",
+        type=int,
+        default=DEFAULT_SPARSE_BUDGET,
+        metavar="TOKENS",
+        help=f"tokens a request reads a decode step with --sparse: a multiple of the page size "
+        f"{PAGE_SIZE}, at least two pages (default: %(default)s)",
+    )
+    generate.add_argument(
         "--stats",
         action="store_true",
         help="also print acceptance figures (with --speculative) and where a step's time went "
@@ -292,6 +315,36 @@ def check_generate_arguments(args: argparse.Namespace) -> None:
         raise UsageError(
             f"--steps-per-program must be a power of two in [1, {MAX_STEPS_PER_PROGRAM}], "
             f"got {steps}"
+        )
+    check_sparse_flags(args)
+
+
+def check_sparse_flags(args: argparse.Namespace) -> None:
+    """Checks ``--sparse`` and ``--sparse-budget`` against each other and the other flags (the
+    engine's own rules, ``serving/sparse_step.py``, in the flags' names).
+
+    Raises:
+      UsageError: naming the flag and its value.
+    """
+    budget = args.sparse_budget
+    if args.sparse == "off":
+        if budget != DEFAULT_SPARSE_BUDGET:  # a budget asked for, but nothing to spend it on
+            raise UsageError(f"--sparse-budget {budget} needs --sparse quest or recent")
+        return
+    if budget % PAGE_SIZE or budget < 2 * PAGE_SIZE:
+        raise UsageError(
+            f"--sparse-budget must be a multiple of the page size {PAGE_SIZE}, at least two "
+            f"pages ({2 * PAGE_SIZE}: the first and the last page are always read), got {budget}"
+        )
+    if args.speculative:
+        raise UsageError(
+            f"--sparse {args.sparse} cannot be combined with --speculative {args.speculative}: "
+            "sparse decode attends one new token a request"
+        )
+    if args.cascade == "on":
+        raise UsageError(
+            f"--sparse {args.sparse} cannot be combined with --cascade on: each request reads "
+            "its own selection of pages, which a shared level cannot follow"
         )
 
 
@@ -454,6 +507,8 @@ def run_generate(args: argparse.Namespace) -> int:
         overlap=not args.no_overlap,
         max_steps_per_program=args.steps_per_program,
         cascade=args.cascade,
+        sparse=None if args.sparse == "off" else args.sparse,
+        sparse_budget=args.sparse_budget,
     )
     progress = GenerationProgress(engine, total_tokens=args.max_tokens * len(requests))
     steps = []
@@ -483,7 +538,10 @@ def run_generate(args: argparse.Namespace) -> int:
             f"{engine.scheduler.stats['shared_prefix_pages']}",
             file=sys.stderr,
         )
-        print(f"decode attention: {engine.cascade_report().describe()}", file=sys.stderr)
+        # Sparse decode excludes cascade: say what ran.
+        sparse = engine.sparse_report()
+        attention = engine.cascade_report() if sparse is None else sparse
+        print(f"decode attention: {attention.describe()}", file=sys.stderr)
     return 0
 
 

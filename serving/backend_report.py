@@ -6,7 +6,11 @@ each program again (``jax.eval_shape``, no compilation) under ``platform.record_
 reports what each op's calls chose: the Pallas kernels (by name) or the pure-JAX reference.
 A decode step that ran cascade attention (``serving/cascade_step.py``) is reported apart: its
 attention under ``"decode: cascade attention"``, and ``"decode: cascade"`` says in how many
-decode steps cascade ran and with which groups (both absent if it never ran).
+decode steps cascade ran and with which groups (both absent if it never ran). With sparse
+decode (``serving/sparse_step.py``), ``"decode: sparse"`` says which selection and budget ran in
+how many steps, ``"decode: sparse selection"`` what computed the selection (Quest's scoring and
+top pages, whose choices are recorded by kernel name with no operation), and ``"decode:
+attention"`` is the decode over the virtual table.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 import jax
 
 from kernels_pallas.platform import record_backends
+from paged.sparse import QUEST_SCORES_KERNEL, QUEST_SELECT_KERNEL
 from serving.programs import decode_step, prefill_step
 
 # The op of the step each public function implements (the operations of
@@ -32,6 +37,16 @@ OP_OF_OPERATION = {
     "top_k_mask_logits": "sampling",
     "chain_speculative_sampling": "speculative acceptance",
 }
+# Choices recorded with no operation (``paged.sparse.choose_quest_backend``: ``AUTO_PICKS_KERNEL``
+# has no entry for them), by the kernel they would run.
+OP_OF_KERNEL = {QUEST_SCORES_KERNEL: "sparse selection", QUEST_SELECT_KERNEL: "sparse selection"}
+
+
+def op_of(record) -> str:
+    """The step's op a ``platform.BackendRecord`` belongs to."""
+    if record.operation is None:
+        return OP_OF_KERNEL[record.kernel]
+    return OP_OF_OPERATION[record.operation]
 
 
 def implementation_of(records) -> str:
@@ -48,7 +63,11 @@ def implementation_of(records) -> str:
 
 
 def backend_report(
-    traced: dict[str, tuple], num_speculative: int, *, cascade: str | None = None
+    traced: dict[str, tuple],
+    num_speculative: int,
+    *,
+    cascade: str | None = None,
+    sparse: str | None = None,
 ) -> dict[str, str]:
     """Which implementation ran each op of the programs in ``traced``, as each op chose it.
 
@@ -59,6 +78,8 @@ def backend_report(
         only the attention is reported (its other ops are the plain step's).
       num_speculative: the engine's ``n`` (0: plain decoding).
       cascade: the ``"decode: cascade"`` line (``CascadeStats.describe``), or None for none.
+      sparse: the ``"decode: sparse"`` line (``SparseStats.describe``), or None for dense
+        decode.
 
     Returns:
       ``{"<program>: <op>": "pallas: <kernel names>" | "reference"}`` for the programs
@@ -67,7 +88,9 @@ def backend_report(
       distribution`` and ``speculative acceptance`` (``implementation_of``). Where prefill
       chunks of different lengths ran different implementations, each is followed by its
       lengths: ``"... (L=1,2,4)"``. Empty for no programs. With a cascaded step, also
-      ``"decode: cascade attention"``; with ``cascade``, ``"decode: cascade"``.
+      ``"decode: cascade attention"``; with ``cascade``, ``"decode: cascade"``; with
+      ``sparse``, ``"decode: sparse selection"`` (``"reference"`` for a selection of plain JAX
+      ops, as ``"recent"``'s) and ``"decode: sparse"``.
     """
     model_ops = ["rmsnorm", "rope + kv append", "attention"]
     found: dict[str, dict[str, list[str]]] = {}  # "<program>: <op>" -> implementation -> L
@@ -78,7 +101,7 @@ def backend_report(
         if kind == "decode_cascade":
             # The cascade attention's own choice, then the decode_attention calls it makes
             # (per level, or for the own level beside the Mosaic GPU shared-level kernel).
-            attention = [r for r in records if OP_OF_OPERATION[r.operation] == "attention"]
+            attention = [r for r in records if op_of(r) == "attention"]
             found["decode: cascade attention"] = {implementation_of(attention): [program]}
             continue
         ops = dict.fromkeys(model_ops, "")
@@ -89,11 +112,11 @@ def backend_report(
             ops["speculative acceptance"] = ""
         elif kind == "decode":
             ops["sampling"] = ""
+        if kind == "decode" and sparse is not None:
+            ops["sparse selection"] = ""
         for op, recorded_op in ops.items():
             recorded_op = recorded_op or op
-            implementation = implementation_of(
-                [r for r in records if OP_OF_OPERATION[r.operation] == recorded_op]
-            )
+            implementation = implementation_of([r for r in records if op_of(r) == recorded_op])
             lengths = found.setdefault(f"{kind}: {op}", {}).setdefault(implementation, [])
             lengths.append(program.removeprefix("prefill L="))
     report = {}
@@ -107,4 +130,6 @@ def backend_report(
             )
     if cascade is not None:
         report["decode: cascade"] = cascade
+    if sparse is not None:
+        report["decode: sparse"] = sparse
     return report

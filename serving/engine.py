@@ -74,6 +74,21 @@ cascade variant. Speculative verification steps attend through the levels too (`
 1``); the draft's passes stay plain. ``DECODELAB_BACKEND=reference`` turns cascade off.
 ``cascade_report()`` counts what it did; ``backend_report()`` says when it ran.
 
+Sparse decode (``sparse="quest" | "recent"``, ``sparse_budget=2048``)
+--------------------------------------------------------------------
+The target's decode steps attend over a selection of each request's pages within a token
+budget (``serving/sparse_step.py``, ``paged.sparse_decode_attention``): ``"quest"`` the top
+pages by Quest's bound on their logits, from the per-page key bounds the engine keeps beside
+every target pool (``target_key_bounds``: updated by every prefill chunk and decode step, a page
+restarting when its first slot is written, so a freed and reused page forgets its previous
+owner); ``"recent"`` the first page and the latest ones. Both always read a request's first and
+last page; a request whose context fits the budget reads every page (dense attention over the
+same keys). Prefill chunks attend densely. Sparse decode excludes cascade (``"auto"`` is then
+off, ``"on"`` raises) and speculation (raises); the overlapped loop and blocks of steps run as
+they do densely. The kill switch makes every part of it the reference, and leaves it on.
+``sparse_report()`` counts what it did; ``backend_report()`` says that it ran and what
+implemented the selection.
+
 Where each part lives:
 
 - ``serving/programs.py``: the jitted decode and prefill programs, and how they sample;
@@ -81,7 +96,8 @@ Where each part lives:
 - ``serving/step_stats.py``: what a step reports (``StepOutput``, ``StepStats``), acceptance
   counts and request timings;
 - ``serving/backend_report.py``: which backend each op of the programs ran;
-- ``serving/cascade_step.py``: which requests a decode program groups, and when it cascades.
+- ``serving/cascade_step.py``: which requests a decode program groups, and when it cascades;
+- ``serving/sparse_step.py``: sparse decode's selection, the key bounds, and their report.
 """
 
 from __future__ import annotations
@@ -98,7 +114,7 @@ import paged
 from kernels_pallas.platform import BACKENDS, resolve_backend
 from paged.cascade_plan import CASCADE_CROSSOVER, CascadeCrossover
 from paged.decode import MAX_KERNEL_Q_LEN
-from serving import cascade_step, host_inputs, programs
+from serving import cascade_step, host_inputs, programs, sparse_step
 from serving import model as model_lib
 from serving.backend_report import backend_report
 from serving.config import ModelConfig
@@ -165,14 +181,24 @@ class Engine:
         (within float rounding: the levels' states are merged exactly).
       cascade_crossover: which groups ``"auto"`` cascades (default the measured
         ``paged.CASCADE_CROSSOVER``; None: none).
+      sparse: None (dense decode), ``"quest"`` or ``"recent"``: the target's decode steps
+        attend over a selection of each request's pages (module docstring,
+        ``serving/sparse_step.py``): Quest's top pages per KV head, or the latest pages; the
+        first and last page always. Changes the outputs (unless every context fits the
+        budget). Not with ``num_speculative > 0`` or ``cascade="on"``; turns ``"auto"``
+        cascade off.
+      sparse_budget: tokens a request reads a decode step with ``sparse`` on: a multiple of
+        ``page_size``, at least two pages (ignored without ``sparse``).
 
     Raises:
       ValueError: naming the argument and the bad value (models that are not pairs, params
         unlike their config, a draft missing or of another vocabulary, ``num_speculative``
         outside ``[0, 15]``, an unknown backend or layout, ``max_steps_per_program`` not a power
         of two in range, a ``cascade`` mode not in ``("auto", "on", "off")`` or a
-        ``cascade_crossover`` that is not a ``paged.CascadeCrossover``, and whatever
-        ``Scheduler`` refuses).
+        ``cascade_crossover`` that is not a ``paged.CascadeCrossover``, a ``sparse`` mode not in
+        ``(None, "quest", "recent")``, a ``sparse_budget`` that is not a whole number of pages
+        (two or more), ``sparse`` with ``num_speculative > 0`` or ``cascade="on"``, and
+        whatever ``Scheduler`` refuses).
 
     Example:
       >>> from serving.config import TINY_DRAFT
@@ -207,6 +233,8 @@ class Engine:
         max_steps_per_program: int = 1,
         cascade: str = "auto",
         cascade_crossover: CascadeCrossover | None = CASCADE_CROSSOVER,
+        sparse: str | None = None,
+        sparse_budget: int = sparse_step.DEFAULT_SPARSE_BUDGET,
     ):
         self.target_config, self.target_params = _check_model("target", target)
         if isinstance(num_speculative, bool) or not isinstance(num_speculative, int):
@@ -268,7 +296,22 @@ class Engine:
             prefill_grant_interval=prefill_grant_interval,
         )
         self.parallel = self.scheduler.parallel
+        # Checked once the scheduler has checked page_size, which the budget is counted in.
+        self.sparse = sparse_step.check_sparse_arguments(
+            sparse,
+            sparse_budget,
+            page_size=self.scheduler.page_size,
+            cascade=cascade,
+            num_speculative=num_speculative,
+        )
+        self._sparse_stats = None if self.sparse is None else sparse_step.SparseStats(self.sparse)
         self.target_caches = model_lib.new_caches(self.target_config, num_pages, page_size, layout)
+        # Quest's key bounds of each target pool (serving/sparse_step.py), or None.
+        self.target_key_bounds = (
+            sparse_step.new_key_bounds(self.target_caches)
+            if self.sparse is not None and self.sparse.keeps_bounds
+            else None
+        )
         self.draft_caches = (
             model_lib.new_caches(self.draft_config, num_pages, page_size, layout)
             if num_speculative
@@ -366,7 +409,7 @@ class Engine:
         for chunk in step.prefill:
             self._run_prefill_chunk(chunk)
         if step.prefill:  # both models prefill: wait for both, or the draft's lands in decode_s
-            jax.block_until_ready((self.target_caches, self.draft_caches))
+            jax.block_until_ready((self.target_caches, self.target_key_bounds, self.draft_caches))
         prefill_s = time.perf_counter() - prefill_start
 
         decode_s = 0.0
@@ -487,7 +530,7 @@ class Engine:
         whose token is the scheduler's placeholder feed the previous program's last tokens from
         the device. Returns its tokens (int32[B, K], on the device; their copy to the host is
         started) and its last tokens (int32[B, 1], for the next program)."""
-        args = (self.target_params, self.draft_params, self.target_caches, self.draft_caches)
+        args = (self.target_params, self.draft_params, self._target_state(), self.draft_caches)
         previous = self._in_flight[3] if self._in_flight is not None else self._previous_zeros()
         result, last = self._call_decode(args, inputs, num_steps, previous)
         result.token_ids.copy_to_host_async()  # the fetch after the next dispatch finds it ready
@@ -502,6 +545,8 @@ class Engine:
             draft_config=self.draft_config,
             backend=self.backend,
         )
+        if self.sparse is not None:  # absent otherwise: a dense engine's calls are as they were
+            static = static | dict(sparse=self.sparse)
         # backend_report traces one step: a block's body is that step (its first step's table).
         first = inputs if num_steps == 1 else programs.first_step(inputs)
         static_step = static | dict(num_speculative=self.num_speculative)
@@ -519,7 +564,7 @@ class Engine:
         packed, packing = host_inputs.pack(inputs)
         extra = () if previous is None else (previous,)
         if num_steps == 1:
-            result, self.target_caches, self.draft_caches = programs.decode_step_jit(
+            result, target_state, self.draft_caches = programs.decode_step_jit(
                 *args,
                 packed,
                 *extra,
@@ -527,14 +572,30 @@ class Engine:
                 num_speculative=self.num_speculative,
                 **static,
             )
+            self._keep_target_state(target_state)
             return result, result.token_ids  # int32[B, 1] without speculation (overlap's case)
         # Always with previous tokens (zeros in the synchronous loop, whose inputs hold no
         # placeholder): one compiled program a K for both loops.
         previous = self._previous_zeros() if previous is None else previous
-        result, last, self.target_caches, self.draft_caches = programs.decode_steps_jit(
+        result, last, target_state, self.draft_caches = programs.decode_steps_jit(
             *args, packed, previous, packing=packing, **static
         )
+        self._keep_target_state(target_state)
         return result, last
+
+    def _target_state(self):
+        """The target's state as the programs take it: its caches, or where Quest's key
+        bounds are kept a ``BoundedCaches`` of the caches and their bounds."""
+        if self.target_key_bounds is None:
+            return self.target_caches
+        return sparse_step.BoundedCaches(self.target_caches, self.target_key_bounds)
+
+    def _keep_target_state(self, state) -> None:
+        """Keeps what a program returned for ``_target_state()`` (the old arrays were donated)."""
+        if self.target_key_bounds is None:
+            self.target_caches = state
+        else:
+            self.target_caches, self.target_key_bounds = state.caches, state.key_bounds
 
     def _previous_zeros(self) -> jax.Array:
         """int32[B, 1] zeros on the device (made once): the previous tokens of a program that
@@ -548,7 +609,7 @@ class Engine:
         args = (
             self.target_params,
             self.draft_params,
-            self.target_caches,
+            self._target_state(),
             self.draft_caches,
             chunk.token_ids[None, :],
             chunk.page_table,
@@ -559,7 +620,8 @@ class Engine:
             target_config=self.target_config, draft_config=self.draft_config, backend=self.backend
         )
         self._traced[f"prefill L={length}"] = ("prefill", self._abstract_args(args), static)
-        self.target_caches, self.draft_caches = programs.prefill_step_jit(*args, **static)
+        target_state, self.draft_caches = programs.prefill_step_jit(*args, **static)
+        self._keep_target_state(target_state)
 
     def _abstract_args(self, args: tuple) -> tuple:
         """A program's ``(target_params, draft_params, target_caches, draft_caches,
@@ -594,8 +656,9 @@ class Engine:
         num_steps = batch.num_steps
         tables = batch.step_page_tables if num_steps > 1 else (table,)
         levels, reason = self._cascade_levels(tables, batch.active)
-        # A cascaded step attends through its levels: the whole table needs no split-KV plan.
-        plan_target = pallas and levels is None
+        # A cascaded step attends through its levels, a sparse one through a virtual table:
+        # neither runs the kernel on the whole table, so neither needs its split-KV plan.
+        plan_target = pallas and levels is None and self.sparse is None
         cascade = None
         if num_steps > 1:
             plans = _plan_tables(tables, self.target_config) if plan_target else (None,) * num_steps
@@ -615,6 +678,8 @@ class Engine:
                 draft_plans = _plan_tables(draft_tables, self.draft_config)
             cascade = None if levels is None else levels[0]
         self._cascade_stats.record(num_steps, None if levels is None else levels[0], reason)
+        if self._sparse_stats is not None:
+            self._sparse_stats.record(tables[:num_steps], batch.active)
         return programs.DecodeInputs(
             token_ids=batch.token_ids,
             key_data=key_data,
@@ -633,6 +698,11 @@ class Engine:
     def _cascade_levels(self, tables, active) -> tuple[list | None, str | None]:
         """The cascade levels of each step of a decode program (``tables``, host), or None;
         and why not (None when cascaded)."""
+        if self.sparse is not None:
+            return None, (
+                f"sparse={self.sparse.mode!r}: sparse decode and cascade are exclusive "
+                "(serving/sparse_step.py)"
+            )
         attention = self.backend
         if self.cascade == "auto":  # only "auto" asks whether the attention could pay
             attention = cascade_step.cascade_attention_backend(
@@ -654,7 +724,7 @@ class Engine:
         return levels, None
 
     def _run_decode(self, inputs: programs.DecodeInputs, num_steps: int) -> programs.DecodeResult:
-        args = (self.target_params, self.draft_params, self.target_caches, self.draft_caches)
+        args = (self.target_params, self.draft_params, self._target_state(), self.draft_caches)
         start = time.perf_counter()
         result, _ = self._call_decode(args, inputs, num_steps)
         dispatched = time.perf_counter()
@@ -743,11 +813,22 @@ class Engine:
           and with which groups (``CascadeStats.describe``) and ``"decode: cascade attention"``
           what its attention ran (``"decode: attention"`` is plain steps'); absent while it
           has not (why not: ``cascade_report().last_reason``), so a plain run's report, the
-          kill switch's included, is what it was.
+          kill switch's included, is what it was. With ``sparse`` on, ``"decode: sparse"`` says
+          which selection and budget, in how many decode steps and for how many requests it
+          selected (``SparseStats.describe``), ``"decode: sparse selection"`` what computed the
+          selection, and ``"decode: attention"`` what attended over the virtual table.
         """
         stats = self._cascade_stats
         cascade = stats.describe() if stats.cascade_steps else None
-        return backend_report(self._traced, self.num_speculative, cascade=cascade)
+        sparse = self._sparse_stats.describe() if self._sparse_stats is not None else None
+        return backend_report(self._traced, self.num_speculative, cascade=cascade, sparse=sparse)
+
+    def sparse_report(self) -> sparse_step.SparseStats | None:
+        """What sparse decode did so far (a copy; None for a dense engine): decode steps,
+        request-steps that read a selection of their pages and those whose context fit the
+        budget (``serving.sparse_step.SparseStats``)."""
+        stats = self._sparse_stats
+        return None if stats is None else dataclasses.replace(stats)
 
     def cascade_report(self) -> cascade_step.CascadeStats:
         """What cascade attention did so far (a copy): decode steps with cascade, groups,

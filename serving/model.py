@@ -13,7 +13,9 @@ Two forwards share every line of the layer stack and differ only in attention:
   reference the paged path is tested against.
 - ``forward_paged``: ``L`` new tokens per request at the end of each request's sequence in a page
   table. Each layer rotates q and k and writes k and v into its pages (``paged.rope_append_kv``),
-  then attends over the pages (``paged.decode_attention``). ``L = 1`` is a decode step;
+  then attends over the pages (``paged.decode_attention``; or, as the engine chooses, its
+  cascade over shared prefixes, or a sparse decode over a selection of the pages:
+  ``serving/cascade_step.py``, ``serving/sparse_step.py``). ``L = 1`` is a decode step;
   ``L > 1`` is a prefill chunk or the verification of ``L - 1`` drafted tokens. The engine
   runs prompts through it chunk by chunk (``serving.programs.prefill_step``).
 
@@ -45,6 +47,7 @@ from kernels_pallas.platform import is_concrete
 from serving.cascade_step import cascade_attention_backend
 from serving.config import ModelConfig
 from serving.layers import fused_add_rmsnorm, rmsnorm
+from serving.sparse_step import SparseDecode, append_key_bounds, sparse_attention
 
 # ----------------------------------------------------------------------------------------------
 # Parameters
@@ -376,7 +379,9 @@ def forward_paged(
     plan: paged.DecodePlan | None = None,
     backend: str = "auto",
     cascade: paged.CascadeLevels | None = None,
-) -> tuple[jax.Array, list[paged.KVCache]]:
+    sparse: SparseDecode | None = None,
+    key_bounds: list[paged.PageKeyBounds] | None = None,
+):
     """Runs ``L`` new tokens per request through the model over the paged KV cache.
 
     The page table already covers the new tokens: token ``l`` of request ``b`` sits at position
@@ -401,17 +406,27 @@ def forward_paged(
         ``paged.cascade_decode_attention`` (a group's shared pages as one level, each row's own
         pages as another, merged exactly; its backend ``cascade_attention_backend``'s) and
         ``plan`` is not used; the keys and values are still written through ``page_table``.
+      sparse: a ``serving.sparse_step.SparseDecode`` (a decode step, ``L = 1``), or None. Given,
+        every layer attends through ``paged.sparse_decode_attention`` over the mode's selection
+        of each request's pages (``serving.sparse_step.sparse_attention``; ``"quest"`` reads
+        ``key_bounds``, which must be given) and ``plan`` is not used (the virtual table is
+        another table). Prefill chunks pass None: they attend densely.
+      key_bounds: one ``paged.PageKeyBounds`` a layer, or None. Given, each layer's bounds are
+        kept current with the keys it writes (``serving.sparse_step.append_key_bounds``: a page
+        whose slot 0 is written restarts) before it attends, and returned.
 
     Returns:
-      ``(logits, caches)``: float32 ``[B, L, V]``, and the caches with the new keys and values.
+      ``(logits, caches)``: float32 ``[B, L, V]``, and the caches with the new keys and values;
+      with ``key_bounds``, ``(logits, caches, key_bounds)``, the bounds with the new keys.
 
     Raises:
       ValueError: naming the argument, for tokens not ``[B, L]`` integers, a batch unlike the
         table's, caches unlike the config (count, heads, head_dim, dtype, pool shape, page
         size), parameters unlike the config, and with concrete inputs a token id outside the
-        vocabulary or a request shorter than ``L``; plus whatever the paged ops reject (page
-        indices outside the pool, ...). Under ``jit`` an out-of-vocabulary id gives NaN logits
-        for its request.
+        vocabulary or a request shorter than ``L``; ``sparse`` with ``L > 1``, with
+        ``cascade``, or in mode ``"quest"`` without ``key_bounds``; ``key_bounds`` not one a
+        layer; plus whatever the paged ops reject (page indices outside the pool, ...). Under
+        ``jit`` an out-of-vocabulary id gives NaN logits for its request.
 
     Example:
       >>> from serving.config import TINY_DRAFT
@@ -432,9 +447,11 @@ def forward_paged(
             f"tokens has {batch} requests but page_table describes {page_table.batch_size}"
         )
     paged.check_holds_new_tokens(page_table, length, f"L={length} new ones")
+    _validate_sparse(sparse, key_bounds, cascade, length, config)
     positions = paged.new_token_positions(page_table, length).reshape(-1)  # [B * L], row-major
     batch_indices = jnp.repeat(jnp.arange(batch, dtype=jnp.int32), length)
     new_caches_list = []
+    new_bounds = []
 
     def attention(index, q, k, v):
         flat = lambda x: x.reshape(batch * length, *x.shape[2:])
@@ -450,9 +467,17 @@ def forward_paged(
             backend=backend,
         )
         new_caches_list.append(cache)
+        bounds = None
+        if key_bounds is not None:  # before the attention: Quest scores the new keys' pages too
+            bounds = append_key_bounds(
+                key_bounds[index], cache, page_table, batch_indices, positions
+            )
+            new_bounds.append(bounds)
         # One new token keeps decode's [B, H, D] query (the single-token kernel path).
         q_rotated = q_rotated.reshape(q.shape if length > 1 else (batch, *q.shape[2:]))
-        if cascade is None:
+        if sparse is not None:
+            o = sparse_attention(q_rotated, cache, page_table, sparse, bounds, backend=backend)
+        elif cascade is None:
             o = paged.decode_attention(q_rotated, cache, page_table, plan=plan, backend=backend)
         else:
             o = paged.cascade_decode_attention(
@@ -464,4 +489,32 @@ def forward_paged(
         return o.reshape(q.shape)
 
     logits = _decoder(params, config, tokens, attention, backend)
-    return logits, new_caches_list
+    if key_bounds is None:
+        return logits, new_caches_list
+    return logits, new_caches_list, new_bounds
+
+
+def _validate_sparse(sparse, key_bounds, cascade, length: int, config: ModelConfig) -> None:
+    if key_bounds is not None and (
+        not isinstance(key_bounds, (list, tuple)) or len(key_bounds) != config.num_layers
+    ):
+        count = len(key_bounds) if isinstance(key_bounds, (list, tuple)) else key_bounds
+        raise ValueError(
+            f"key_bounds must be a list of config.num_layers={config.num_layers} "
+            f"paged.PageKeyBounds, got {count!r}"
+        )
+    if sparse is None:
+        return
+    if not isinstance(sparse, SparseDecode):
+        raise ValueError(
+            f"sparse must be a serving.sparse_step.SparseDecode or None, got {sparse!r}"
+        )
+    if length != 1:
+        raise ValueError(
+            f"sparse decode attends one new token a request, got L={length} (prefill chunks "
+            "and verification steps attend densely: pass sparse=None)"
+        )
+    if cascade is not None:
+        raise ValueError("sparse and cascade cannot be combined: pass one of them")
+    if sparse.keeps_bounds and key_bounds is None:
+        raise ValueError(f"sparse mode {sparse.mode!r} reads key bounds: pass key_bounds")

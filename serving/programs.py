@@ -24,6 +24,15 @@ own table and plan (the host plans all ``K``: ``stack_steps``), its keys folded 
 ``num_generated + k``. ``K`` is a static shape (the stacked tables' leading axis), so each
 ``K`` compiles once per bucket; the engine uses powers of two.
 
+Sparse decode (``serving/sparse_step.py``)
+------------------------------------------
+With ``Engine(sparse=...)`` the decode programs take a static ``sparse``
+(``serving.sparse_step.SparseDecode``: mode and budget, so each compiles its own program) and
+their target attends through its selection; prefill chunks attend densely. With ``"quest"`` the
+target's state is a ``BoundedCaches`` (its pools and their key bounds) where it is otherwise the
+list of pools; every program takes and returns it in that place and keeps the bounds current.
+``DecodeInputs`` carries nothing for it: the selection is computed in the program.
+
 Sampling (keys: ``serving/keys.py``)
 ------------------------------------
 - Plain decoding (``num_speculative = 0``): the target's logits at the fed token, tempered
@@ -60,6 +69,7 @@ from serving import host_inputs
 from serving import model as model_lib
 from serving.config import ModelConfig
 from serving.keys import step_keys
+from serving.sparse_step import BoundedCaches, SparseDecode
 
 
 class DecodeInputs(NamedTuple):
@@ -130,6 +140,24 @@ def _plain_decode_result(token_ids: jax.Array) -> DecodeResult:
     return DecodeResult(token_ids, jnp.zeros((batch,), jnp.int32), jnp.zeros((batch, 0), jnp.int32))
 
 
+def _target_forward(params, config: ModelConfig, tokens, target_caches, page_table, **options):
+    """``model.forward_paged`` of the target on its state: a list of caches, or a
+    ``BoundedCaches`` (``serving/sparse_step.py``), whose key bounds are then kept current.
+    Returns ``(logits, target_caches)``, the state of the type given."""
+    if not isinstance(target_caches, BoundedCaches):
+        return model_lib.forward_paged(params, config, tokens, target_caches, page_table, **options)
+    logits, caches, bounds = model_lib.forward_paged(
+        params,
+        config,
+        tokens,
+        target_caches.caches,
+        page_table,
+        key_bounds=target_caches.key_bounds,
+        **options,
+    )
+    return logits, BoundedCaches(caches, bounds)
+
+
 def decode_step(
     target_params,
     draft_params,
@@ -142,12 +170,15 @@ def decode_step(
     draft_config: ModelConfig | None,
     num_speculative: int,
     backend: str,
+    sparse: SparseDecode | None = None,
 ) -> tuple[DecodeResult, list[paged.KVCache], list[paged.KVCache] | None]:
     """One decode (or verification) step of ``B`` rows: draft passes, target, sampling, acceptance.
 
     Args:
       target_params, draft_params: parameter pytrees (``draft_params`` None without a draft).
-      target_caches, draft_caches: per-layer ``paged.KVCache`` lists (donated under ``jit``).
+      target_caches, draft_caches: per-layer ``paged.KVCache`` lists (donated under ``jit``);
+        ``target_caches`` may be a ``serving.sparse_step.BoundedCaches``, whose key bounds
+        the step keeps current.
       inputs: the ``DecodeInputs``.
       previous_token_ids: int32[B, 1], the previous step's ``DecodeResult.token_ids``, still on
         the device (overlapped steps): a row whose ``inputs.token_ids`` is negative (the
@@ -156,18 +187,30 @@ def decode_step(
       target_config, draft_config: the models (static).
       num_speculative: ``n`` (static); 0 is plain decoding.
       backend: for every op (static).
+      sparse: a ``serving.sparse_step.SparseDecode`` (static): the target attends over its
+        selection of each request's pages (``"quest"`` needs a ``BoundedCaches``); plain
+        decoding only. None: dense decode.
 
     Returns:
-      ``(DecodeResult, target_caches, draft_caches)``.
+      ``(DecodeResult, target_caches, draft_caches)``, ``target_caches`` of the type given.
+
+    Raises:
+      ValueError: ``sparse`` with ``num_speculative > 0`` (a verification step feeds ``n + 1``
+        tokens a row; sparse decode attends one).
     """
     n = num_speculative
+    if sparse is not None and n:
+        raise ValueError(
+            f"sparse decode attends one new token a request; num_speculative={n} verifies "
+            f"{n + 1} a row"
+        )
     inputs = _feed_previous_tokens(inputs, previous_token_ids)
     keys = step_keys(inputs.key_data, inputs.num_generated)
     row_params = dict(
         temperature=inputs.temperature, top_k=inputs.top_k, top_p=inputs.top_p, min_p=inputs.min_p
     )
     if n == 0:
-        logits, target_caches = model_lib.forward_paged(
+        logits, target_caches = _target_forward(
             target_params,
             target_config,
             inputs.token_ids[:, None],
@@ -176,6 +219,7 @@ def decode_step(
             plan=inputs.plan,
             backend=backend,
             cascade=inputs.cascade,
+            sparse=sparse,
         )
         tokens = sampling.filtered_sample(
             keys,
@@ -209,7 +253,7 @@ def decode_step(
         draft_probs.append(q)
     draft_token_ids = jnp.stack(drafts, axis=1)  # [B, n]
     verified = jnp.concatenate([inputs.token_ids[:, None], draft_token_ids], axis=1)
-    target_logits, target_caches = model_lib.forward_paged(
+    target_logits, target_caches = _target_forward(
         target_params,
         target_config,
         verified,
@@ -237,6 +281,7 @@ def decode_steps(
     target_config: ModelConfig,
     draft_config: ModelConfig | None,
     backend: str,
+    sparse: SparseDecode | None = None,
 ) -> tuple[DecodeResult, jax.Array, list[paged.KVCache], list[paged.KVCache] | None]:
     """``K`` plain decode steps in one program: a ``lax.scan`` whose body is ``decode_step``.
 
@@ -248,12 +293,13 @@ def decode_steps(
 
     Args:
       target_params, draft_params, target_caches, draft_caches: as ``decode_step`` (plain
-        decoding: the draft's are passed through untouched).
+        decoding: the draft's are passed through untouched; a ``BoundedCaches`` target state
+        is in the scan's carry, its bounds kept step by step).
       inputs: ``DecodeInputs`` whose ``page_table``, ``plan`` and ``cascade`` leaves have a
         leading ``[K]`` axis (step ``k``'s table and plan: ``stack_steps``; its cascade levels:
         ``serving.cascade_step.stack_levels``); the rest as for one step, step 0's.
       previous_token_ids: int32[B, 1] or None, as ``decode_step``.
-      target_config, draft_config, backend: static, as ``decode_step``.
+      target_config, draft_config, backend, sparse: static, as ``decode_step``.
 
     Returns:
       ``(DecodeResult, last_token_ids, target_caches, draft_caches)``: ``token_ids`` int32[B,
@@ -290,6 +336,7 @@ def decode_steps(
             draft_config=draft_config,
             num_speculative=0,
             backend=backend,
+            sparse=sparse,
         )
         tokens = result.token_ids[:, 0]
         return (tokens, caches), tokens
@@ -395,11 +442,14 @@ def prefill_step(
     Args:
       token_ids: int32[1, L], the chunk.
       page_table: one row covering the chunk's end.
+      target_caches: a list of caches, or a ``serving.sparse_step.BoundedCaches`` (whose key
+        bounds the chunk's keys widen); a chunk attends densely whatever the engine's sparse
+        mode.
 
     Returns:
-      ``(target_caches, draft_caches)``.
+      ``(target_caches, draft_caches)``, ``target_caches`` of the type given.
     """
-    _, target_caches = model_lib.forward_paged(
+    _, target_caches = _target_forward(
         target_params, target_config, token_ids, target_caches, page_table, backend=backend
     )
     if draft_config is not None:
@@ -461,13 +511,13 @@ def packed_decode_steps(
 _STATIC = ("target_config", "draft_config", "backend")
 decode_step_jit = jax.jit(
     packed_decode_step,
-    static_argnames=(*_STATIC, "num_speculative", "packing"),
+    static_argnames=(*_STATIC, "num_speculative", "packing", "sparse"),
     donate_argnames=("target_caches", "draft_caches"),
 )
 # One compilation per number of steps K (it is in the packing's shapes) and table bucket.
 decode_steps_jit = jax.jit(
     packed_decode_steps,
-    static_argnames=(*_STATIC, "packing"),
+    static_argnames=(*_STATIC, "packing", "sparse"),
     donate_argnames=("target_caches", "draft_caches"),
 )
 prefill_step_jit = jax.jit(

@@ -39,6 +39,8 @@ GENERATE_FLAGS = (
     "--steps-per-program",
     "--backend",
     "--cascade",
+    "--sparse",
+    "--sparse-budget",
     "--stats",
 )
 

@@ -32,11 +32,7 @@ from bench.quality.sparse_decode_quality import (
     retrieval_figures,
     teacher_forced,
 )
-from bench.quality.sparse_selections import (
-    oracle_top_k_selection,
-    quest_two_last_pages_selected,
-    recent_pages_selection,
-)
+from bench.quality.sparse_selections import oracle_top_k_selection, quest_two_last_pages_selected
 from paged.sparse_quest import quest_page_scores, quest_selected_pages
 from serving import model, model_files
 from serving.config import TINY_TARGET, ModelConfig
@@ -249,7 +245,7 @@ def test_oracle_top_k_rejects_a_bad_budget():
 def test_recent_pages_keep_the_first_and_the_latest_pages(token_budget):
     seq_lens = [1, 4, 9, 21, 30]  # 1, 1, 3, 6 and 8 pages
     table = paged.PageTable.from_seq_lens(seq_lens, PAGE_SIZE, num_indices=24)
-    selection = recent_pages_selection(table, token_budget)
+    selection = paged.recent_pages_selection(table, token_budget)
     indptr = np.asarray(selection.block_indptr)
     blocks = np.asarray(selection.block_indices)
     keep = max(token_budget // PAGE_SIZE, 2)

@@ -19,7 +19,7 @@ through one *method*:
   over the layer's heads, shared by every head (``bench.quality.sparse_selections``): an upper
   bound of a trained lightning indexer, which this project does not have;
 - ``recent_pages``: a ``BlockSelection`` of the first page and the most recent pages, Quest's
-  page count (only the scoring differs from Quest);
+  page count (only the scoring differs from Quest; ``paged.recent_pages_selection``);
 - ``quest_two_last_pages``: Quest per KV head with the page before the last forced in too (an
   ablation: does Quest lose where its last page holds few recent tokens?).
 
@@ -60,11 +60,7 @@ import numpy as np
 
 import paged
 from bench.quality.retrieval_cases import retrieval_windows
-from bench.quality.sparse_selections import (
-    oracle_top_k_selection,
-    quest_two_last_pages_selected,
-    recent_pages_selection,
-)
+from bench.quality.sparse_selections import oracle_top_k_selection, quest_two_last_pages_selected
 from paged.sparse_quest import head_split_cache, head_split_page_table
 from serving.config import ModelConfig
 
@@ -151,7 +147,7 @@ def attend(method: Method, q: jax.Array, cache: paged.KVCache, table: paged.Page
     elif method.kind == "oracle_top_k":
         selection = oracle_top_k_selection(q, cache, table, method.token_budget)
     else:
-        selection = recent_pages_selection(table, method.token_budget)
+        selection = paged.recent_pages_selection(table, method.token_budget)
     return paged.sparse_decode_attention(q, cache, table, selection, backend=BACKEND)
 
 

@@ -5,19 +5,18 @@
   every head (the shape of DeepSeek's lightning indexer, whose weights this project has not
   trained). It reads the very attention it approximates, so it is an *upper bound* of what a
   trained indexer selecting ``top_k`` tokens by a cheaper score could reach, not a method.
-- ``recent_pages_selection``: the first page (attention sinks) and the most recent pages,
-  ``min(n, max(token_budget // page_size, 2))`` pages of a request of ``n``: Quest's page count
-  and its first-and-last rule, with a page's position in its request as its score. Against
-  Quest it isolates what scoring pages by the query buys.
-
 - ``quest_two_last_pages_selected``: Quest per KV head with the page before the last forced
   too, so at least one full page of recent tokens is always read (Quest's forced last page holds
   a single token when the new token opens a page). The same page count as Quest: the forced page
   takes the place of the lowest-ranked scored one.
 
-The first two return selections ``paged.sparse_decode_attention`` takes (``TokenSelection``,
-``BlockSelection``), so the decode runs on the project's own virtual tables; the third returns
-Quest's per-head page mask, for ``paged.sparse_quest.head_split_page_table``.
+The first returns a selection ``paged.sparse_decode_attention`` takes (a ``TokenSelection``), so
+the decode runs on the project's own virtual tables; the second returns Quest's per-head page
+mask, for ``paged.sparse_quest.head_split_page_table``.
+
+The "recent pages only" baseline the study also measures is the library's
+``paged.recent_pages_selection`` (``paged/sparse_recent.py``), the selection the engine serves
+as ``sparse="recent"``: the study imports it from there rather than keeping its own copy.
 """
 
 from __future__ import annotations
@@ -28,14 +27,12 @@ import jax.numpy as jnp
 from paged.attention_reference import scaled_logits, token_mask, token_positions
 from paged.kv_cache import KVCache
 from paged.page_table import PageTable
-from paged.sparse_blocks import BlockSelection
 from paged.sparse_quest import (
     PageKeyBounds,
     check_token_budget,
     quest_page_scores,
     quest_selected_pages,
 )
-from paged.sparse_tables import MIN_INDICES, compact_rows
 from paged.sparse_tokens import TokenSelection
 
 
@@ -90,31 +87,6 @@ def oracle_top_k_selection(
     used = jnp.arange(width)[None, :] < counts[:, None]
     kept = jnp.sort(jnp.where(used, taken, jnp.iinfo(jnp.int32).max), axis=1)
     return TokenSelection(jnp.where(used, kept, 0).astype(jnp.int32), counts)
-
-
-def recent_pages_selection(page_table: PageTable, token_budget: int) -> BlockSelection:
-    """The first page and the most recent pages of each request, Quest's page count.
-
-    Quest's own rule (``quest_selected_pages``) picks them when a page's score is its position
-    in the request: the first and last page are forced, the rest go to the latest.
-
-    Returns:
-      ``BlockSelection`` (block = page), ``block_indices`` of static length
-      ``max(B * min(nnz_padded, max(token_budget // page_size, 2)), 1)``.
-
-    Raises:
-      TypeError, ValueError: ``token_budget`` not an int ``>= 1``.
-    """
-    check_token_budget(token_budget)
-    num_indices = page_table.page_indices.shape[0]
-    batch = page_table.batch_size
-    page_in_request = jnp.arange(num_indices)[None, :] - page_table.page_indptr[:-1, None]
-    scores = page_in_request[:, None, :].astype(jnp.float32)  # [B, 1, nnz]: later is higher
-    kept = quest_selected_pages(scores, page_table, token_budget)[:, 0]  # [B, nnz]
-    budget_pages = max(token_budget // page_table.page_size, 2)
-    size = max(batch * min(num_indices, budget_pages), MIN_INDICES)
-    indptr, blocks = compact_rows(page_in_request, kept, size)
-    return BlockSelection(indptr, blocks, page_table.page_size)
 
 
 def quest_two_last_pages_selected(
