@@ -134,6 +134,14 @@ would give up the split's parallelism, which is the reason to split. The partial
 folded launch keep ``folded_partial_rows`` rows an item, so the merge loads each as one ``[rows,
 D]`` array over the 128 threads.
 
+Status of the folded merge (2026-12-07, ``docs/benchmark_results/2026-11-30-gpu-checks.md``):
+compiled, this file's version hangs on the GPU. Every thread reads the arrival count itself, so
+threads that read at different moments disagree on "last to arrive", and the merge's warpgroup
+barrier waits for threads that skipped it. The fix (branch ``fold-uniform``: one read, shared
+through shared memory behind a barrier) passed its compiled tests on an H100, but measured 0.92x
+to 1.00x the separate merge; it lands with the next decode-suite measurement. Until then do
+not pass ``merge="folded"`` on a GPU (interpreted, it is correct and tested).
+
 Mosaic GPU's interpreter (``interpret=True`` here, ``plgpu.InterpretGPUParams()``) runs TMA
 copies, barriers, ``emit_pipeline`` and WGMMA with both operands in shared memory; it cannot run
 a WGMMA whose left operand is in registers, nor ``pl.run_state`` accumulators, so the default

@@ -45,8 +45,10 @@ MGPU_LAUNCH_PARAMETERS = dict(pipeline="ring", pages_per_step=4, num_stages=2)
 AUTO_PICKS_MOSAIC_GPU_DECODE = True
 # How a split plan's partial states are merged on this path: "separate" (merge_partial_states,
 # a second launch) or "folded" (in the decode launch: the last item of a request to finish
-# merges, paged_decode_mgpu's merge="folded"). "separate" until bench/probes/mgpu_decode.py's
-# merge arms (run_on_gpu.sh mgpu-merge-fold) measure the folded merge faster at B=1 and B=4.
+# merges, paged_decode_mgpu's merge="folded"). "separate": bench/probes/mgpu_decode.py's merge
+# arms (run_on_gpu.sh mgpu-merge-fold) measured the folded merge at 0.92x to 1.00x the separate
+# one at B=1 and 4 x 4K and 32K on an H100 on 2026-12-07 (with branch fold-uniform's kernel;
+# docs/benchmark_results/archive/2026-12-07-mgpu-merge-fold-probe-h100.json).
 MGPU_MERGE = "separate"
 
 
