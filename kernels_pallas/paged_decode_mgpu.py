@@ -125,7 +125,8 @@ small memset), ``plgpu.semaphore_signal`` adds to one after a warpgroup barrier
 they are not all resident); ``plgpu.inline_mgpu`` reaches the NVVM dialect (the
 ``fence.proxy.async.global`` that orders a TMA store before the release); there is no grid-wide
 barrier (cluster barriers only). Signal-then-read is the atomic "last one merges": the last
-signal's own read sees the full count. Mosaic GPU's interpreter runs none of these (global
+signal's own read sees the full count. The count is read once for the warpgroup
+(``_read_uniformly``): a branch on per-thread reads diverged and hung the launch on an H100. Mosaic GPU's interpreter runs none of these (global
 semaphores fail to trace, atomics fail on their effects, ``inline_mgpu`` is refused), but it
 runs the grid one program at a time in order, so interpreted the item's rank in its request
 stands in for the count; the semaphores are tested by lowering and compiled (``gpu``-marked
@@ -589,6 +590,30 @@ def _strided_layout(rows: int, head_dim: int):
     return plgpu.Layout.WG_STRIDED((rows, head_dim), vec_size=min(2, rows * head_dim // 128))
 
 
+def _read_uniformly(counter) -> jax.Array:
+    """The count of ``counter`` as ONE value for the whole warpgroup.
+
+    ``pl.semaphore_read`` is a load by every thread (``ld.acquire``), and threads that load at
+    different moments can see different counts while other programs still signal. A branch on
+    such a count diverges inside the warpgroup; the merge's body holds a warpgroup barrier (the
+    ``commit_smem`` before its TMA store), which the threads that skipped the branch never reach:
+    the launch hangs (seen on an H100, 2026-12-07: compiled, launched, never finished). So every
+    thread stores what it read to one shared-memory word, a warpgroup barrier follows
+    (``commit_smem``), and every thread loads the word: one of the reads, the same for all.
+    A count only grows, so the value is at most the true count and "full" still means every
+    item arrived; the last program to signal reads the full count in every thread (each of its
+    reads follows its own signal), so at least one program merges. Each thread's own acquire
+    load came first, so the partial states it then reads are those the signals released."""
+    read = pl.semaphore_read(counter)
+
+    def through_smem(word):
+        word[0] = read
+        plgpu.commit_smem()
+        return word[0]
+
+    return pl.run_scoped(through_smem, plgpu.SMEM((1,), jnp.int32))
+
+
 def _merge_if_last_to_arrive(
     partial_o_ref,  # [num_work * KVH * P_fold, head_dim] float32, GMEM
     partial_lse_ref,  # [num_work * KVH * P_fold] float32, GMEM
@@ -648,7 +673,7 @@ def _merge_if_last_to_arrive(
         def _():
             plgpu.semaphore_signal(counter, 1, memory_scope="gpu")
 
-        arrived = pl.semaphore_read(counter)
+        arrived = _read_uniformly(counter)
     layout = _strided_layout(partial_block, head_dim)
     row = plgpu.broadcasted_iota(jnp.int32, (partial_block, head_dim), 0, layout=layout)
 
