@@ -761,7 +761,8 @@ class Scheduler:
     ) -> paged.PageTable:
         """The CSR table (host NumPy arrays) of every slot over ``seq_lens`` tokens, from the
         slot grid; inactive rows (idle, or still prefilling) read the padding page."""
-        counts = -(-seq_lens // self.page_size)
+        page_size = self.page_size
+        counts = -(-seq_lens // page_size)
         indptr = np.zeros(self.parallel + 1, np.int32)
         np.cumsum(counts, out=indptr[1:])
         nnz = int(indptr[-1])
@@ -769,9 +770,12 @@ class Scheduler:
         width = int(counts.max())
         # Row-major boolean selection keeps each row's pages in order, rows in slot order.
         indices[:nnz] = self._slot_pages[:, :width][np.arange(width) < counts[:, None]]
-        indices[:nnz][np.repeat(~active, counts)] = self.padding_page
-        last = (seq_lens - self.page_size * (counts - 1)).astype(np.int32)
-        return paged.PageTable(indptr, indices, last, self.page_size)
+        # Planned every step: the padding mask only where a row needs it (a few microseconds).
+        if not active.all():
+            indices[:nnz][np.repeat(~active, counts)] = self.padding_page
+        # The last page's tokens, s - page_size * (counts - 1), in one pass (also for s = 0).
+        last = ((seq_lens - 1) % page_size + 1).astype(np.int32, copy=False)
+        return paged.PageTable(indptr, indices, last, page_size)
 
     def _set_slot_pages(self, slot: int, start: int, pages: Sequence[int]) -> None:
         """Writes ``pages`` into the slot's grid row from column ``start``, widening the grid
