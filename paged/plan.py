@@ -270,7 +270,7 @@ def plan_decode(
             min_chunk_pages=min_chunk,
             max_splits_per_request=params["max_splits_per_request"],
         )
-        write_final = int(pages.max(initial=0)) <= chunk  # every request is one item
+        write_final = bool(int(pages.max(initial=0)) <= chunk)  # every request is one item
     requests, starts, ends, last_lens, counts = _work_items(
         indptr, last_page_len, page_table.page_size, chunk
     )
