@@ -1197,6 +1197,9 @@ def _interpret_params(interpret):
     return plgpu.InterpretGPUParams() if interpret else None
 
 
+# Cached: the decode entry asks once a traced call and the engine's host plan once a step
+# (paged.decode.mgpu_kernel_supports), and the scan of 64 lengths cost ~10 us a call on a CPU.
+@functools.cache
 def max_query_len(group_size: int) -> int:
     """The most new tokens a request may bring for this group size: the ``L x G`` rows of a KV
     head, from their offset inside an 8-row tile (up to ``8 - gcd(L x G, 8)``), must fit the

@@ -37,13 +37,13 @@ exactly), with ``backend="pallas"`` the per-level Triton path.
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import jax
 import numpy as np
 
 import paged
-from kernels_pallas.platform import KILL_SWITCH_VARIABLE, on_gpu, resolve_backend
+from kernels_pallas.platform import KILL_SWITCH_VARIABLE, on_gpu
+from kernels_pallas.platform import kill_switch_on as platform_kill_switch_on
 from paged.cascade import MOSAIC_GPU_BACKEND
 from paged.cascade_plan import ANY_SHARED_PAGE, CascadeCrossover, levels_without_groups
 from paged.decode import mgpu_kernel_supports
@@ -64,9 +64,9 @@ def check_cascade_arguments(mode, crossover) -> None:
 
 def kill_switch_on() -> bool:
     """Whether ``DECODELAB_BACKEND=reference`` is set (a bad value raises, as every op's
-    ``choose_backend`` does)."""
-    resolve_backend("auto")  # validates the variable's value
-    return os.environ.get(KILL_SWITCH_VARIABLE, "").strip() == "reference"
+    ``choose_backend`` does): ``kernels_pallas.platform.kill_switch_on``, asked twice a decode
+    program by the engine's cascade decision."""
+    return platform_kill_switch_on()
 
 
 def cascade_attention_backend(backend: str, q, cache: paged.KVCache) -> str:
