@@ -135,13 +135,13 @@ would give up the split's parallelism, which is the reason to split. The partial
 folded launch keep ``folded_partial_rows`` rows an item, so the merge loads each as one ``[rows,
 D]`` array over the 128 threads.
 
-Status of the folded merge (2026-12-07, ``docs/benchmark_results/2026-11-30-gpu-checks.md``):
-compiled, this file's version hangs on the GPU. Every thread reads the arrival count itself, so
-threads that read at different moments disagree on "last to arrive", and the merge's warpgroup
-barrier waits for threads that skipped it. The fix (branch ``fold-uniform``: one read, shared
-through shared memory behind a barrier) passed its compiled tests on an H100, but measured 0.92x
-to 1.00x the separate merge; it lands with the next decode-suite measurement. Until then do
-not pass ``merge="folded"`` on a GPU (interpreted, it is correct and tested).
+The arrival count is read once for the warpgroup: one thread reads it and stores it to shared
+memory, a warpgroup barrier follows, and every thread branches on that one value. Read by every
+thread, the count could differ between threads that read at different moments; threads that
+skipped the merge never reached its warpgroup barrier, and the kernel hung on the GPU (seen on
+an H100, earlier on 2026-12-07). Compiled on an H100 on 2026-12-07 the folded merge passed its tests and
+measured 0.92x to 1.00x the separate merge at B = 1 and 4, so ``"separate"`` stays the default
+(``docs/benchmark_results/2026-11-30-gpu-checks.md``).
 
 Mosaic GPU's interpreter (``interpret=True`` here, ``plgpu.InterpretGPUParams()``) runs TMA
 copies, barriers, ``emit_pipeline`` and WGMMA with both operands in shared memory; it cannot run
