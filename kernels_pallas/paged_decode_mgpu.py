@@ -138,10 +138,10 @@ D]`` array over the 128 threads.
 The arrival count is read once for the warpgroup: one thread reads it and stores it to shared
 memory, a warpgroup barrier follows, and every thread branches on that one value. Read by every
 thread, the count could differ between threads that read at different moments; threads that
-skipped the merge never reached its warpgroup barrier, and the kernel hung on the GPU (seen on
-an H100, earlier on 2026-12-07). Compiled on an H100 on 2026-12-07 the folded merge passed its tests and
-measured 0.92x to 1.00x the separate merge at B = 1 and 4, so ``"separate"`` stays the default
-(``docs/benchmark_results/2026-11-30-gpu-checks.md``).
+skipped the merge never reached its warpgroup barrier, and the kernel hung on the GPU (an
+H100, earlier on 2026-12-07). With the single read it passed its compiled tests on an H100 the
+same day and measured 0.92x to 1.00x the separate merge at B = 1 and 4, so ``"separate"``
+stays the default (``docs/benchmark_results/2026-11-30-gpu-checks.md``).
 
 Mosaic GPU's interpreter (``interpret=True`` here, ``plgpu.InterpretGPUParams()``) runs TMA
 copies, barriers, ``emit_pipeline`` and WGMMA with both operands in shared memory; it cannot run
