@@ -243,14 +243,20 @@ class CascadePlanCache:
     step before built.
 
     Exact by construction, not by invalidation: the cache key is every input the levels depend
-    on but ``last_page_len`` (the page size, ``crossover``, ``max_groups``, ``num_indices``,
-    the table's ``page_indptr`` and listed ``page_indices`` bytes, and each row's shareable
-    pages, which fold in ``q_len``, ``active`` and the rows' lengths); a step whose key equals
-    the last one's gets the last levels with its own ``last_page_len`` in the own level, a step
-    whose key differs is planned from scratch (and kept). So ``plan`` returns what
-    ``plan_cascade`` returns, value for value, whatever the sequence of tables
-    (``tests/test_cascade_plan.py``). The arrays it reuses are read-only, so no caller can
-    change a later step's levels through an earlier step's.
+    on but the lengths within each row's last page (the page size, ``crossover``, ``q_len``,
+    ``max_groups``, ``num_indices``, the table's ``page_indptr`` and listed ``page_indices``,
+    ``active``, and ``(last_page_len - q_len) // page_size``, which with ``page_indptr`` fixes
+    each row's shareable pages: ``_cache_key``). A step whose key equals the last one's gets the
+    last levels with its own ``last_page_len`` in the own level (after checking those lengths,
+    the only part of its table not validated with the key); a step whose key differs is planned
+    from scratch, validated, and kept. So ``plan`` returns what ``plan_cascade`` returns, value
+    for value and error for error, whatever the sequence of tables
+    (``tests/test_cascade_plan.py``); a request joining or leaving a group, a row gaining a
+    page, a preempted request readmitted on other pages all change the key. The arrays it
+    reuses are read-only, so no caller can change a later step's levels through an earlier
+    step's. ``hits`` and ``misses`` count the calls it answered from the kept key and those it
+    planned (calls it cannot key, without a crossover or with arguments ``plan_cascade``
+    refuses, count in neither).
 
     Example:
       >>> cache = CascadePlanCache()
@@ -264,6 +270,7 @@ class CascadePlanCache:
 
     def __init__(self):
         self._key = None
+        self._has_pages = None  # bool[B]: rows of the kept key's table that list a page
         # (shared levels, own page_indptr, own page_indices) of the last key, or None where
         # no group paid.
         self._value = None
@@ -291,6 +298,20 @@ def _plan(page_table, crossover, q_len, active, max_groups, num_indices, cache):
         raise TypeError(
             f"crossover must be a CascadeCrossover or None, got {type(crossover).__name__}"
         )
+    key = None
+    if cache is not None:
+        key = _cache_key(page_table, crossover, q_len, active, max_groups, num_indices)
+        if key is not None and key == cache._key:
+            last = np.asarray(page_table.last_page_len)
+            # The table's pages are those of a table validated when the key was kept; only
+            # its lengths are new (a bad one goes the long way, which names it).
+            bad = np.where(cache._has_pages, (last < 1) | (last > page_table.page_size), last != 0)
+            if not bad.any():
+                cache.hits += 1
+                if cache._value is None:
+                    return None
+                shared, own_indptr, own_indices = cache._value
+                return CascadeLevels(shared, _own_table(page_table, own_indptr, own_indices))
     rows = _host_rows(page_table)
     indptr, indices, _ = rows
     shareable = _shareable(rows, page_table.page_size, _check_q_len(q_len), active)
@@ -303,24 +324,6 @@ def _plan(page_table, crossover, q_len, active, max_groups, num_indices, cache):
         raise ValueError(f"num_indices={num_indices} is below the {listed} pages page_table lists")
     if crossover is None:
         return None
-    key = None
-    if cache is not None:
-        key = (
-            page_table.page_size,
-            crossover,
-            max_groups,
-            num_indices,
-            indptr.tobytes(),
-            indices[:listed].tobytes(),
-            shareable.tobytes(),
-        )
-        if key == cache._key:
-            cache.hits += 1
-            if cache._value is None:
-                return None
-            shared, own_indptr, own_indices = cache._value
-            return CascadeLevels(shared, _own_table(page_table, own_indptr, own_indices))
-        cache.misses += 1
     levels = None
     paying = [g for g in _groups(indptr, indices, shareable) if _pays(crossover, g)]
     if paying and max_groups > 0:
@@ -329,14 +332,71 @@ def _plan(page_table, crossover, q_len, active, max_groups, num_indices, cache):
             kept = set(sorted(range(len(paying)), key=lambda i: -saved(paying[i]))[:max_groups])
             paying = [g for i, g in enumerate(paying) if i in kept]
         levels = _levels_of(page_table, rows, paying, max_groups, num_indices)
-    if cache is not None:
+    if key is not None:
+        cache.misses += 1
         cache._key = key
+        cache._has_pages = indptr[1:] > indptr[:-1]
         cache._value = None
         if levels is not None:
             for leaf in [*_leaves(levels.shared), levels.own.page_indptr, levels.own.page_indices]:
                 leaf.flags.writeable = False
             cache._value = (levels.shared, levels.own.page_indptr, levels.own.page_indices)
     return levels
+
+
+def _cache_key(page_table, crossover, q_len, active, max_groups, num_indices):
+    """``CascadePlanCache``'s key of a call (its class docstring), read from the arrays as
+    given, before any check of the table; None for a call the cache leaves alone (no crossover,
+    or arguments ``plan_cascade`` refuses: it raises then, as without a cache).
+
+    Complete: a row's shareable pages (``_shareable``) are ``0`` without pages or when not
+    ``active``, else ``num_pages - 1 + (last_page_len - q_len) // page_size`` clipped to
+    ``[0, num_pages]``, so ``page_indptr``, ``active`` and ``(last_page_len - q_len) //
+    page_size`` fix them; the groups and levels follow from those, the listed pages, the
+    crossover and the shapes. The lengths themselves move every step and are not in it."""
+    if crossover is None or not isinstance(page_table, PageTable):
+        return None
+    arrays = (page_table.page_indptr, page_table.page_indices, page_table.last_page_len)
+    page_size = page_table.page_size
+    if not is_concrete(*arrays) or not isinstance(page_size, (int, np.integer)) or page_size < 1:
+        return None
+    indptr, indices, last = (np.asarray(array) for array in arrays)
+    if (
+        indptr.ndim != 1
+        or indices.ndim != 1
+        or last.ndim != 1
+        or indptr.shape[0] != last.shape[0] + 1
+        or isinstance(q_len, bool)
+        or not isinstance(q_len, (int, np.integer))
+        or q_len < 1
+    ):
+        return None
+    batch_size = last.shape[0]
+    if active is None:
+        active = np.ones(batch_size, bool)
+    active = np.asarray(active)
+    if active.dtype != np.bool_ or active.shape != (batch_size,):
+        return None
+    for size in (max_groups, num_indices):
+        if size is not None and (
+            isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 0
+        ):
+            return None
+    return (
+        page_size,
+        crossover,
+        q_len,
+        max_groups,
+        num_indices,
+        indptr.dtype.str,
+        indices.dtype.str,
+        last.dtype.str,
+        indices.shape[0],
+        indptr.tobytes(),
+        indices[: max(int(indptr[-1]), 0)].tobytes(),
+        active.tobytes(),
+        ((last - q_len) // page_size).tobytes(),
+    )
 
 
 def _pays(crossover: CascadeCrossover, group: _Group) -> bool:

@@ -310,8 +310,11 @@ def test_the_cache_follows_the_crossover_and_the_batch_shape():
     assert len(_groups_of(cache.plan(table, ANY_SHARED_PAGE, max_groups=1))) == 1
     wide = cache.plan(table, ANY_SHARED_PAGE, num_indices=64)
     assert wide.own.page_indices.shape == (64,)
-    # q_len=2: rows 0 and 1 (9 tokens, one after their two pages) can share one page only.
+    # q_len=2: rows 0 and 1 (9 tokens, one after their two pages) can share one page only;
+    # a token more each, on the same pages, and they share both.
     assert _groups_of(cache.plan(table, ANY_SHARED_PAGE, q_len=2))[0] == ([0, 1], [1])
+    longer = _step([[1, 2, 5], [1, 2, 6], [3, 4, 7], [3, 4, 8]], [10, 10, 12, 12])
+    assert _groups_of(cache.plan(longer, ANY_SHARED_PAGE, q_len=2))[0] == ([0, 1], [1, 2])
     with pytest.raises(ValueError, match="q_len must be an int >= 1, got 0"):
         cache.plan(table, ANY_SHARED_PAGE, q_len=0)
 
@@ -355,6 +358,35 @@ def test_bad_arguments_are_named(kwargs, error, match):
     crossover = kwargs.pop("crossover", ANY_SHARED_PAGE)
     with pytest.raises(error, match=match):
         plan_cascade(_table(), crossover, **kwargs)
+    # Through a cache that just planned the same table with good arguments (q_len=True equals
+    # 1, an int active array 1s equals True): the same error, not the kept levels.
+    cache = CascadePlanCache()
+    assert cache.plan(_table(), ANY_SHARED_PAGE, q_len=1) is not None
+    with pytest.raises(error, match=match):
+        cache.plan(_table(), crossover, **kwargs)
+
+
+def test_a_bad_length_is_refused_through_the_cache():
+    """A table whose pages are those the cache kept but whose lengths are not valid is refused
+    as ``plan_cascade`` refuses it (its lengths are all that a kept key does not cover)."""
+    int32 = lambda values: np.array(values, np.int32)
+    cache = CascadePlanCache()
+    assert cache.plan(_table(), ANY_SHARED_PAGE) is not None
+    table = _table()
+    for bad in ([2, 9], [0, 2]):  # past the page; none on a row that lists pages
+        bad_table = paged.PageTable(table.page_indptr, table.page_indices, int32(bad), PAGE_SIZE)
+        with pytest.raises(ValueError, match="last_page_len"):
+            plan_cascade(bad_table, ANY_SHARED_PAGE)
+        with pytest.raises(ValueError, match="last_page_len"):
+            cache.plan(bad_table, ANY_SHARED_PAGE)
+    # With q_len=2 a length of 0 and one of 1 give the same key ((0 - 2) // 4 == (1 - 2) // 4):
+    # the lengths' own check refuses it.
+    one = paged.PageTable(table.page_indptr, table.page_indices, int32([1, 2]), PAGE_SIZE)
+    cache.plan(one, ANY_SHARED_PAGE, q_len=2)
+    zero = paged.PageTable(table.page_indptr, table.page_indices, int32([0, 2]), PAGE_SIZE)
+    with pytest.raises(ValueError, match=r"last_page_len\[0\]=0"):
+        cache.plan(zero, ANY_SHARED_PAGE, q_len=2)
+    assert cache.hits == 0
 
 
 def test_a_bad_or_traced_table_is_refused():
