@@ -110,12 +110,7 @@ def interpret_mode() -> bool:
     return not on_gpu()
 
 
-def kill_switch_on() -> bool:
-    """Whether ``DECODELAB_BACKEND=reference`` is set.
-
-    Raises:
-      ValueError: for any other value but unset, empty or ``auto``.
-    """
+def _kill_switch_on() -> bool:
     forced = os.environ.get(KILL_SWITCH_VARIABLE, "").strip()
     if forced not in ("", "reference", "auto"):
         raise ValueError(f"{KILL_SWITCH_VARIABLE} must be 'reference' or unset, got {forced!r}")
@@ -127,7 +122,7 @@ def _decide(operation, requested, unsupported, auto_declines) -> BackendChoice:
         raise ValueError(f"backend must be one of {BACKENDS}, got {requested!r}")
     if operation is not None and operation not in AUTO_PICKS_KERNEL:
         raise ValueError(f"operation must be one of {sorted(AUTO_PICKS_KERNEL)}, got {operation!r}")
-    kill_switch = kill_switch_on()  # checked on every path: a bad value fails early
+    kill_switch = _kill_switch_on()  # checked on every path: a bad value fails early
     if requested == "reference":
         return BackendChoice("reference", "backend='reference' was asked for")
     if requested == "pallas":
