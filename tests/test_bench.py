@@ -525,6 +525,9 @@ def test_xla_causal_arm_equals_the_paged_reference():
 
 def test_decode_tuning_dry_run_sweeps_launch_and_planner_parameters(tmp_path):
     document, arms_by_case, _ = _decode_dry_run(tmp_path, "--tune")
+    # A tuning dry run sweeps its own grid (the plain dry run times every case).
+    tuned = {decode_suite.case_name(*case) for case in decode_suite.DRY_RUN_TUNE_GRID}
+    assert set(arms_by_case) == tuned
     for arms in arms_by_case.values():
         assert "xla_gather" not in arms  # a tuning run compares our parameters only
     for row in (c for c in document["cases"] if c["arm"] == "decodelab"):
