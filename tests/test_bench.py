@@ -525,6 +525,9 @@ def test_xla_causal_arm_equals_the_paged_reference():
 
 def test_decode_tuning_dry_run_sweeps_launch_and_planner_parameters(tmp_path):
     document, arms_by_case, _ = _decode_dry_run(tmp_path, "--tune")
+    # A tuning dry run sweeps its own grid (the plain dry run times every case).
+    tuned = {decode_suite.case_name(*case) for case in decode_suite.DRY_RUN_TUNE_GRID}
+    assert set(arms_by_case) == tuned
     for arms in arms_by_case.values():
         assert "xla_gather" not in arms  # a tuning run compares our parameters only
     for row in (c for c in document["cases"] if c["arm"] == "decodelab"):
@@ -548,23 +551,24 @@ def test_fused_ops_dry_run_times_every_arm_beside_xla(tmp_path):
     document = json.loads(json_path.read_text())
     assert document["suite"] == "fused_ops"
     rows = {(case["case"], case["arm"]): case for case in document["cases"]}
-    for hidden in fused_ops_suite.DRY_RUN_NORM_HIDDEN:
-        for tokens in fused_ops_suite.DRY_RUN_NORM_TOKENS:
-            case = f"fused_add_rmsnorm B={tokens} hidden={hidden}"
-            assert {arm for name, arm in rows if name == case} == {
-                "xla_fused",
-                "decodelab_kernel",
-                "decodelab",
-                "decodelab_kernel (repeat)",
-            }
-            assert rows[(case, "xla_fused")]["attribution"].endswith(":xla")
-            for arm in ("decodelab_kernel", "decodelab"):
-                row = rows[(case, arm)]
-                assert row["attribution"].endswith(":interpret")
-                assert row["bytes"] == fused_ops_suite.norm_bytes(tokens, hidden, 2)
-                # Same float32 arithmetic, one rounding: at most one bfloat16 ulp of |x| < 8.
-                assert row["max_abs_difference_from_xla"] <= 2.0**-5
-                assert row["vs_xla_fused"] > 0
+    norm_cases = {name for name, _ in rows if name.startswith("fused_add_rmsnorm")}
+    assert len(norm_cases) == len(fused_ops_suite.DRY_RUN_NORM_CASES)
+    for tokens, hidden in fused_ops_suite.DRY_RUN_NORM_CASES:
+        case = f"fused_add_rmsnorm B={tokens} hidden={hidden}"
+        assert {arm for name, arm in rows if name == case} == {
+            "xla_fused",
+            "decodelab_kernel",
+            "decodelab",
+            "decodelab_kernel (repeat)",
+        }
+        assert rows[(case, "xla_fused")]["attribution"].endswith(":xla")
+        for arm in ("decodelab_kernel", "decodelab"):
+            row = rows[(case, arm)]
+            assert row["attribution"].endswith(":interpret")
+            assert row["bytes"] == fused_ops_suite.norm_bytes(tokens, hidden, 2)
+            # Same float32 arithmetic, one rounding: at most one bfloat16 ulp of |x| < 8.
+            assert row["max_abs_difference_from_xla"] <= 2.0**-5
+            assert row["vs_xla_fused"] > 0
     rope_case = f"rope_append B={fused_ops_suite.DRY_RUN_ROPE_SHAPE.batch}"
     assert {arm for name, arm in rows if name == rope_case} == {
         "jax_unfused",

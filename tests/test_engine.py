@@ -603,17 +603,24 @@ def _bhc_threshold(num_draws: int) -> float:
 
 
 def _exact_first_two(target) -> np.ndarray:
-    """float64[V, V]: P(first token, second token) under the target with ``STAT_PARAMS``."""
+    """float64[V, V]: P(first token, second token) under the target with ``STAT_PARAMS``.
+
+    One jitted dense forward of the prompt followed by each of the V tokens: causal, so the
+    logits before the appended token are the prompt's (the first token's distribution) and
+    the last ones row ``t``'s second-token distribution given first token ``t``. (One program
+    instead of a forward of each shape and op-by-op sampling filters, ~10 s of compiles.)"""
     config, params = target
-    forward = jax.jit(lambda tokens: forward_dense(params, config, tokens, backend="reference"))
+
+    @jax.jit
+    def first_and_second(tokens):
+        logits = forward_dense(params, config, tokens, backend="reference")
+        first = speculative.sampling_distribution(logits[:1, -2], **STAT_PARAMS)
+        return first[0], speculative.sampling_distribution(logits[:, -1], **STAT_PARAMS)
+
     prompt = encode_text(STAT_PROMPT)
-    logits = forward(jnp.array([prompt]))[:, -1]
-    first = np.asarray(speculative.sampling_distribution(logits, **STAT_PARAMS), np.float64)[0]
-    support = np.flatnonzero(first > 0)
-    logits = forward(jnp.array([[*prompt, int(t)] for t in support]))[:, -1]
-    second = np.asarray(speculative.sampling_distribution(logits, **STAT_PARAMS), np.float64)
-    joint = np.zeros((config.vocab_size, config.vocab_size))
-    joint[support] = first[support, None] * second
+    tokens = jnp.array([[*prompt, t] for t in range(config.vocab_size)])
+    first, second = (np.asarray(d, np.float64) for d in first_and_second(tokens))
+    joint = first[:, None] * second  # rows of first tokens outside top-p are zero
     return joint / joint.sum()
 
 

@@ -39,7 +39,7 @@ were the call:
 Cases and arms:
 
 - ``fused_add_rmsnorm B=<tokens> hidden=<H>``, bfloat16, hidden 4096 and 8192, tokens 1, 64 and
-  4096 (``--quick``: 4096 tokens; dry run: hidden 96 and 128, tokens 1 and 5), eps 1e-5. R sets
+  4096 (``--quick``: 4096 tokens; dry run: 5 tokens of 96 and 1 of 128), eps 1e-5. R sets
   of ``[T, H]`` x and residual (R from ``options.unrolled_sets_for`` the bytes of x and
   residual of a set); the weight is one ``[H]`` vector. Bytes = ``norm_bytes``: read x,
   residual, weight; write normed and new_residual. Arms: ``xla_fused``
@@ -106,8 +106,10 @@ SEED = 6
 NORM_HIDDEN = (4096, 8192)
 NORM_TOKENS = (1, 64, 4096)
 QUICK_NORM_TOKENS = (4096,)
-DRY_RUN_NORM_HIDDEN = (96, 128)
-DRY_RUN_NORM_TOKENS = (1, 5)
+# A dry run's (tokens, hidden) pairs, not a grid: the kernel's masks are runtime values, so
+# (5, 96) masks rows (a block of 8 rows) and columns (a block of 128) at once and (1, 128) masks
+# neither, one row a block; the other two pairs of the grid mask one of the two, a sub-case.
+DRY_RUN_NORM_CASES = ((5, 96), (1, 128))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,19 +162,18 @@ def run(options: RunOptions, ceiling: CopyCeiling) -> SuiteOutput:
     notes: list[str] = list(METHOD_NOTES)
     results: list[CaseResult] = []
     if options.dry_run:
-        hidden_sizes, token_counts = DRY_RUN_NORM_HIDDEN, DRY_RUN_NORM_TOKENS
+        cases = DRY_RUN_NORM_CASES
     else:
-        hidden_sizes = NORM_HIDDEN
         token_counts = QUICK_NORM_TOKENS if options.quick else NORM_TOKENS
-    for hidden in hidden_sizes:
-        for tokens in token_counts:
-            report.print_progress(f"add+RMSNorm tokens={tokens} hidden={hidden}")
-            inputs = make_norm_inputs(tokens, hidden, options)
-            try:
-                results += norm_case_results(inputs, options, ceiling.tbps, notes)
-            finally:
-                inputs.delete()
-                gc.collect()
+        cases = tuple((tokens, hidden) for hidden in NORM_HIDDEN for tokens in token_counts)
+    for tokens, hidden in cases:
+        report.print_progress(f"add+RMSNorm tokens={tokens} hidden={hidden}")
+        inputs = make_norm_inputs(tokens, hidden, options)
+        try:
+            results += norm_case_results(inputs, options, ceiling.tbps, notes)
+        finally:
+            inputs.delete()
+            gc.collect()
     shape = DRY_RUN_ROPE_SHAPE if options.dry_run else ROPE_SHAPE
     report.print_progress("RoPE + paged append")
     inputs = make_rope_inputs(shape, options)

@@ -266,8 +266,9 @@ DRY_RUN_LOAD_SCENARIO = serving_load.LoadScenario(
 DRY_RUN_PARALLEL = 2
 DRY_RUN_PREFILL_CHUNK = 32
 DRY_RUN_OP_CONTEXT = 48  # one op-level shape for every dry-run scenario: one compilation
-# Runs of each step-loop variant in a dry run: the compiling one, then one timed.
-DRY_RUN_UNTIMED_LOOPS = 1
+# Runs of each step-loop variant in a dry run: one, timed with its compilation (a dry run's
+# figures are not speed figures; each run of the interpreted kernels costs CPU seconds).
+DRY_RUN_UNTIMED_LOOPS = 0
 DRY_RUN_TIMED_LOOPS = 1
 
 
@@ -685,8 +686,8 @@ def time_step_variants(
     _, inputs = run.captured[len(run.captured) // 2]
     inputs = jax.device_put(inputs)
     if options.dry_run:
-        # One untimed run (the compilation) and one timed: a dry run's figures are not speed
-        # figures, and every run of an interpreted kernel costs CPU seconds.
+        # One run, its compilation timed with it: a dry run's figures are not speed figures,
+        # and every run of an interpreted kernel costs CPU seconds.
         num_calls = options.dry_run_calls
         untimed, timed = DRY_RUN_UNTIMED_LOOPS, DRY_RUN_TIMED_LOOPS
     else:
