@@ -48,9 +48,9 @@ same 4-D path, is the one-token step the others are compared with (``vs_q_len_1`
 - ``decodelab (repeat)``.
 
 ``--tune`` runs the cases of ``TUNE_CASES`` only (a dry run: ``DRY_RUN_TUNE_GRID``) and also
-sweeps the kernel's launch parameters
-(pages per step, warps, pipeline stages) and the planner's programs per SM there, records every figure in the decodelab row's
-``kernel_sweep`` field and names the best in the notes; the chosen values are then written into
+sweeps the kernel's launch parameters (pages per step, warps, pipeline stages) and the
+planner's programs per SM there, records every figure in the decodelab row's ``kernel_sweep``
+field and names the best in the notes; the chosen values are then written into
 ``kernels_pallas/paged_decode_tuning.py`` by hand, citing the report.
 """
 
