@@ -125,7 +125,8 @@ small memset), ``plgpu.semaphore_signal`` adds to one after a warpgroup barrier
 they are not all resident); ``plgpu.inline_mgpu`` reaches the NVVM dialect (the
 ``fence.proxy.async.global`` that orders a TMA store before the release); there is no grid-wide
 barrier (cluster barriers only). Signal-then-read is the atomic "last one merges": the last
-signal's own read sees the full count. Mosaic GPU's interpreter runs none of these (global
+signal's own read sees the full count. The count is read once for the warpgroup
+(``_read_uniformly``): a branch on per-thread reads diverged and hung the launch on an H100. Mosaic GPU's interpreter runs none of these (global
 semaphores fail to trace, atomics fail on their effects, ``inline_mgpu`` is refused), but it
 runs the grid one program at a time in order, so interpreted the item's rank in its request
 stands in for the count; the semaphores are tested by lowering and compiled (``gpu``-marked
@@ -134,13 +135,13 @@ would give up the split's parallelism, which is the reason to split. The partial
 folded launch keep ``folded_partial_rows`` rows an item, so the merge loads each as one ``[rows,
 D]`` array over the 128 threads.
 
-Status of the folded merge (2026-12-07, ``docs/benchmark_results/2026-11-30-gpu-checks.md``):
-compiled, this file's version hangs on the GPU. Every thread reads the arrival count itself, so
-threads that read at different moments disagree on "last to arrive", and the merge's warpgroup
-barrier waits for threads that skipped it. The fix (branch ``fold-uniform``: one read, shared
-through shared memory behind a barrier) passed its compiled tests on an H100, but measured 0.92x
-to 1.00x the separate merge; it lands with the next decode-suite measurement. Until then do
-not pass ``merge="folded"`` on a GPU (interpreted, it is correct and tested).
+The arrival count is read once for the warpgroup: one thread reads it and stores it to shared
+memory, a warpgroup barrier follows, and every thread branches on that one value. Read by every
+thread, the count could differ between threads that read at different moments; threads that
+skipped the merge never reached its warpgroup barrier, and the kernel hung on the GPU (an
+H100, earlier on 2026-12-07). With the single read it passed its compiled tests on an H100 the
+same day and measured 0.92x to 1.00x the separate merge at B = 1 and 4, so ``"separate"``
+stays the default (``docs/benchmark_results/2026-11-30-gpu-checks.md``).
 
 Mosaic GPU's interpreter (``interpret=True`` here, ``plgpu.InterpretGPUParams()``) runs TMA
 copies, barriers, ``emit_pipeline`` and WGMMA with both operands in shared memory; it cannot run
@@ -589,6 +590,30 @@ def _strided_layout(rows: int, head_dim: int):
     return plgpu.Layout.WG_STRIDED((rows, head_dim), vec_size=min(2, rows * head_dim // 128))
 
 
+def _read_uniformly(counter) -> jax.Array:
+    """The count of ``counter`` as ONE value for the whole warpgroup.
+
+    ``pl.semaphore_read`` is a load by every thread (``ld.acquire``), and threads that load at
+    different moments can see different counts while other programs still signal. A branch on
+    such a count diverges inside the warpgroup; the merge's body holds a warpgroup barrier (the
+    ``commit_smem`` before its TMA store), which the threads that skipped the branch never reach:
+    the launch hangs (seen on an H100, 2026-12-07: compiled, launched, never finished). So every
+    thread stores what it read to one shared-memory word, a warpgroup barrier follows
+    (``commit_smem``), and every thread loads the word: one of the reads, the same for all.
+    A count only grows, so the value is at most the true count and "full" still means every
+    item arrived; the last program to signal reads the full count in every thread (each of its
+    reads follows its own signal), so at least one program merges. Each thread's own acquire
+    load came first, so the partial states it then reads are those the signals released."""
+    read = pl.semaphore_read(counter)
+
+    def through_smem(word):
+        word[0] = read
+        plgpu.commit_smem()
+        return word[0]
+
+    return pl.run_scoped(through_smem, plgpu.SMEM((1,), jnp.int32))
+
+
 def _merge_if_last_to_arrive(
     partial_o_ref,  # [num_work * KVH * P_fold, head_dim] float32, GMEM
     partial_lse_ref,  # [num_work * KVH * P_fold] float32, GMEM
@@ -648,7 +673,7 @@ def _merge_if_last_to_arrive(
         def _():
             plgpu.semaphore_signal(counter, 1, memory_scope="gpu")
 
-        arrived = pl.semaphore_read(counter)
+        arrived = _read_uniformly(counter)
     layout = _strided_layout(partial_block, head_dim)
     row = plgpu.broadcasted_iota(jnp.int32, (partial_block, head_dim), 0, layout=layout)
 
@@ -1172,6 +1197,9 @@ def _interpret_params(interpret):
     return plgpu.InterpretGPUParams() if interpret else None
 
 
+# Cached: the decode entry asks once a traced call and the engine's host plan once a step
+# (paged.decode.mgpu_kernel_supports), and the scan of 64 lengths cost ~10 us a call on a CPU.
+@functools.cache
 def max_query_len(group_size: int) -> int:
     """The most new tokens a request may bring for this group size: the ``L x G`` rows of a KV
     head, from their offset inside an 8-row tile (up to ``8 - gcd(L x G, 8)``), must fit the

@@ -45,6 +45,7 @@ from paged.cascade import (
 from paged.cascade_plan import (
     CASCADE_CROSSOVER,
     CascadeCrossover,
+    CascadePlanCache,
     SharedPrefixGroup,
     find_shared_prefix_groups,
     plan_cascade,
@@ -99,6 +100,7 @@ __all__ = [
     "CascadeCrossover",
     "CascadeLevels",
     "CascadePlan",
+    "CascadePlanCache",
     "DecodePlan",
     "KVCache",
     "LatentCache",

@@ -136,12 +136,39 @@ def find_shared_prefix_groups(
 
 def _find_groups(rows, page_size: int, q_len: int, active) -> list[SharedPrefixGroup]:
     """``find_shared_prefix_groups`` on ``_host_rows``' arrays (read once a step)."""
-    indptr, indices, seq_lens = rows
+    indptr, indices, _ = rows
+    shareable = _shareable(rows, page_size, q_len, active)
+    return [
+        SharedPrefixGroup(tuple(group.requests.tolist()), tuple(group.pages.tolist()))
+        for group in _groups(indptr, indices, shareable)
+    ]
+
+
+class _Group(NamedTuple):
+    """A ``SharedPrefixGroup`` as arrays (``requests`` ascending rows, ``pages`` int32): the
+    planner keeps them so, as Python tuples of a long prefix's pages cost 100 us a step."""
+
+    requests: np.ndarray
+    pages: np.ndarray
+
+
+def _shareable(rows, page_size: int, q_len: int, active) -> np.ndarray:
+    """int64[B]: the whole pages each row can share (at least ``q_len`` of its tokens after
+    them; 0 for rows not ``active``): all that groups depend on besides the pages."""
+    indptr, _, seq_lens = rows
     active = _check_active(active, len(seq_lens))
-    counts = np.diff(indptr)
-    # Pages a row can share: whole pages with at least q_len of its tokens after them.
-    shareable = np.clip((seq_lens - q_len) // page_size, 0, counts)
+    # np.minimum and np.maximum in place, not np.clip: the same values without clip's Python
+    # wrappers (this runs every decode step of a cascading engine).
+    shareable = (seq_lens - q_len) // page_size
+    np.minimum(shareable, indptr[1:] - indptr[:-1], out=shareable)
+    np.maximum(shareable, 0, out=shareable)
     shareable[~active] = 0
+    return shareable
+
+
+def _groups(indptr: np.ndarray, indices: np.ndarray, shareable: np.ndarray) -> list[_Group]:
+    """The groups (module docstring) of rows that can share ``shareable`` pages, ordered by
+    their first member."""
     candidates = np.flatnonzero(shareable > 0)
     if candidates.size < 2:
         return []
@@ -157,12 +184,8 @@ def _find_groups(rows, page_size: int, q_len: int, active) -> list[SharedPrefixG
         leading = indices[indptr[members][:, None] + np.arange(longest)[None, :]]
         same = np.all(leading == leading[0], axis=0)
         prefix_pages = longest if same.all() else int(np.argmin(same))
-        groups.append(
-            SharedPrefixGroup(
-                tuple(int(r) for r in members), tuple(int(p) for p in leading[0, :prefix_pages])
-            )
-        )
-    return sorted(groups, key=lambda group: group.requests[0])
+        groups.append(_Group(members, leading[0, :prefix_pages]))
+    return sorted(groups, key=lambda group: int(group.requests[0]))
 
 
 def plan_cascade(
@@ -204,29 +227,206 @@ def plan_cascade(
       >>> plan_cascade(table, None) is None
       True
     """
+    return _plan(page_table, crossover, q_len, active, max_groups, num_indices, None)
+
+
+class CascadePlanCache:
+    """``plan_cascade`` for the steps of one batch, each step's levels reusing the last step's
+    where nothing they depend on changed (the serving engine's cascade decision, once a decode
+    step: ``serving/cascade_step.py``).
+
+    Why: a step's groups, shared level and each row's own pages change only when a request
+    joins or leaves a group, a row gains a page, or a row's shareable pages change (its
+    length crossing a page, a request admitted, finished or preempted); between those steps
+    only each row's ``last_page_len`` moves. Planning 32 requests sharing 256 pages from
+    scratch cost about 270 us of host time a step on a CPU, most of it rebuilding what the
+    step before built.
+
+    Exact by construction, not by invalidation: the cache key is every input the levels depend
+    on but the lengths within each row's last page (the page size, ``crossover``, ``q_len``,
+    ``max_groups``, ``num_indices``, the table's ``page_indptr`` and listed ``page_indices``,
+    ``active``, and ``(last_page_len - q_len) // page_size``, which with ``page_indptr`` fixes
+    each row's shareable pages: ``_cache_key``). A step whose key equals the last one's gets the
+    last levels with its own ``last_page_len`` in the own level (after checking those lengths,
+    the only part of its table not validated with the key); a step whose key differs is planned
+    from scratch, validated, and kept. So ``plan`` returns what ``plan_cascade`` returns, value
+    for value and error for error, whatever the sequence of tables
+    (``tests/test_cascade_plan.py``); a request joining or leaving a group, a row gaining a
+    page, a preempted request readmitted on other pages all change the key. The arrays it
+    reuses are read-only, so no caller can change a later step's levels through an earlier
+    step's. ``hits`` and ``misses`` count the calls it answered from the kept key and those it
+    planned (calls it cannot key, without a crossover or with arguments ``plan_cascade``
+    refuses, count in neither).
+
+    Example:
+      >>> cache = CascadePlanCache()
+      >>> table = PageTable.from_page_lists([[3, 4, 5], [3, 4, 6]], [40, 33], page_size=16)
+      >>> first = cache.plan(table, ANY_SHARED_PAGE)
+      >>> grown = PageTable.from_page_lists([[3, 4, 5], [3, 4, 6]], [41, 34], page_size=16)
+      >>> again = cache.plan(grown, ANY_SHARED_PAGE)
+      >>> again.shared is first.shared, again.own.seq_lens().tolist()
+      (True, [9, 2])
+    """
+
+    def __init__(self):
+        self._key = None
+        self._has_pages = None  # bool[B]: rows of the kept key's table that list a page
+        # (shared levels, own page_indptr, own page_indices) of the last key, or None where
+        # no group paid.
+        self._value = None
+        self.hits = 0
+        self.misses = 0
+
+    def plan(
+        self,
+        page_table: PageTable,
+        crossover: CascadeCrossover | None,
+        *,
+        q_len: int = 1,
+        active=None,
+        max_groups: int | None = None,
+        num_indices: int | None = None,
+    ) -> CascadeLevels | None:
+        """``plan_cascade(page_table, crossover, ...)``, the same value and errors (class
+        docstring)."""
+        return _plan(page_table, crossover, q_len, active, max_groups, num_indices, self)
+
+
+def _plan(page_table, crossover, q_len, active, max_groups, num_indices, cache):
+    """``plan_cascade``, through ``cache`` (a ``CascadePlanCache``) when one is given."""
     if crossover is not None and not isinstance(crossover, CascadeCrossover):
         raise TypeError(
             f"crossover must be a CascadeCrossover or None, got {type(crossover).__name__}"
         )
+    key = None
+    if cache is not None:
+        key = _cache_key(page_table, crossover, q_len, active, max_groups, num_indices)
+        if key is not None and key == cache._key:
+            last = np.asarray(page_table.last_page_len)
+            # The table's pages are those of a table validated when the key was kept; only
+            # its lengths are new (a bad one goes the long way, which names it).
+            bad = np.where(cache._has_pages, (last < 1) | (last > page_table.page_size), last != 0)
+            if not bad.any():
+                cache.hits += 1
+                if cache._value is None:
+                    return None
+                shared, own_indptr, own_indices = cache._value
+                return CascadeLevels(shared, _own_table(page_table, own_indptr, own_indices))
     rows = _host_rows(page_table)
-    groups = _find_groups(rows, page_table.page_size, _check_q_len(q_len), active)
+    indptr, indices, _ = rows
+    shareable = _shareable(rows, page_table.page_size, _check_q_len(q_len), active)
     batch_size = page_table.batch_size
     max_groups = _check_size("max_groups", batch_size // 2 if max_groups is None else max_groups)
     table_size = page_table.page_indices.shape[0]
     num_indices = _check_size("num_indices", table_size if num_indices is None else num_indices)
-    listed = int(np.asarray(page_table.page_indptr)[-1])
+    listed = int(indptr[-1])
     if num_indices < listed:
         raise ValueError(f"num_indices={num_indices} is below the {listed} pages page_table lists")
     if crossover is None:
         return None
-    paying = [g for g in groups if crossover.pays(len(g.requests), len(g.pages))]
-    if not paying or max_groups == 0:
+    levels = None
+    paying = [g for g in _groups(indptr, indices, shareable) if _pays(crossover, g)]
+    if paying and max_groups > 0:
+        if len(paying) > max_groups:  # keep the groups that save the most page reads
+            saved = lambda g: (len(g.requests) - 1) * len(g.pages)
+            kept = set(sorted(range(len(paying)), key=lambda i: -saved(paying[i]))[:max_groups])
+            paying = [g for i, g in enumerate(paying) if i in kept]
+        levels = _levels_of(page_table, rows, paying, max_groups, num_indices)
+    if key is not None:
+        cache.misses += 1
+        cache._key = key
+        cache._has_pages = indptr[1:] > indptr[:-1]
+        cache._value = None
+        if levels is not None:
+            for leaf in [*_leaves(levels.shared), levels.own.page_indptr, levels.own.page_indices]:
+                leaf.flags.writeable = False
+            cache._value = (levels.shared, levels.own.page_indptr, levels.own.page_indices)
+    return levels
+
+
+def _cache_key(page_table, crossover, q_len, active, max_groups, num_indices):
+    """``CascadePlanCache``'s key of a call (its class docstring), read from the arrays as
+    given, before any check of the table; None for a call the cache leaves alone (no crossover,
+    or arguments ``plan_cascade`` refuses: it raises then, as without a cache).
+
+    Complete: a row's shareable pages (``_shareable``) are ``0`` without pages or when not
+    ``active``, else ``num_pages - 1 + (last_page_len - q_len) // page_size`` clipped to
+    ``[0, num_pages]``, so ``page_indptr``, ``active`` and ``(last_page_len - q_len) //
+    page_size`` fix them; the groups and levels follow from those, the listed pages, the
+    crossover and the shapes. The lengths themselves move every step and are not in it."""
+    if crossover is None or not isinstance(page_table, PageTable):
         return None
-    if len(paying) > max_groups:  # keep the groups that save the most page reads
-        saved = lambda g: (len(g.requests) - 1) * len(g.pages)
-        kept = set(sorted(range(len(paying)), key=lambda i: -saved(paying[i]))[:max_groups])
-        paying = [g for i, g in enumerate(paying) if i in kept]
-    return _levels_of(page_table, rows, paying, max_groups, num_indices)
+    arrays = (page_table.page_indptr, page_table.page_indices, page_table.last_page_len)
+    page_size = page_table.page_size
+    if not is_concrete(*arrays) or not isinstance(page_size, (int, np.integer)) or page_size < 1:
+        return None
+    indptr, indices, last = (np.asarray(array) for array in arrays)
+    if (
+        indptr.ndim != 1
+        or indices.ndim != 1
+        or last.ndim != 1
+        or indptr.shape[0] != last.shape[0] + 1
+        or isinstance(q_len, bool)
+        or not isinstance(q_len, (int, np.integer))
+        or q_len < 1
+    ):
+        return None
+    batch_size = last.shape[0]
+    if active is None:
+        active = np.ones(batch_size, bool)
+    active = np.asarray(active)
+    if active.dtype != np.bool_ or active.shape != (batch_size,):
+        return None
+    for size in (max_groups, num_indices):
+        if size is not None and (
+            isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 0
+        ):
+            return None
+    return (
+        page_size,
+        crossover,
+        q_len,
+        max_groups,
+        num_indices,
+        indptr.dtype.str,
+        indices.dtype.str,
+        last.dtype.str,
+        indices.shape[0],
+        indptr.tobytes(),
+        indices[: max(int(indptr[-1]), 0)].tobytes(),
+        active.tobytes(),
+        ((last - q_len) // page_size).tobytes(),
+    )
+
+
+def _pays(crossover: CascadeCrossover, group: _Group) -> bool:
+    return crossover.pays(len(group.requests), len(group.pages))
+
+
+def _leaves(shared_levels) -> list[np.ndarray]:
+    """Every array of ``shared_levels`` (host levels ``_levels_of`` built)."""
+    return [
+        array
+        for level in shared_levels
+        for array in (
+            level.group_pages.page_indptr,
+            level.group_pages.page_indices,
+            level.group_pages.last_page_len,
+            level.group_indptr,
+            level.group_requests,
+        )
+    ]
+
+
+def _own_table(page_table: PageTable, own_indptr, own_indices) -> PageTable:
+    """The own level: each row's pages after its group's, its last page the row's last page (a
+    member keeps ``q_len >= 1`` tokens after the prefix), so the row's ``last_page_len``."""
+    return PageTable(
+        own_indptr,
+        own_indices,
+        np.asarray(page_table.last_page_len, np.int32).copy(),
+        page_table.page_size,
+    )
 
 
 def levels_without_groups(
@@ -285,7 +485,7 @@ def summarize_levels(levels: CascadeLevels) -> CascadeSummary:
 # --------------------------------------------------------------------------------------------
 
 
-def _levels_of(page_table, rows, groups, max_groups, num_indices) -> CascadeLevels:
+def _levels_of(page_table, rows, groups: list[_Group], max_groups, num_indices) -> CascadeLevels:
     """The two levels of ``groups`` (each member's first ``len(pages)`` pages shared), padded to
     ``max_groups`` shared rows and ``num_indices`` pages a level."""
     page_size = page_table.page_size
@@ -298,12 +498,16 @@ def _levels_of(page_table, rows, groups, max_groups, num_indices) -> CascadeLeve
     group_page_counts[: len(groups)] = [len(g.pages) for g in groups]
     group_indptr = np.concatenate([[0], np.cumsum(group_sizes)]).astype(np.int32)
     group_requests = np.zeros(batch_size, np.int32)
-    members = [r for g in groups for r in g.requests]
-    group_requests[: len(members)] = members
     group_page_indptr = np.concatenate([[0], np.cumsum(group_page_counts)]).astype(np.int32)
     group_page_indices = np.zeros(num_indices, np.int32)
-    shared_pages = [p for g in groups for p in g.pages]
-    group_page_indices[: len(shared_pages)] = shared_pages
+    skipped = np.zeros(batch_size, np.int32)
+    if groups:
+        members = np.concatenate([g.requests for g in groups])
+        group_requests[: members.size] = members
+        shared_pages = np.concatenate([g.pages for g in groups])
+        group_page_indices[: shared_pages.size] = shared_pages
+        # Each member skips its group's pages in its own level.
+        skipped[members] = np.repeat(group_page_counts[: len(groups)], group_sizes[: len(groups)])
     shared = SharedLevel(
         PageTable(
             group_page_indptr,
@@ -314,12 +518,8 @@ def _levels_of(page_table, rows, groups, max_groups, num_indices) -> CascadeLeve
         group_indptr,
         group_requests,
     )
-    # The own level: each row after its group's pages (the whole row outside a group). Its
-    # last page is the row's last page (a member keeps q_len >= 1 tokens after the prefix).
-    skipped = np.zeros(batch_size, np.int32)
-    for group in groups:
-        skipped[list(group.requests)] = len(group.pages)
-    counts = np.diff(indptr)
+    # The own level: each row after its group's pages (the whole row outside a group).
+    counts = indptr[1:] - indptr[:-1]
     own_counts = counts - skipped
     own_indptr = np.concatenate([[0], np.cumsum(own_counts)]).astype(np.int32)
     # Source position of every own page: its row's start, past the skipped pages.
@@ -328,13 +528,7 @@ def _levels_of(page_table, rows, groups, max_groups, num_indices) -> CascadeLeve
     )
     own_indices = np.zeros(num_indices, np.int32)
     own_indices[: own_indptr[-1]] = indices[source]
-    own = PageTable(
-        own_indptr,
-        own_indices,
-        np.asarray(page_table.last_page_len, np.int32).copy(),
-        page_size,
-    )
-    return CascadeLevels((shared,), own)
+    return CascadeLevels((shared,), _own_table(page_table, own_indptr, own_indices))
 
 
 def _host_rows(page_table) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

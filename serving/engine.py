@@ -70,8 +70,11 @@ measured on; ``"on"``: any group of two sharing a page), the program's attention
 each row's own pages once per row, merged exactly; otherwise plain decode. The levels are
 inputs of fixed shapes (``B // 2`` group rows, the table's bucket of page indices), so the
 decode program stays one jitted program: a table bucket compiles a plain and at most one
-cascade variant. Speculative verification steps attend through the levels too (``q_len = n +
-1``); the draft's passes stay plain. ``DECODELAB_BACKEND=reference`` turns cascade off.
+cascade variant. Between a group's changes (a request joining or leaving it, a row gaining a
+page) a program's levels are the last program's with each row's new length
+(``paged.CascadePlanCache``, keyed on all they depend on, so the same levels as planning afresh).
+Speculative verification steps attend through the levels too (``q_len = n + 1``); the draft's
+passes stay plain. ``DECODELAB_BACKEND=reference`` turns cascade off.
 ``cascade_report()`` counts what it did; ``backend_report()`` says when it ran.
 
 Sparse decode (``sparse="quest" | "recent"``, ``sparse_budget=2048``)
@@ -278,6 +281,9 @@ class Engine:
         self.cascade = cascade
         self.cascade_crossover = cascade_crossover
         self._cascade_stats = cascade_step.CascadeStats(cascade)
+        # Each decode program's levels reuse the last one's where its groups and pages did not
+        # change (exact: paged.cascade_plan.CascadePlanCache keys on all they depend on).
+        self._cascade_plans = cascade_step.CascadePlanCache()
         # Speculative rows emit a varying number of tokens a step: one step a program.
         self.max_steps_per_program = 1 if num_speculative else steps
         self.backend = backend
@@ -714,7 +720,7 @@ class Engine:
         if crossover is None:
             return None, reason
         levels = cascade_step.plan_step_levels(
-            tables, active, crossover, q_len=self.num_speculative + 1
+            tables, active, crossover, q_len=self.num_speculative + 1, cache=self._cascade_plans
         )
         if levels is None:
             return None, (

@@ -20,6 +20,7 @@ import paged
 from paged.cascade_plan import (
     ANY_SHARED_PAGE,
     CascadeCrossover,
+    CascadePlanCache,
     SharedPrefixGroup,
     find_shared_prefix_groups,
     plan_cascade,
@@ -212,6 +213,124 @@ def test_planned_levels_give_plain_decode_attention():
 
 
 # --------------------------------------------------------------------------------------------
+# CascadePlanCache: the same levels as plan_cascade, most steps reusing the step before's
+
+
+def _same_levels(got, expected) -> bool:
+    if got is None or expected is None:
+        return got is None and expected is None
+    got_leaves, got_tree = jax.tree.flatten(got)
+    expected_leaves, expected_tree = jax.tree.flatten(expected)
+    return got_tree == expected_tree and all(
+        a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a, b)
+        for a, b in zip(got_leaves, expected_leaves, strict=True)
+    )
+
+
+@given(st.lists(planted_batches(), min_size=1, max_size=4), st.integers(1, 3))
+def test_the_cache_plans_what_plan_cascade_plans_whatever_the_steps(cases, repeats):
+    """Any sequence of tables (each drawn table planned ``repeats`` times in a row, so the
+    cache also answers from its last key): the value ``plan_cascade`` gives, every time."""
+    cache = CascadePlanCache()
+    for table, _, _, q_len in cases:
+        for _ in range(repeats):
+            got = cache.plan(table, ANY_SHARED_PAGE, q_len=q_len)
+            assert _same_levels(got, plan_cascade(table, ANY_SHARED_PAGE, q_len=q_len))
+    assert cache.hits >= len(cases) * (repeats - 1)  # a table planned again: from the cache
+    assert cache.hits + cache.misses == len(cases) * repeats
+
+
+def _step(page_lists, seq_lens):
+    return paged.PageTable.from_page_lists(page_lists, seq_lens, PAGE_SIZE, num_indices=32)
+
+
+def _groups_of(levels):
+    """``[(requests, pages)]`` of the shared level's used rows."""
+    (shared,) = levels.shared
+    indptr = np.asarray(shared.group_indptr)
+    members = np.asarray(shared.group_requests)
+    pages = shared.group_pages.page_lists()
+    return [
+        (members[indptr[g] : indptr[g + 1]].tolist(), pages[g])
+        for g in range(shared.num_groups)
+        if indptr[g + 1] > indptr[g]
+    ]
+
+
+def test_the_cache_follows_requests_joining_and_leaving_a_group():
+    """Steps of one batch as an engine sees them: a step that only moves each row's length
+    within its pages reuses the last step's levels (the same shared level, its own
+    ``last_page_len``); a request leaving, a request joining, a row gaining a page and a
+    preempted request readmitted on other pages each give new levels, equal to
+    ``plan_cascade``'s."""
+    cache = CascadePlanCache()
+    active = np.ones(4, bool)
+
+    def plan(table, active=active):
+        levels = cache.plan(table, ANY_SHARED_PAGE, active=active)
+        assert _same_levels(levels, plan_cascade(table, ANY_SHARED_PAGE, active=active))
+        return levels
+
+    # Rows 0, 1, 2 share pages 1 and 2; row 3 decodes alone.
+    rows = [[1, 2, 5], [1, 2, 6], [1, 2, 7], [3, 8]]
+    first = plan(_step(rows, [9, 10, 9, 6]))
+    assert _groups_of(first) == [([0, 1, 2], [1, 2])]
+    # A token more each, on the same pages: the last step's levels, this step's lengths.
+    grown = plan(_step(rows, [10, 11, 10, 7]))
+    assert (cache.hits, cache.misses) == (1, 1)
+    assert grown.shared is first.shared
+    assert grown.own.last_page_len.tolist() == [2, 3, 2, 3]
+    # Request 2 finishes: its slot is idle (a phantom row).
+    left = plan(_step(rows, [11, 12, 11, 8]), np.array([True, True, False, True]))
+    assert _groups_of(left) == [([0, 1], [1, 2])]
+    # A request admitted with the same prompt joins in slot 2 (its own page 9), and row 3's
+    # request gains a page.
+    rows = [[1, 2, 5], [1, 2, 6], [1, 2, 9], [3, 8, 4]]
+    joined = plan(_step(rows, [12, 9, 9, 9]))
+    assert _groups_of(joined) == [([0, 1, 2], [1, 2])]
+    # Row 0's request preempted and readmitted with the same first page but another second
+    # page (its prompt's tail re-prefilled): the prefix the group shares shrinks to page 1.
+    rows = [[1, 10, 11], [1, 2, 6], [1, 2, 9], [3, 8, 4]]
+    readmitted = plan(_step(rows, [9, 10, 10, 10]))
+    assert _groups_of(readmitted) == [([0, 1, 2], [1])]
+    assert (cache.hits, cache.misses) == (1, 4)
+
+
+def test_the_cache_follows_the_crossover_and_the_batch_shape():
+    """A key is all the levels depend on: the same table under another crossover, another
+    ``max_groups`` or ``num_indices``, or another ``q_len`` is planned again."""
+    cache = CascadePlanCache()
+    table = _step([[1, 2, 5], [1, 2, 6], [3, 4, 7], [3, 4, 8]], [9, 9, 12, 12])
+    assert len(_groups_of(cache.plan(table, ANY_SHARED_PAGE))) == 2
+    only = CascadeCrossover(min_group_size=2, min_prefix_pages=2)
+    assert cache.plan(table, only) is not None
+    assert cache.plan(table, CascadeCrossover(min_group_size=3, min_prefix_pages=1)) is None
+    assert cache.plan(table, CascadeCrossover(min_group_size=3, min_prefix_pages=1)) is None
+    assert cache.hits == 1  # the None was kept too
+    assert len(_groups_of(cache.plan(table, ANY_SHARED_PAGE, max_groups=1))) == 1
+    wide = cache.plan(table, ANY_SHARED_PAGE, num_indices=64)
+    assert wide.own.page_indices.shape == (64,)
+    # q_len=2: rows 0 and 1 (9 tokens, one after their two pages) can share one page only;
+    # a token more each, on the same pages, and they share both.
+    assert _groups_of(cache.plan(table, ANY_SHARED_PAGE, q_len=2))[0] == ([0, 1], [1])
+    longer = _step([[1, 2, 5], [1, 2, 6], [3, 4, 7], [3, 4, 8]], [10, 10, 12, 12])
+    assert _groups_of(cache.plan(longer, ANY_SHARED_PAGE, q_len=2))[0] == ([0, 1], [1, 2])
+    with pytest.raises(ValueError, match="q_len must be an int >= 1, got 0"):
+        cache.plan(table, ANY_SHARED_PAGE, q_len=0)
+
+
+def test_reused_levels_are_read_only():
+    """The arrays a later step reuses cannot be changed through an earlier step's levels."""
+    cache = CascadePlanCache()
+    levels = cache.plan(_step([[1, 2, 5], [1, 2, 6]], [9, 9]), ANY_SHARED_PAGE)
+    with pytest.raises(ValueError, match="read-only"):
+        levels.shared[0].group_requests[0] = 1
+    with pytest.raises(ValueError, match="read-only"):
+        levels.own.page_indices[0] = 1
+    levels.own.last_page_len[0] = 1  # each step's own: writable, as plan_cascade's
+
+
+# --------------------------------------------------------------------------------------------
 # Bad input
 
 
@@ -239,6 +358,35 @@ def test_bad_arguments_are_named(kwargs, error, match):
     crossover = kwargs.pop("crossover", ANY_SHARED_PAGE)
     with pytest.raises(error, match=match):
         plan_cascade(_table(), crossover, **kwargs)
+    # Through a cache that just planned the same table with good arguments (q_len=True equals
+    # 1, an int active array 1s equals True): the same error, not the kept levels.
+    cache = CascadePlanCache()
+    assert cache.plan(_table(), ANY_SHARED_PAGE, q_len=1) is not None
+    with pytest.raises(error, match=match):
+        cache.plan(_table(), crossover, **kwargs)
+
+
+def test_a_bad_length_is_refused_through_the_cache():
+    """A table whose pages are those the cache kept but whose lengths are not valid is refused
+    as ``plan_cascade`` refuses it (its lengths are all that a kept key does not cover)."""
+    int32 = lambda values: np.array(values, np.int32)
+    cache = CascadePlanCache()
+    assert cache.plan(_table(), ANY_SHARED_PAGE) is not None
+    table = _table()
+    for bad in ([2, 9], [0, 2]):  # past the page; none on a row that lists pages
+        bad_table = paged.PageTable(table.page_indptr, table.page_indices, int32(bad), PAGE_SIZE)
+        with pytest.raises(ValueError, match="last_page_len"):
+            plan_cascade(bad_table, ANY_SHARED_PAGE)
+        with pytest.raises(ValueError, match="last_page_len"):
+            cache.plan(bad_table, ANY_SHARED_PAGE)
+    # With q_len=2 a length of 0 and one of 1 give the same key ((0 - 2) // 4 == (1 - 2) // 4):
+    # the lengths' own check refuses it.
+    one = paged.PageTable(table.page_indptr, table.page_indices, int32([1, 2]), PAGE_SIZE)
+    cache.plan(one, ANY_SHARED_PAGE, q_len=2)
+    zero = paged.PageTable(table.page_indptr, table.page_indices, int32([0, 2]), PAGE_SIZE)
+    with pytest.raises(ValueError, match=r"last_page_len\[0\]=0"):
+        cache.plan(zero, ANY_SHARED_PAGE, q_len=2)
+    assert cache.hits == 0
 
 
 def test_a_bad_or_traced_table_is_refused():

@@ -171,6 +171,45 @@ def test_only_whole_pages_that_every_member_lists_are_shared(pair, monkeypatch):
         )
 
 
+@pytest.mark.parametrize("max_steps_per_program", [1, 4])
+def test_the_engine_levels_are_planned_afresh_when_a_group_changes(
+    pair, monkeypatch, max_steps_per_program
+):
+    """The engine plans each program's levels through its ``CascadePlanCache``: at every
+    program they equal levels planned from scratch from the same tables (no cache), while the
+    group shrinks as its requests finish (three members, then two, then none: each layout
+    planned afresh), and programs between those changes reuse the levels of the one before
+    (in a block, steps reuse the step before's)."""
+    seen = []
+    real = cascade_step.plan_step_levels
+
+    def spy(tables, active, crossover, **kwargs):
+        levels = real(tables, active, crossover, **kwargs)
+        fresh = real(tables, active, crossover, q_len=kwargs["q_len"])  # no cache
+        seen.append((levels, fresh))
+        return levels
+
+    monkeypatch.setattr(cascade_step, "plan_step_levels", spy)
+    engine = _engine(pair, cascade="on", max_steps_per_program=max_steps_per_program)
+    _run(engine, _ragged_batch())
+    sizes = []
+    for levels, fresh in seen:
+        assert (levels is None) == (fresh is None)
+        if levels is not None:
+            for step, expected in zip(levels, fresh, strict=True):
+                got_leaves, got_tree = jax.tree.flatten(step)
+                expected_leaves, expected_tree = jax.tree.flatten(expected)
+                assert got_tree == expected_tree
+                for got, want in zip(got_leaves, expected_leaves, strict=True):
+                    np.testing.assert_array_equal(got, want)
+                    assert got.dtype == want.dtype
+        sizes.append(0 if levels is None else int(levels[0].shared[0].group_indptr[-1]))
+    changes = [size for i, size in enumerate(sizes) if i == 0 or sizes[i - 1] != size]
+    assert changes[-3:] == [3, 2, 0], sizes
+    plans = engine._cascade_plans
+    assert plans.hits > 0 and plans.misses >= 2, (plans.hits, plans.misses)
+
+
 def test_speculative_verification_cascades_with_the_same_greedy_tokens(pair):
     """Speculative steps: the target's verification of ``n + 1`` tokens attends through the
     levels (the draft's one-token passes stay plain); greedy tokens are unchanged."""

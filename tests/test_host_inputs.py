@@ -19,12 +19,21 @@ DTYPES = (np.int32, np.uint32, np.float32, np.bool_)
 @st.composite
 def host_trees(draw):
     """A dict of up to 6 arrays (int32, uint32, float32 with NaN and infinities, bool; shapes
-    of 0 to 3 axes, empty ones included) and a None."""
+    of 0 to 3 axes, empty ones included; some of them transposed or strided views, whose
+    words are not contiguous, or NumPy scalars) and a None."""
     leaves = {}
     for index in range(draw(st.integers(0, 6))):
         dtype = draw(st.sampled_from(DTYPES))
         shape = draw(hnp.array_shapes(min_dims=0, max_dims=3, min_side=0, max_side=4))
-        leaves[f"leaf{index}"] = draw(hnp.arrays(dtype, shape))
+        leaf = draw(hnp.arrays(dtype, shape))
+        view = draw(st.sampled_from(("as drawn", "transposed", "strided", "scalar")))
+        if view == "transposed":
+            leaf = leaf.T
+        elif view == "strided" and leaf.ndim:
+            leaf = leaf[::2]
+        elif view == "scalar" and leaf.size:
+            leaf = leaf.reshape(-1)[0]  # a NumPy scalar (np.int32, ...): shape ()
+        leaves[f"leaf{index}"] = leaf
     leaves["nothing"] = None
     return leaves
 

@@ -284,6 +284,41 @@ def test_planner_follows_the_grid_rule():
     assert plan.write_final and plan.splits_per_request().tolist() == [1] * 64
 
 
+@given(
+    pages=st.lists(st.integers(0, 3000), min_size=1, max_size=80),
+    num_kv_heads=st.sampled_from([1, 2, 8]),
+    max_grid=st.integers(1, 300),
+    min_chunk=st.integers(1, 16),
+    max_splits=st.integers(0, 16),
+)
+def test_chunk_choice_is_the_rules_in_python_and_numpy(
+    pages, num_kv_heads, max_grid, min_chunk, max_splits
+):
+    """choose_chunk_pages counts programs in Python ints for small batches and in NumPy for
+    large ones (a speed choice): both give the chunk of the rule (module docstring of
+    paged/plan.py), found here by trying every chunk."""
+    from paged import plan as plan_module
+
+    lengths = np.asarray(pages, np.int32)
+    kwargs = dict(max_grid=max_grid, min_chunk_pages=min_chunk, max_splits_per_request=max_splits)
+    chosen = []
+    for threshold in (0, len(pages)):  # NumPy, then Python
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(plan_module, "PYTHON_COUNT_MAX_REQUESTS", threshold)
+            chosen.append(plan_module.choose_chunk_pages(lengths, num_kv_heads, **kwargs))
+    longest = max(pages)
+    if longest == 0:
+        expected = 1
+    elif np.count_nonzero(lengths) * num_kv_heads >= max_grid or longest <= min_chunk:
+        expected = longest
+    else:
+        programs = lambda chunk: sum(-(-n // chunk) for n in pages) * num_kv_heads
+        expected = next(c for c in range(min_chunk, longest + 1) if programs(c) <= max_grid)
+        if max_splits:
+            expected = max(expected, -(-longest // max_splits))
+    assert chosen == [expected, expected]
+
+
 def test_planner_caps_splits_a_request_for_the_mosaic_gpu_kernel(monkeypatch):
     """For the Mosaic GPU kernel a request is cut into 16 items at most (measured faster at one
     request), the grid rule's smaller chunk otherwise; the Triton kernel's plan is the grid

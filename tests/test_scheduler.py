@@ -733,6 +733,50 @@ def test_host_page_tables_are_valid_paged_page_tables():
     assert isinstance(table.seq_lens(), np.ndarray)  # a host table stays off the device
 
 
+@given(
+    parallel=st.integers(1, 12),
+    page_size=st.sampled_from([1, 4, 16]),
+    fixed_size=st.booleans(),
+    data=st.data(),
+)
+def test_slot_tables_row_by_row_and_in_numpy_agree(parallel, page_size, fixed_size, data):
+    """``Scheduler._slot_table`` builds a few slots' table row by row in Python ints and many
+    slots' in NumPy (a speed choice, ``PYTHON_TABLE_MAX_ROWS``): both give each active row the
+    first ``ceil(s / page_size)`` pages of its grid row, an idle row as many padding pages, and
+    ``s - page_size * (pages - 1)`` tokens in the last page, with or without a fixed size."""
+    from serving import scheduler as scheduler_module
+
+    scheduler = Scheduler(num_pages=64, page_size=page_size, parallel=parallel)
+    width = scheduler._slot_pages.shape[1]
+    pages = st.lists(st.integers(1, 63), min_size=width, max_size=width)
+    grid = data.draw(st.lists(pages, min_size=parallel, max_size=parallel))
+    scheduler._slot_pages = np.array(grid, np.int32)
+    lengths = data.draw(
+        st.lists(st.integers(0, width * page_size), min_size=parallel, max_size=parallel)
+    )
+    live = data.draw(st.lists(st.booleans(), min_size=parallel, max_size=parallel))
+    counts = [-(-n // page_size) for n in lengths]
+    size = paged.bucket_size(sum(counts)) * 2 if fixed_size else None
+    tables = []
+    for threshold in (0, parallel):  # NumPy, then row by row
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(scheduler_module, "PYTHON_TABLE_MAX_ROWS", threshold)
+            tables.append(scheduler._slot_table(np.array(lengths, np.int32), np.array(live), size))
+    expected_pages = [
+        row[:count] if active else [scheduler.padding_page] * count
+        for row, count, active in zip(grid, counts, live, strict=True)
+    ]
+    expected_last = [n - page_size * (c - 1) for n, c in zip(lengths, counts, strict=True)]
+    for table in tables:
+        assert table.page_lists() == expected_pages
+        assert table.page_indices.shape == (size or paged.bucket_size(sum(counts)),)
+        assert table.last_page_len.tolist() == expected_last
+    for name in ("page_indptr", "page_indices", "last_page_len"):
+        numpy_form, python_form = (getattr(table, name) for table in tables)
+        assert numpy_form.dtype == python_form.dtype == np.int32
+        np.testing.assert_array_equal(numpy_form, python_form)
+
+
 @pytest.mark.parametrize(
     "page_lists,seq_lens,page_size,num_indices,match",
     [
