@@ -10,6 +10,8 @@
   as the GPU host's parser will.
 - CPU computations run without async dispatch (see the comment at the import; it avoids a
   deadlock of Mosaic GPU's interpreter on a two-core machine).
+- On a CPU, XLA compiles without its expensive optimizations (``jax_disable_most_optimizations``),
+  the suite being compile-bound there, except in modules that set ``CPU_PROGRAMS_OPTIMIZED``.
 - Every test module ends with JAX's compilation caches emptied (``_release_compiled_programs``),
   so one long-lived pytest-xdist worker never holds the whole suite's compiled programs at once.
 """
@@ -58,6 +60,25 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.ge
 
 ON_GPU = jax.default_backend() == "gpu"
 
+# On a CPU most of the suite's time goes to XLA compiling programs that then run for milliseconds
+# (interpret-mode kernels, one program a hypothesis shape): for those modules LLVM's optimizations
+# cost more than they save, and the tests check values, not speed. A module whose programs run
+# long (thousands of draws for a calibrated statistic, a 4096-token prefill, a benchmark's dry
+# run) sets ``CPU_PROGRAMS_OPTIMIZED = True`` and keeps XLA's optimizations: measured on the whole
+# suite (2026-12-07), the calibrated sampler tests ran 25x longer without them. The choice is
+# made a module at a time because JAX's compilation caches are emptied between modules (below),
+# so no program compiled one way is reused by a module that asked for the other. Not on a GPU,
+# where the compiled programs are what the gpu-marked tests exist to check.
+OPTIMIZED_MODULE_FLAG = "CPU_PROGRAMS_OPTIMIZED"
+
+
+def _compile_unoptimized(unoptimized: bool) -> None:
+    jax.config.update("jax_disable_most_optimizations", unoptimized and not ON_GPU)
+
+
+_compile_unoptimized(True)  # the default between modules, doctests included (notebooks run in
+# kernels of their own, with XLA's defaults)
+
 # Each program XLA compiles for the CPU is JIT-linked into about three memory mappings, and JAX
 # keeps every compiled program until its caches are cleared. One xdist worker runs half the suite
 # (tens of thousands of programs: hypothesis shapes, interpret-mode kernels), and once a process
@@ -86,12 +107,15 @@ def _map_count_limit() -> int | None:
 
 
 @pytest.fixture(autouse=True, scope="module")
-def _release_compiled_programs():
-    """After each test module: fail if it alone used most of the mapping budget, then free every
-    compiled program it left in JAX's caches (and the executables' JIT mappings with them)."""
+def _release_compiled_programs(request):
+    """Per test module: compile its programs optimized or not (``CPU_PROGRAMS_OPTIMIZED``); after
+    it, fail if it alone used most of the mapping budget, then free every compiled program it left
+    in JAX's caches (and the executables' JIT mappings with them)."""
+    _compile_unoptimized(not getattr(request.module, OPTIMIZED_MODULE_FLAG, False))
     yield
     used, limit = _memory_mappings(), _map_count_limit()
     jax.clear_caches()
+    _compile_unoptimized(True)
     gc.collect()
     if used is not None and limit is not None and used > MAP_COUNT_ALARM * limit:
         pytest.fail(

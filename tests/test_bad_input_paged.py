@@ -21,6 +21,10 @@ import pytest
 import paged
 from paged import KVCache, PagePool, PageTable
 
+# Programs that run long (measured faster with optimizations (2026-12-07)): compiled with XLA's CPU
+# optimizations (tests/conftest.py).
+CPU_PROGRAMS_OPTIMIZED = True
+
 BACKENDS = ("reference", "pallas")
 PAGE_SIZE, NUM_KV_HEADS, NUM_Q_HEADS, HEAD_DIM, NUM_POOL_PAGES = 4, 2, 4, 16, 16
 SEQ_LENS = (9, 3)  # three pages and a partial last page; one partial page

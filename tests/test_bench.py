@@ -38,6 +38,10 @@ from bench.suites import fused_ops as fused_ops_suite
 from bench.suites import peers
 from paged.decode import mgpu_decode_launch_parameters
 
+# Programs that run long (the benchmark suites' dry runs execute their timed loops): compiled with
+# XLA's CPU optimizations (tests/conftest.py).
+CPU_PROGRAMS_OPTIMIZED = True
+
 REPOSITORY_ROOT = pathlib.Path(__file__).resolve().parents[1]
 TOP_LEVEL_KEYS = {
     "suite",

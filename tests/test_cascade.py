@@ -30,6 +30,10 @@ from strategies import pages_needed
 import paged
 from kernels_pallas.platform import record_backends
 
+# Programs that run long (long shared prefixes run through the reference): compiled with XLA's CPU
+# optimizations (tests/conftest.py).
+CPU_PROGRAMS_OPTIMIZED = True
+
 NUM_KV_HEADS = 2
 SOFT_CAP = 5.0
 QUERY_SCALE = 3.0  # logits spread over several units: the soft cap bends them

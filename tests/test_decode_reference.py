@@ -36,6 +36,10 @@ from strategies import (
 
 import paged
 
+# Programs that run long (long contexts run through the float64 reference): compiled with XLA's CPU
+# optimizations (tests/conftest.py).
+CPU_PROGRAMS_OPTIMIZED = True
+
 NUM_KV_HEADS = 2
 SOFT_CAP = 5.0
 # Queries are scaled so that logits spread over several units: the soft cap then bends them

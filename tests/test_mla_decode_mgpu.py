@@ -30,6 +30,10 @@ from kernels_pallas.mla_decode_mgpu import (
 from paged.attention_reference import merge_states
 from paged.mla_reference import mla_latent_attention_state
 
+# Programs that run long (interpreted multi-warpgroup kernels run long): compiled with XLA's CPU
+# optimizations (tests/conftest.py).
+CPU_PROGRAMS_OPTIMIZED = True
+
 TOLERANCE = 1e-2  # bfloat16 inputs (testing.md)
 PAGE_SIZE = 16
 NUM_PAGES = 24

@@ -45,6 +45,10 @@ from serving.mla_model import (
 )
 from serving.mla_speculative import speculative_generate_mla
 
+# Programs that run long (whole-model runs over many tokens): compiled with XLA's CPU optimizations
+# (tests/conftest.py).
+CPU_PROGRAMS_OPTIMIZED = True
+
 TOLERANCE = 1e-12
 CONFIG = MLA_TEST
 PAGE_SIZE = 4

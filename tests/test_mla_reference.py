@@ -41,6 +41,10 @@ from paged.mla_reference import (
 )
 from paged.prefill import new_token_positions
 
+# Programs that run long (long contexts run through the float64 reference): compiled with XLA's CPU
+# optimizations (tests/conftest.py).
+CPU_PROGRAMS_OPTIMIZED = True
+
 # Small but distinct sizes: every width differs, so an axis mixed up is a shape error or a
 # wrong number, never a silent match. V != N, and R + P != N + P.
 NUM_HEADS = 4

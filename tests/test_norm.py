@@ -29,6 +29,10 @@ from kernels_pallas import platform
 from serving import layers
 from tests.conftest import ON_GPU, enable_x64
 
+# Programs that run long (large hidden sizes): compiled with XLA's CPU optimizations
+# (tests/conftest.py).
+CPU_PROGRAMS_OPTIMIZED = True
+
 # testing.md's bounds on ||out - ref|| / ||ref||.
 TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}
 # Unit roundoff: the largest relative error of rounding to nearest (2**-p, p significant bits).

@@ -35,6 +35,10 @@ from paged.ragged_attention import ragged_attention_reference, validate_ragged_i
 from tests.conftest import ON_GPU, enable_x64
 from tests.reference_dense import dense_attention, gather_tokens, request_page_lists
 
+# Programs that run long (long ragged batches run through the reference): compiled with XLA's CPU
+# optimizations (tests/conftest.py).
+CPU_PROGRAMS_OPTIMIZED = True
+
 PAGE_SIZE = 16
 NUM_KV_HEADS = 2
 TOLERANCE_16_BIT = 1e-2  # docs/testing.md: 16-bit inputs

@@ -42,6 +42,10 @@ from jax.extend.random import threefry2x32_p
 
 from kernels_pallas import rng
 
+# Programs that run long (statistics over many draws): compiled with XLA's CPU optimizations
+# (tests/conftest.py).
+CPU_PROGRAMS_OPTIMIZED = True
+
 UINT32_WORDS = st.integers(0, 2**32 - 1)
 # False-failure probability of each statistical test below.
 ALPHA = 1e-6

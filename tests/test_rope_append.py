@@ -32,6 +32,10 @@ from paged import rope_append as rope_append_module
 from paged.rope import Llama3Scaling, RopeParams, apply_rope, inverse_frequencies, rope_angles
 from tests.strategies import fixed_total_seq_lens
 
+# Programs that run long (a 4096-token prefill): compiled with XLA's CPU optimizations
+# (tests/conftest.py).
+CPU_PROGRAMS_OPTIMIZED = True
+
 # testing.md's bounds on ||out - ref|| / ||ref||.
 TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}
 UNIT_ROUNDOFF = {jnp.float32: 2.0**-24, jnp.bfloat16: 2.0**-8}

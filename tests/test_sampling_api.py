@@ -24,6 +24,10 @@ from sampling.filters import FilterParams, filtered_distribution
 from tests.conftest import ON_GPU
 from tests.test_sampling_kernels import FAST_COMPILE
 
+# Programs that run long (calibrated statistics over many draws): compiled with XLA's CPU
+# optimizations (tests/conftest.py).
+CPU_PROGRAMS_OPTIMIZED = True
+
 ALPHA = 1e-6
 NUM_DRAWS = 100_000
 VOCAB = 64

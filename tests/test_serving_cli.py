@@ -44,6 +44,10 @@ GENERATE_FLAGS = (
     "--stats",
 )
 
+# Programs that run long (whole generations through the command line): compiled with XLA's CPU
+# optimizations (tests/conftest.py).
+CPU_PROGRAMS_OPTIMIZED = True
+
 
 def _subparsers() -> dict[str, argparse.ArgumentParser]:
     # argparse keeps its actions in ``_actions``; the subcommands are one of them.

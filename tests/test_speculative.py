@@ -30,6 +30,10 @@ from speculative import api, reference
 from tests.conftest import ON_GPU
 from tests.test_sampling_api import ALPHA, assert_distributed_as
 
+# Programs that run long (calibrated statistics over many draws, and the suite's dry run): compiled
+# with XLA's CPU optimizations (tests/conftest.py).
+CPU_PROGRAMS_OPTIMIZED = True
+
 VOCAB = 64
 NUM_DRAWS = 100_000
 
