@@ -67,7 +67,8 @@ ON_GPU = jax.default_backend() == "gpu"
 # run) sets ``CPU_PROGRAMS_OPTIMIZED = True`` and keeps XLA's optimizations: measured on the whole
 # suite (2026-12-07), the calibrated sampler tests ran 25x longer without them. The choice is
 # made a module at a time because JAX's compilation caches are emptied between modules (below),
-# so no program compiled one way is reused by a module that asked for the other. Not on a GPU,
+# so a module's jitted functions compile afresh under its own choice (a compiled executable that
+# library code keeps itself would survive, but only its speed depends on the choice). Not on a GPU,
 # where the compiled programs are what the gpu-marked tests exist to check.
 OPTIMIZED_MODULE_FLAG = "CPU_PROGRAMS_OPTIMIZED"
 
