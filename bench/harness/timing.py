@@ -254,7 +254,9 @@ class TimedLoop:
     Rotate small index arrays (page tables, set indices) over one large pool rather than
     slicing a large stacked input: ``dynamic_slice`` of a large input may copy it before every
     call. The ``step`` must depend on ``set_index``; a call that does not may be hoisted out of
-    the loop by the compiler and not be timed at all.
+    the loop by the compiler and not be timed at all. With one set the index is hidden from the
+    compiler (``program``), since ``i % 1`` is a constant; time cold-L2 figures with at least
+    two sets all the same (``num_rotating_sets``), or one set stays in the L2 whenever it fits.
 
     Args:
       step: ``step(set_index)`` or, with ``operands``, ``step(set_index, operands)``; one call
@@ -300,7 +302,21 @@ class TimedLoop:
             def loop_program(operands):
                 def body(call_index, checksum):
                     set_index = lax.rem(call_index, jnp.int32(num_sets))
-                    return checksum + checksum_of(self._call_step(set_index, operands))
+                    if num_sets == 1:
+                        # ``call_index % 1`` folds to the constant 0 (and indexing an axis of
+                        # one set ignores the index anyway), so every call is loop-invariant:
+                        # XLA may hoist it out of the loop or merge the unrolled copies into
+                        # one (bench/probes/mla_decode.py's one-set cases reported up to 8x the
+                        # copy ceiling on an H100, the loop unrolling 8). Passed through an optimization barrier with the
+                        # carried checksum, the index and the operands are values XLA cannot
+                        # see through, so each call stays in the loop; the barrier forwards the
+                        # buffers (no copy: tests/test_bench_harness.py checks the CPU program).
+                        set_index, step_operands, _ = lax.optimization_barrier(
+                            (set_index, operands, checksum)
+                        )
+                    else:
+                        step_operands = operands
+                    return checksum + checksum_of(self._call_step(set_index, step_operands))
 
                 return lax.fori_loop(0, iters, body, jnp.float32(0), unroll=self.unroll)
 

@@ -46,7 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench.harness.ceiling import measure_copy_ceiling
-from bench.harness.timing import COLD_L2_FACTOR, H200_L2_BYTES, TimedLoop, expected_us
+from bench.harness.timing import TimedLoop, expected_us, num_rotating_sets
 from kernels_pallas.mla_decode_mgpu import (
     TRANSPOSED_MAX_ROWS,
     mla_decode_mgpu,
@@ -80,7 +80,9 @@ def make_case(num_heads, q_len, batch, context, *, max_sets=64, seed=0, kv_lora_
     pages_per_request = math.ceil(context / PAGE_SIZE)
     nnz = batch * pages_per_request
     bytes_per_set = batch * context * (kv_lora_rank + ROPE_DIM) * 2
-    num_sets = max(1, min(max_sets, math.ceil(COLD_L2_FACTOR * H200_L2_BYTES / bytes_per_set)))
+    # At least two sets, as the suites rotate (``num_rotating_sets``); one set only for the
+    # interpreted smoke run, which times nothing.
+    num_sets = 1 if max_sets == 1 else num_rotating_sets(bytes_per_set, max_sets=max_sets)
     num_pages = num_sets * nnz
     key = jax.random.key(seed)
     keys = jax.random.split(key, 4)

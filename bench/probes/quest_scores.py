@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench.harness.ceiling import measure_copy_ceiling
-from bench.harness.timing import COLD_L2_FACTOR, H200_L2_BYTES, TimedLoop, expected_us
+from bench.harness.timing import TimedLoop, expected_us, num_rotating_sets
 from kernels_pallas.quest_scores import quest_page_scores_pallas
 from paged.page_table import PageTable
 from paged.sparse_quest import PageKeyBounds, quest_page_scores
@@ -48,7 +48,9 @@ def make_case(batch, context, *, max_sets=64, seed=0):
     pages_per_request = math.ceil(context / PAGE_SIZE)
     nnz = batch * pages_per_request
     bytes_per_set = 2 * nnz * NUM_KV_HEADS * HEAD_DIM * 4
-    num_sets = max(1, min(max_sets, math.ceil(COLD_L2_FACTOR * H200_L2_BYTES / bytes_per_set)))
+    # At least two sets, as the suites rotate (``num_rotating_sets``); one set only for the
+    # interpreted smoke run, which times nothing.
+    num_sets = 1 if max_sets == 1 else num_rotating_sets(bytes_per_set, max_sets=max_sets)
     num_pages = num_sets * nnz
     rng = np.random.default_rng(seed)
     kmin = rng.standard_normal((num_pages, NUM_KV_HEADS, HEAD_DIM), np.float32)
