@@ -19,7 +19,8 @@
 # Issues 19 and 21: sparse-tests, quest-scores, quest-select, tune-decode, check-decode.
 # Issue 20: mla-decode.
 # Issue 18 (one ragged launch for a mixed step, prototype): ragged-attention.
-# Issue 17: cascade-shared (the shared-level kernel's tests and probe), cascade-crossover.
+# Issue 17: cascade-shared (the shared-level kernel's tests and probe), cascade-crossover,
+# cascade-variants, cascade-stages.
 # Before any probe of a kernel never yet run on a GPU: kernels-compiled (their gpu-marked tests).
 # The stage names are unchanged since bench/ was split into harness/, suites/, tuning/, probes/
 # and memcheck/; only the modules they run moved (prefill is now `python -m bench prefill`).
@@ -256,6 +257,13 @@ for stage in "$@"; do
       timeout 250 python3 -m bench.probes.cascade_shared --budget-s 200 --variants ring.reg.p4.s3 \
           --cases 32x1024,16x1024,8x4096,4x4096,32x2048,16x2048,128x256,32x256 \
           --out "$out/cascade-short" 2>&1 | tee "$out/cascade_short.log" | tail -n 16 ;;
+    cascade-stages)  # issue 17: the shared level's default (p4.s3) against p4.s2, the variant
+      # that reached 11.14x at 128 x 32K on an H100 (2026-12-07), over long and short prefixes,
+      # before the default changes (about 8 min)
+      timeout 540 python3 -m bench.probes.cascade_shared --budget-s 460 \
+          --variants ring.reg.p4.s3,ring.reg.p4.s2 \
+          --cases 128x32768,32x32768,128x4096,32x4096,128x1024,32x1024 \
+          --out "$out/cascade-stages" 2>&1 | tee "$out/cascade_stages.log" | tail -n 16 ;;
     cascade-crossover)  # issue 17: short prefixes, where cascade starts to pay (about 4 min)
       timeout 400 python3 -m bench.probes.cascade_shared --budget-s 330 \
           --cases 32x256,128x256,32x1024,128x1024,32x2048,128x2048 --out "$out/crossover" 2>&1 \
