@@ -157,20 +157,6 @@ def test_traced_default_plan_and_soft_cap(soft_cap):
     assert np.all(np.isneginf(np.asarray(lse)[~finite]))
 
 
-LEN_BUCKET = st.lists(st.integers(0, 160), min_size=4, max_size=4)
-
-
-@given(lens=LEN_BUCKET, seed=st.integers(0, 2**31 - 1), fixed=st.sampled_from([None, 1, 2, 5]))
-def test_random_lengths_inside_one_bucket(lens, seed, fixed):
-    """Hypothesis draws lengths and page placements; shapes stay in one bucket (no recompiles)."""
-    q, cache, table = make_inputs(seed, lens, "HND", 4, 64, jnp.float32, num_pool_pages=48)
-    table = table.padded(64)  # one static size for every draw
-    plan = paged.plan_decode(
-        table, q.shape[1], NUM_KV_HEADS, 64, fixed_split_pages=fixed, num_work_items=256
-    )
-    check_against_reference(q, cache, table, lens, plan=plan)
-
-
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 def test_fixed_split_is_batch_invariant_bit_for_bit(dtype):
     """With fixed_split_pages, a request's output does not depend on its batch neighbours: each

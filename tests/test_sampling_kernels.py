@@ -476,17 +476,27 @@ def _filter_rows(seed: int, batch: int, vocab: int) -> jax.Array:
     return jnp.asarray(probs / probs.sum(axis=1, keepdims=True), jnp.float32)
 
 
-DUAL_PIVOT_CASES = (
-    [(3000, name, 32) for name in sorted(FILTER_CASES)]  # the rounds
-    + [(1000, name, 0) for name in sorted(FILTER_CASES)]  # every row through the fallback
-    + [(1000, "joint", 1), (1000, "top_k_first", 1), (7, "top_p", 32), (7, "all", 1)]
-)
+# The rounds at 3000 columns (``DUAL_PIVOT_ROUNDS_CASES``) run in
+# ``tests/test_sampling_kernels_dual_pivot.py``, whose programs XLA optimizes; here every row
+# through the exact fallback (``max_rounds`` 0), one round before it (1), and 7 columns.
+DUAL_PIVOT_ROUNDS_CASES = [(3000, name, 32) for name in sorted(FILTER_CASES)]
+DUAL_PIVOT_CASES = [(1000, name, 0) for name in sorted(FILTER_CASES)] + [
+    (1000, "joint", 1),
+    (1000, "top_k_first", 1),
+    (7, "top_p", 32),
+    (7, "all", 1),
+]
 
 
 @pytest.mark.parametrize(("vocab", "name", "max_rounds"), DUAL_PIVOT_CASES)
 def test_dual_pivot_kernel_picks_the_references_tokens(vocab, name, max_rounds):
     """Same keys, same uniforms: the same tokens and rounds, up to the measured rounding flips;
     ``max_rounds`` 0 and 1 send rows through the exact fallback (radix-selected kept set)."""
+    check_dual_pivot_picks_the_references_tokens(vocab, name, max_rounds)
+
+
+def check_dual_pivot_picks_the_references_tokens(vocab: int, name: str, max_rounds: int) -> None:
+    """The body of the dual-pivot agreement tests (this module's and the rounds' module's)."""
     batch = 96
     probs = _filter_rows(vocab + max_rounds, batch, vocab)
     keys = jax.random.split(jax.random.key(vocab), batch)
@@ -517,27 +527,6 @@ def test_dual_pivot_kernel_picks_the_references_tokens(vocab, name, max_rounds):
     assert outside.mean() <= FILTERED_MISMATCH_BOUND, np.flatnonzero(outside)
     if max_rounds == 0:
         assert (np.asarray(our_rounds) == 1).all()  # max_rounds + 1: the fallback decided
-
-
-def test_min_p_alone_takes_one_round_in_the_kernel():
-    """The kernel starts from min-p's kept set as the reference does, and with min-p the only
-    filter it skips the pivot pass: every row, the all-zero-but-one row and ties included,
-    decides in exactly one round and draws a kept token. (96 rows at vocab 3000: the shape of
-    the 3000-column cases of ``test_dual_pivot_kernel_picks_the_references_tokens``, whose
-    compiled kernel it shares.)"""
-    batch, vocab = 96, 3000
-    probs = _filter_rows(11, batch, vocab)
-    keys = jax.random.split(jax.random.key(5), batch)
-    min_p = jnp.linspace(0.0, 1.0, batch)  # 0 (no filter) to 1 (only the maximum's ties)
-    ours, rounds = sampling.filtered_sample(
-        keys, probs, min_p=min_p, return_rounds=True, backend="pallas"
-    )
-    theirs = sampling.filtered_sample(keys, probs, min_p=min_p, backend="reference")
-    np.testing.assert_array_equal(np.asarray(rounds), 1)
-    assert _mismatch(ours, theirs) <= FILTERED_MISMATCH_BOUND
-    chosen = np.asarray(probs)[np.arange(batch), np.asarray(ours)]
-    largest = np.asarray(probs).max(axis=1)
-    assert (chosen >= np.asarray(min_p) * largest).all() and (chosen > 0).all()
 
 
 @pytest.mark.parametrize("name", sorted(FILTER_CASES))
