@@ -307,10 +307,13 @@ class TimedLoop:
                         # one set ignores the index anyway), so every call is loop-invariant:
                         # XLA may hoist it out of the loop or merge the unrolled copies into
                         # one (bench/probes/mla_decode.py's one-set cases reported up to 8x the
-                        # copy ceiling on an H100, the loop unrolling 8). Passed through an optimization barrier with the
-                        # carried checksum, the index and the operands are values XLA cannot
-                        # see through, so each call stays in the loop; the barrier forwards the
-                        # buffers (no copy: tests/test_bench_harness.py checks the CPU program).
+                        # copy ceiling on an H100, the loop unrolling 8). Passed through an
+                        # optimization barrier with the carried checksum, the index and the
+                        # operands are values XLA cannot see through, so each call stays in the
+                        # loop; the barrier forwards the buffers (no copy:
+                        # tests/test_bench_timing_loop.py checks the CPU program). Only with one
+                        # set: with more, the index varies and every suite's program stays the
+                        # one its report measured.
                         set_index, step_operands, _ = lax.optimization_barrier(
                             (set_index, operands, checksum)
                         )

@@ -80,9 +80,9 @@ def make_case(num_heads, q_len, batch, context, *, max_sets=64, seed=0, kv_lora_
     pages_per_request = math.ceil(context / PAGE_SIZE)
     nnz = batch * pages_per_request
     bytes_per_set = batch * context * (kv_lora_rank + ROPE_DIM) * 2
-    # At least two sets, as the suites rotate (``num_rotating_sets``); one set only for the
-    # interpreted smoke run, which times nothing.
-    num_sets = 1 if max_sets == 1 else num_rotating_sets(bytes_per_set, max_sets=max_sets)
+    # At least two sets, as the suites rotate; ``max_sets=1`` (the interpreted smoke run, which
+    # times nothing) caps it at one.
+    num_sets = num_rotating_sets(bytes_per_set, max_sets=max_sets)
     num_pages = num_sets * nnz
     key = jax.random.key(seed)
     keys = jax.random.split(key, 4)
