@@ -62,11 +62,16 @@ without a grid-wide barrier, which Triton does not have.
 What it optimizes and what it costs: the two-step flow (this kernel, then XLA's restart, a read
 back of the written keys from the pool and two scatters, ``paged.append_page_key_bounds``) is
 three or four more launches; here the bounds cost the restart's one XLA scatter and, per
-program, ``2 Hkv D`` atomics. Pallas lowers a float32 atomic min or max to integer atomics on the
-float's bits (``jax._src.pallas.triton.primitives._expand_atomic_fp_min_max``): a non-negative
-float orders like its bits as a signed integer, a negative one inversely to its bits as an
-unsigned integer, so ``min`` is a signed min for values ``>= 0`` and an unsigned max for values
-``< 0``: two masked atomics an element for each bound, each with acquire-release semantics.
+program, ``2 Hkv D`` atomic updates (a min and a max of each key element). Pallas lowers a
+float32 atomic min or max to integer atomics on the float's bits
+(``jax._src.pallas.triton.primitives._expand_atomic_fp_min_max``), the standard trick: read as
+signed integers, non-negative floats order as their bits do, and every negative float is below
+every non-negative one; among negative floats the order of their bits as unsigned integers is
+reversed. So ``min`` with a value ``>= 0`` is a signed integer min, with a value ``< 0`` an
+unsigned integer max (and ``max`` the other way round): two masked atomics an element for each
+bound (one of them does nothing), each with acquire-release semantics, issued one after another
+by each thread. That chain, not bytes, is the likely cost: ``--fused-warps`` in the probe times
+more threads with shorter chains.
 Measured on an H100 (2026-12-07, a previous version of this design, ``paged/rope_append.py``):
 the fused launch cost about 25 us more than the plain one at decode, where the two-step flow cost
 5 to 7 us more; it was faster only at a 512-token chunk. So it is opt-in. Two consequences of the

@@ -217,15 +217,15 @@ def test_dropped_tokens_touch_no_bound():
     """Under ``jit`` a token outside the table is not written, and its key widens nothing: in
     the reference (``append_kv``, ``rope_append_kv``) and the fused kernel."""
     table = paged.PageTable.from_page_lists([[1]], seq_lens=[1], page_size=2)
-    keys = jnp.array([1.0, 1e4, -1e4, 1e4]).reshape(4, 1, 1).repeat(2, axis=2)
+    keys = jnp.array([1.0, 1e4, -1e4, 1e4]).reshape(4, 1, 1).repeat(8, axis=2)
     rows = jnp.array([0, 0, 1, -1])  # position 1 is past the length; rows 1 and -1 do not exist
     positions = jnp.array([0, 1, 0, 0])
-    stale = stale_bounds(3, 1, 2)
+    stale = stale_bounds(3, 1, 8)
 
     def append(function, backend, path):
         call = jitted_append(function, backend, path)
-        cache = paged.new_kv_cache(3, 2, 1, 2, jnp.float32, "HND")
-        return call(jnp.zeros((4, 1, 2)), keys, keys, positions, rows, cache, table, stale)
+        cache = paged.new_kv_cache(3, 2, 1, 8, jnp.float32, "HND")
+        return call(jnp.zeros((4, 1, 8)), keys, keys, positions, rows, cache, table, stale)
 
     calls = [("append_kv", "reference", "auto"), ("rope_append_kv", "reference", "auto")]
     for function, backend, path in [*calls, ("rope_append_kv", "pallas", "fused")]:
@@ -265,15 +265,15 @@ def test_fused_kernel_equals_the_two_step_path_bit_for_bit(layout, dtype, hkv, h
 def test_without_key_bounds_the_returns_are_unchanged():
     """No ``key_bounds``: ``append_kv`` returns a ``KVCache``, ``rope_append_kv`` the pair
     ``(q_rotated, cache)``, whatever the backend; with them, a pair and a triple."""
-    cache = paged.new_kv_cache(2, 2, 1, 2, jnp.float32)
+    cache = paged.new_kv_cache(2, 2, 1, 8, jnp.float32)  # head_dim 8: GPU-sized blocks
     table = paged.PageTable.from_page_lists([[1]], seq_lens=[1], page_size=2)
-    x = jnp.ones((1, 1, 2))
+    x = jnp.ones((1, 1, 8))
     rows, positions = jnp.zeros(1, jnp.int32), jnp.zeros(1, jnp.int32)
     assert isinstance(paged.append_kv(cache, table, x, x, rows, positions), paged.KVCache)
     for backend in ("reference", "pallas"):
         out = paged.rope_append_kv(x, x, x, positions, rows, cache, table, backend=backend)
         assert len(out) == 2 and isinstance(out[1], paged.KVCache)
-    bounds = empty_page_key_bounds(2, 1, 2)
+    bounds = empty_page_key_bounds(2, 1, 8)
     out = paged.append_kv(cache, table, x, x, rows, positions, key_bounds=bounds)
     assert len(out) == 2 and isinstance(out[1], PageKeyBounds)
     out = paged.rope_append_kv(x, x, x, positions, rows, cache, table, key_bounds=bounds)
