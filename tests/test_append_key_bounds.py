@@ -84,8 +84,10 @@ class Requests:
         return table, as_array(batch)[order], as_array(positions)[order]
 
     def listed_pages(self) -> list[int]:
-        """Pages some live request holds a token in."""
-        return sorted({p for b, pages in enumerate(self.pages) for p in pages if self.lengths[b]})
+        """Pages some live request holds a token in (not the pages of a list past its length)."""
+        size = self.page_size
+        held = [pages[: -(-n // size)] for pages, n in zip(self.pages, self.lengths, strict=True)]
+        return sorted({p for pages in held for p in pages})
 
 
 def assert_bounds_of_the_pool(bounds, cache, requests: Requests):
@@ -405,39 +407,34 @@ def test_fused_kernel_lowers_to_one_triton_call_for_an_h200(monkeypatch, verify_
             assert aliases == [("1", "9"), ("2", "10"), ("3", "11"), ("4", "12")]
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("layout", ["HND", "NHD"])
-def test_compiled_kernel_keeps_the_bounds_at_benchmark_shapes(layout):
-    """Compiled: a prefill chunk of 256 tokens for 4 requests (16 programs racing on each page)
-    then a decode step of 64 requests (the 4 reach 257 tokens: a 17th page each, opened at slot
-    0), over stale bounds, bfloat16 pools, 32 query and 8 KV heads of 128. After each, the fused
-    path's pools, q and bounds equal the two-step path's bit for bit, and the bounds equal the
-    pool's recomputed ones on every listed page."""
+def prefill_then_decode(layout, *, rows, prefilled, chunk, page_size, hq, hkv, head_dim, pool):
+    """A prefill chunk of ``chunk`` tokens for the first ``prefilled`` of ``rows`` requests, then
+    a decode step of all ``rows`` (the prefilled ones reach ``chunk + 1`` tokens: with ``chunk``
+    a multiple of ``page_size``, a page more each, opened at slot 0), over stale bounds,
+    bfloat16 pools, through the fused and the two-step Pallas paths. After each call both paths'
+    pools, q and bounds are equal bit for bit, and the bounds equal the pool's recomputed ones on
+    every listed page."""
     rng = np.random.default_rng(1)
-    num_rows, pages_per_row, page_size, hq, hkv, head_dim = 64, 17, 16, 32, 8, 128
-    num_pages = 2048  # 64 x 17 = 1088 pages listed, the rest never written
-    cache = paged.new_kv_cache(num_pages, page_size, hkv, head_dim, jnp.bfloat16, layout)
-    start = (cache, stale_bounds(num_pages, hkv, head_dim))
+    pages_per_row = -(-(chunk + 1) // page_size)  # the decode step's token included
+    assert pool >= rows * pages_per_row, "the pool must hold every request's pages"
+    cache = paged.new_kv_cache(pool, page_size, hkv, head_dim, jnp.bfloat16, layout)
+    start = (cache, stale_bounds(pool, hkv, head_dim))
     states = {"fused": start, "two_step": start}
-    order = rng.permutation(num_pages)
-    page_lists = [
-        order[b * pages_per_row : (b + 1) * pages_per_row].tolist() for b in range(num_rows)
+    requests = Requests(rng, pool, page_size, rows)
+    order = rng.permutation(pool)
+    requests.pages = [
+        order[b * pages_per_row : (b + 1) * pages_per_row].tolist() for b in range(rows)
     ]
-    requests = Requests(rng, num_pages, page_size, num_rows)
-    requests.pages = page_lists
-    lengths_after = [0] * num_rows
-    for new in ([256] * 4 + [0] * 60, [1] * num_rows):  # a prefill chunk, then a decode step
-        lengths_before = lengths_after
-        lengths_after = [b + n for b, n in zip(lengths_before, new, strict=True)]
-        requests.lengths = lengths_after
-        table = paged.host_page_table(page_lists, lengths_after, page_size)
-        batch = np.repeat(np.arange(num_rows), new).astype(np.int32)
+    for new in ([chunk] * prefilled + [0] * (rows - prefilled), [1] * rows):
+        before = list(requests.lengths)
+        requests.lengths = [b + n for b, n in zip(before, new, strict=True)]
+        table = paged.host_page_table(requests.pages, requests.lengths, page_size)
+        batch = np.repeat(np.arange(rows), new).astype(np.int32)
         positions = np.concatenate(
-            [np.arange(b, a) for b, a in zip(lengths_before, lengths_after, strict=True)]
+            [np.arange(b, a) for b, a in zip(before, requests.lengths, strict=True)]
         ).astype(np.int32)
-        tokens = len(batch)
-        q = jnp.asarray(rng.standard_normal((tokens, hq, head_dim)), jnp.bfloat16)
-        k = jnp.asarray(rng.standard_normal((tokens, hkv, head_dim)), jnp.bfloat16)
+        q = jnp.asarray(rng.standard_normal((len(batch), hq, head_dim)), jnp.bfloat16)
+        k = jnp.asarray(rng.standard_normal((len(batch), hkv, head_dim)), jnp.bfloat16)
         outputs = {}
         for path in ("fused", "two_step"):
             cache, bounds = states[path]
@@ -450,3 +447,25 @@ def test_compiled_kernel_keeps_the_bounds_at_benchmark_shapes(layout):
             jax.tree.leaves(outputs["fused"]), jax.tree.leaves(outputs["two_step"]), strict=True
         ):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_prefill_then_decode_at_small_shapes():
+    """``prefill_then_decode`` (the GPU test's body), interpreted at small shapes: a chunk of
+    8 tokens over pages of 4 (4 programs racing on each page), then a decode step opening a
+    page for the prefilled request."""
+    prefill_then_decode(
+        "NHD", rows=3, prefilled=1, chunk=8, page_size=4, hq=4, hkv=2, head_dim=8, pool=12
+    )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["HND", "NHD"])
+def test_compiled_kernel_keeps_the_bounds_at_benchmark_shapes(layout):
+    """Compiled, ``prefill_then_decode`` at a benchmark-like shape: a chunk of 256 tokens for 4
+    of 64 requests (16 programs racing on each page), then a decode step of the 64 (the 4 reach
+    257 tokens: 17 pages of 16 each, the 17th opened at slot 0), 32 query and 8 KV heads of 128;
+    2048 pages in the pool (64 x 17 = 1088 listed)."""
+    prefill_then_decode(
+        layout, rows=64, prefilled=4, chunk=256, page_size=16, hq=32, hkv=8, head_dim=128,
+        pool=2048,
+    )  # fmt: skip
