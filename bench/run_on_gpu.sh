@@ -17,6 +17,7 @@
 # engine-overlap, engine-dispatch (where a step's host time goes), engine-multistep (the same
 # with 1, 4 and 8 decode steps a program); one device command each.
 # Issues 19 and 21: sparse-tests, quest-scores, quest-select, tune-decode, check-decode.
+# Issue 19 (the append keeps Quest's key bounds): append-bounds.
 # Issue 20: mla-decode.
 # Issue 18 (one ragged launch for a mixed step, prototype): ragged-attention.
 # Issue 17: cascade-shared (the shared-level kernel's tests and probe), cascade-crossover,
@@ -230,6 +231,19 @@ for stage in "$@"; do
         | tee "$out/gpu_quest_tests.log" | tail -n 3
       timeout 250 python3 -m bench.probes.quest_scores --batches 1,8 --context 32768 2>&1 \
         | tee "$out/quest_scores_probe.log" | tail -n 12 ;;
+    append-bounds)  # issue 19: the append keeping Quest's bounds: the tests compiled (gpu-marked
+      # included: 16 programs racing on each page of a 256-token chunk), then the probe, which
+      # checks the fused and two-step paths bit for bit, times them beside the plain append
+      # and reads each arm's kernels' device time (350 s at most; the probe writes its JSON after
+      # every case). APPEND_BOUNDS_PROBE_ONLY=1 skips the tests; APPEND_BOUNDS_CASES="chunk 1x512"
+      # runs some cases (a split run: a previous version took 266 s without the trace and w8 arm).
+      if [ -z "${APPEND_BOUNDS_PROBE_ONLY:-}" ]; then
+        timeout 110 python3 -m pytest -q -p no:cacheprovider tests/test_append_key_bounds.py \
+          2>&1 | tee "$out/gpu_append_bounds_tests.log" | tail -n 4
+      fi
+      timeout 240 python3 -m bench.probes.append_bounds --trace --fused-warps 8 --out "$out" \
+        ${APPEND_BOUNDS_CASES:+--cases "$APPEND_BOUNDS_CASES"} 2>&1 \
+        | tee "$out/append_bounds_probe.log" | grep -vE ' trace: ' ;;
     cascade-shared)  # issue 17: the shared-level cascade kernel compiled (its tests, the
       # gpu-marked benchmark shapes among them), then the probe's grid against plain decode
       timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_cascade_shared_mgpu.py \

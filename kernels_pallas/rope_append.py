@@ -48,8 +48,46 @@ length, or whose page lies outside the pool is not written at all (its q is stil
 Every address is clamped into its array and every such store is skipped: the kernel never reads
 or writes outside its arrays, and never writes a page the table does not give that token.
 
+Quest's key bounds (opt-in: ``kmin`` and ``kmax`` given). The same launch also widens the
+per-page, per-KV-head bounds of the keys (``paged.PageKeyBounds``, float32): each valid token's
+rotated key, as the pool stores it (rounded to the pool's dtype, then widened to float32, exact),
+goes into its page's ``kmin`` with an atomic min and into ``kmax`` with an atomic max. Atomics,
+because several programs of one launch may write the same page (a prefill chunk: up to
+``page_size`` tokens a page). The kernel only widens: pages the call opens (writes slot 0 of) must
+already be restarted to the empty bounds (``+inf``, ``-inf``) by the caller, before the launch
+(``paged.rope_append_kv`` does it with one XLA scatter). Restarting inside the launch would race:
+the program of slot 0 cannot reset its page before the other programs of the same page widen it
+without a grid-wide barrier, which Triton does not have.
+
+What it optimizes and what it costs: the two-step flow (this kernel, then XLA's restart, a read
+back of the written keys from the pool and two scatters, ``paged.append_page_key_bounds``) is
+three or four more launches; here the bounds cost the restart's one XLA scatter and, per
+program, ``2 Hkv D`` atomic updates (a min and a max of each key element). Pallas lowers a
+float32 atomic min or max to integer atomics on the float's bits
+(``jax._src.pallas.triton.primitives._expand_atomic_fp_min_max``), the standard trick: read as
+signed integers, non-negative floats order as their bits do, and every negative float is below
+every non-negative one; among negative floats the order of their bits as unsigned integers is
+reversed. So ``min`` with a value ``>= 0`` is a signed integer min, with a value ``< 0`` an
+unsigned integer max (and ``max`` the other way round): two masked atomics an element for each
+bound (one of them does nothing), each with acquire-release semantics, issued one after another
+by each thread. That chain, not bytes, is the likely cost: ``--fused-warps`` in the probe times
+more threads with shorter chains.
+Measured on an H100 (2026-12-07, a previous version of this design, ``paged/rope_append.py``):
+the fused launch cost about 25 us more than the plain one at decode, where the two-step flow cost
+5 to 7 us more; it was faster only at a 512-token chunk. So it is opt-in. Two consequences of the
+integer order: ``-0.0`` counts as below ``+0.0`` (XLA's min of the two zeros may keep either; the
+bounds then differ from the two-step flow's in the sign of a zero only, the same value), and NaN
+keys are not ordered (a NaN key makes its page's bounds meaningless either way).
+
+In interpret mode (a CPU) programs run one after another, so where an atomic needs a mask (a
+block padded past the heads or the columns) the kernel reads, takes the min or max and writes
+back instead: Pallas' interpreter takes atomics without a mask only (jax 0.11.2). An exact block
+runs the atomic primitive itself there too.
+
 Status: checked in interpret mode against float64 references, and compiled, checked and timed
-on the H200 (``docs/benchmark_results/2026-12-01-fused_ops.md``).
+on the H200 (``docs/benchmark_results/2026-12-01-fused_ops.md``). The bounds variant: checked in
+interpret mode against the two-step flow (bit for bit) and lowered to Triton on a CPU; compiled
+and timed on an H100 in a previous version, this one not yet (``bench/probes/append_bounds.py``).
 """
 
 from __future__ import annotations
@@ -86,11 +124,12 @@ def rope_append_kernel(
     v_ref,  # [T, Hkv, 2, D/2] | [T, Hkv, D/2, 2]
     k_pages_in_ref,  # aliased to k_pages_ref; never read
     v_pages_in_ref,  # aliased to v_pages_ref; never read
-    q_out_ref,  # like q_ref
-    # HND: [P, Hkv, S, 2, D/2] | [P, Hkv, S, D/2, 2]; NHD: [P, S, Hkv, 2, D/2] | [P, S, Hkv, D/2, 2]
-    k_pages_ref,
-    v_pages_ref,
-    *,
+    # Without bounds: q_out_ref (like q_ref), k_pages_ref, v_pages_ref (HND: [P, Hkv, S, 2, D/2] |
+    # [P, Hkv, S, D/2, 2]; NHD: [P, S, Hkv, 2, D/2] | [P, S, Hkv, D/2, 2]). With bounds
+    # (keeps_bounds): kmin_in_ref, kmax_in_ref (aliased, never read), then those three outputs,
+    # then kmin_ref, kmax_ref (float32 [P, Hkv, 2, D/2] | [P, Hkv, D/2, 2]). Pallas hands a
+    # kernel its inputs' refs and then its outputs', so the variant's extra refs fall in between.
+    *refs,
     layout: str,
     interleaved: bool,
     page_size: int,
@@ -98,8 +137,14 @@ def rope_append_kernel(
     block_q_heads: int,
     block_kv_heads: int,
     block_half: int,
+    keeps_bounds: bool = False,
+    interpret: bool = False,
 ):
     del k_pages_in_ref, v_pages_in_ref
+    if keeps_bounds:
+        _, _, q_out_ref, k_pages_ref, v_pages_ref, kmin_ref, kmax_ref = refs
+    else:
+        q_out_ref, k_pages_ref, v_pages_ref = refs
     token = pl.program_id(0)
     batch = last_page_len_ref.shape[0]
     num_indices = page_indices_ref.shape[0]
@@ -190,6 +235,25 @@ def rope_append_kernel(
             plgpu.store(k_pages_ref.at[index], k_values, mask=kv_mask)
             v_values = v_pair[member].astype(v_pages_ref.dtype)
             plgpu.store(v_pages_ref.at[index], v_values, mask=kv_mask)
+            if keeps_bounds:  # the key as stored (rounded), widened exactly to float32
+                bounds_index = (page, kv_heads, *_pair_index(interleaved, member, columns))
+                stored = k_values.astype(jnp.float32)
+                _widen(kmin_ref, bounds_index, stored, kv_mask, smallest=True, interpret=interpret)
+                _widen(kmax_ref, bounds_index, stored, kv_mask, smallest=False, interpret=interpret)
+
+
+def _widen(ref, index, values, mask, *, smallest: bool, interpret: bool) -> None:
+    """``ref[index] = min(ref[index], values)`` (``smallest``) or the max, where ``mask`` holds
+    (None: everywhere), atomically: other programs may widen the same page (module docstring)."""
+    if interpret and mask is not None:
+        # The interpreter runs one program at a time, so read-modify-write is what the atomic
+        # does; its rule for atomics takes no mask (module docstring).
+        old = plgpu.load(ref.at[index], mask=mask, other=0.0)
+        new = jnp.minimum(old, values) if smallest else jnp.maximum(old, values)
+        plgpu.store(ref.at[index], new, mask=mask)
+        return
+    atomic = plgpu.atomic_min if smallest else plgpu.atomic_max
+    atomic(ref, index, values, mask=mask)
 
 
 def pair_view(x: jax.Array, interleaved: bool) -> jax.Array:
@@ -213,12 +277,14 @@ def rope_append(
     page_indices: jax.Array,
     k_pages: jax.Array,
     v_pages: jax.Array,
+    kmin: jax.Array | None = None,
+    kmax: jax.Array | None = None,
     *,
     layout: str,
     interleaved: bool,
     num_warps: int = 4,
     interpret: bool = False,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
+) -> tuple[jax.Array, ...]:
     """Rotates q and k by position and writes k and v into their pages (module docstring).
 
     Args:
@@ -232,6 +298,9 @@ def rope_append(
       page_indptr: integer ``[B + 1]``; page_indices: integer ``[num_indices]`` (the CSR table).
       k_pages, v_pages: the pool, ``[P, Hkv, page_size, D]`` (``layout="HND"``) or
         ``[P, page_size, Hkv, D]`` (``"NHD"``).
+      kmin, kmax: optional float32 ``[P, Hkv, D]`` each, Quest's key bounds of the pool's pages
+        (``paged.PageKeyBounds``), both or neither. Given, every written key widens its page's
+        bounds (module docstring); the pages this call opens must already be restarted.
       layout: ``"HND"`` or ``"NHD"``.
       interleaved: pairs ``(2i, 2i + 1)`` instead of ``(i, i + D/2)``.
       num_warps: launch parameter.
@@ -239,7 +308,8 @@ def rope_append(
 
     Returns:
       ``(q_rotated [T, Hq, D] in q's dtype, k_pages, v_pages)``, the pages in the pool's buffers
-      (aliased) with the new tokens written.
+      (aliased) with the new tokens written; with bounds, ``(q_rotated, k_pages, v_pages, kmin,
+      kmax)``, the bounds also aliased to their inputs' buffers.
 
     Launches: exactly one. Every operand goes to the ``pallas_call`` as given (the only other
     operations are reshapes that split or merge the last axis, which XLA lowers to bitcasts), so
@@ -264,6 +334,15 @@ def rope_append(
         num_pages, page_size, _, _ = k_pages.shape
     else:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    keeps_bounds = kmin is not None or kmax is not None
+    if keeps_bounds:
+        expected = (num_pages, num_kv_heads, head_dim)
+        for name, array in (("kmin", kmin), ("kmax", kmax)):
+            if array is None or array.shape != expected or array.dtype != jnp.float32:
+                raise ValueError(
+                    f"{name} must be float32 of shape {expected} (pages, KV heads, head_dim), "
+                    f"got {None if array is None else (array.shape, array.dtype)}"
+                )
     pool_shape = k_pages.shape
     # No cast or index arithmetic here: each would be an XLA kernel launched before this one.
     inputs = (
@@ -284,6 +363,17 @@ def rope_append(
         jax.ShapeDtypeStruct(inputs[9].shape, k_pages.dtype),
         jax.ShapeDtypeStruct(inputs[10].shape, v_pages.dtype),
     )
+    # Inputs 9 and 10 (the pools) are outputs 1 and 2: only the new slots are written.
+    aliases = {9: 1, 10: 2}
+    name = f"rope_append_{layout}_{'interleaved' if interleaved else 'half'}"
+    if keeps_bounds:  # inputs 11 and 12 (the bounds) are outputs 3 and 4, widened in place
+        inputs += (pair_view(kmin, interleaved), pair_view(kmax, interleaved))
+        out_shape += (
+            jax.ShapeDtypeStruct(inputs[11].shape, jnp.float32),
+            jax.ShapeDtypeStruct(inputs[12].shape, jnp.float32),
+        )
+        aliases.update({11: 3, 12: 4})
+        name += "_bounds"
 
     kernel = functools.partial(
         rope_append_kernel,
@@ -294,21 +384,22 @@ def rope_append(
         block_q_heads=pl.next_power_of_2(num_q_heads),
         block_kv_heads=pl.next_power_of_2(num_kv_heads),
         block_half=pl.next_power_of_2(head_dim // 2),
+        # Only the variant passes these, so the plain kernel's program is what it always was.
+        **({"keeps_bounds": True, "interpret": interpret} if keeps_bounds else {}),
     )
-    q_rotated, k_pages, v_pages = pl.pallas_call(
+    outputs = pl.pallas_call(
         kernel,
         grid=(num_tokens,),
         in_specs=[whole_array(a.shape) for a in inputs],
         out_specs=[whole_array(s.shape) for s in out_shape],
         out_shape=out_shape,
-        # Inputs 9 and 10 (the pools) are outputs 1 and 2: only the new slots are written.
-        input_output_aliases={9: 1, 10: 2},
+        input_output_aliases=aliases,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
-        name=f"rope_append_{layout}_{'interleaved' if interleaved else 'half'}",
+        name=name,
     )(*inputs)
-    return (
-        q_rotated.reshape(q.shape),
-        k_pages.reshape(pool_shape),
-        v_pages.reshape(pool_shape),
-    )
+    q_rotated, k_pages, v_pages = outputs[:3]
+    result = (q_rotated.reshape(q.shape), k_pages.reshape(pool_shape), v_pages.reshape(pool_shape))
+    if keeps_bounds:
+        result += tuple(bound.reshape(kmin.shape) for bound in outputs[3:])
+    return result

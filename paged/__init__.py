@@ -25,7 +25,8 @@ Public API (names are part of the contract):
   kernel is measured on the H200), and ``mla_decode_absorbed_reference`` and
   ``mla_decode_unabsorbed_reference``: MLA decode, the two formulations (``docs/mla.md``)
 - ``sparse_decode_attention`` (``backend=``) with a ``QuestSelection`` (``PageKeyBounds``,
-  ``page_key_bounds``, ``update_page_key_bounds``), a ``TokenSelection``
+  ``page_key_bounds``, ``update_page_key_bounds``, ``append_page_key_bounds``; ``append_kv`` and
+  ``rope_append_kv`` keep them with ``key_bounds=``), a ``TokenSelection``
   (``lightning_indexer_top_k``) or a ``BlockSelection``: decode over a selected subset of the
   keys, as a smaller page table for ``decode_attention`` (``docs/sparse_decode.md``);
   ``recent_pages_selection``: the "recent pages only" baseline, a ``BlockSelection``
@@ -88,6 +89,7 @@ from paged.sparse_indexer import lightning_indexer_top_k
 from paged.sparse_quest import (
     PageKeyBounds,
     QuestSelection,
+    append_page_key_bounds,
     page_key_bounds,
     update_page_key_bounds,
 )
@@ -118,6 +120,7 @@ __all__ = [
     "YarnScaling",
     "append_kv",
     "append_latent",
+    "append_page_key_bounds",
     "apply_rope",
     "apply_rope_frequencies",
     "bucket_size",

@@ -148,6 +148,20 @@ def token_slots(
     return pages.astype(jnp.int32), (positions % page_size).astype(jnp.int32)
 
 
+def written_keys(cache: KVCache, pages: jax.Array, slots: jax.Array) -> jax.Array:
+    """The keys the pool holds at ``(pages[i], slots[i])`` (``token_slots``'s answer).
+
+    Returns:
+      ``[nnz, num_kv_heads, head_dim]`` in the cache's dtype. A page outside the pool
+      (``INVALID_PAGE``: a token the append dropped) reads page 0; whoever uses the key must drop
+      it as the append did (a scatter with ``mode="drop"`` at the same ``pages`` does).
+    """
+    pages = jnp.where(pages < cache.num_pages, pages, 0)
+    if cache.layout == "HND":  # [P, KVH, S, D]: the two gathered axes go first, [nnz, KVH, D]
+        return cache.k_pages[pages, :, slots]
+    return cache.k_pages[pages, slots]  # [P, S, KVH, D]
+
+
 def _validate_append(cache, page_table, k_new, v_new, batch_indices, positions):
     validate_kv_cache(cache)
     validate_page_table(page_table, cache.num_pages)
@@ -226,7 +240,9 @@ def append_kv(
     v_new: jax.Array,
     batch_indices: jax.Array,
     positions: jax.Array,
-) -> KVCache:
+    *,
+    key_bounds=None,
+):
     """Writes ragged new tokens into their pages (reference; returns a new cache).
 
     Token ``i`` goes to page ``page_indices[page_indptr[b] + p // page_size]``, slot
@@ -238,9 +254,15 @@ def append_kv(
       k_new, v_new: ``[nnz, num_kv_heads, head_dim]`` in the cache's dtype (cast otherwise).
       batch_indices: int ``[nnz]``, the request of each token.
       positions: int ``[nnz]``, each token's position in its request.
+      key_bounds: optional ``paged.PageKeyBounds`` of the pool (Quest's per-page key bounds,
+        ``[num_pages, num_kv_heads, head_dim]`` each, any floating dtype), kept up to date by
+        this append when given: ``paged.append_page_key_bounds`` after the write (a page whose
+        slot 0 is written restarts, then each written key, as the pool now holds it, widens its
+        page's bounds; a dropped token touches nothing). There is no kernel here: this is the
+        reference composition, also on a GPU.
 
     Returns:
-      The updated cache.
+      The updated cache; with ``key_bounds``, ``(cache, bounds)``, the bounds in their own dtype.
 
     Pages shared between requests (a common prompt prefix, ``PagePool.share``) are read-only
     here: writing a shared page is the caller's to avoid, by copying it to a private page first
@@ -258,7 +280,8 @@ def append_kv(
     Raises:
       ValueError: for shape mismatches, and (concrete inputs) a position outside its request's
         length, a batch index outside the batch, the same (request, position) twice, two tokens
-        writing the same (page, slot) of a shared page, and page-table invariants.
+        writing the same (page, slot) of a shared page, and page-table invariants; ``key_bounds``
+        not a ``PageKeyBounds`` of this pool's pages, KV heads and head_dim.
 
     Example:
       >>> cache = new_kv_cache(4, 2, 1, 1, jnp.float32, layout="NHD")
@@ -269,6 +292,11 @@ def append_kv(
       [[2.0, 0.0], [0.0, 0.0], [0.0, 1.0], [0.0, 0.0]]
     """
     _validate_append(cache, page_table, k_new, v_new, batch_indices, positions)
+    if key_bounds is not None:
+        # A late import: paged.sparse_quest imports this module (KVCache, token_slots).
+        from paged.sparse_quest import append_page_key_bounds, validate_key_bounds
+
+        validate_key_bounds(key_bounds, cache)
     pages, slots = token_slots(page_table, batch_indices, positions)
     k_new = k_new.astype(cache.dtype)
     v_new = v_new.astype(cache.dtype)
@@ -278,4 +306,7 @@ def append_kv(
     else:
         k_pages = cache.k_pages.at[pages, :, slots].set(k_new, mode="drop")
         v_pages = cache.v_pages.at[pages, :, slots].set(v_new, mode="drop")
-    return KVCache(k_pages, v_pages, cache.layout)
+    cache = KVCache(k_pages, v_pages, cache.layout)
+    if key_bounds is None:
+        return cache
+    return cache, append_page_key_bounds(key_bounds, cache, page_table, batch_indices, positions)

@@ -7,6 +7,19 @@ launch. The kernel was compiled, checked against the reference and timed on an H
 GPU (``kernels_pallas.platform.AUTO_PICKS_KERNEL``) and the reference elsewhere or for float64
 arrays; ``backend="pallas"`` runs it everywhere (interpreted on a CPU), and
 ``DECODELAB_BACKEND=reference`` turns ``"auto"`` back to the reference.
+
+Quest's key bounds (``key_bounds=``, issue 19): the reference keeps them by
+``paged.append_page_key_bounds`` after the append (pages opened at slot 0 restart, then each
+written key, read back from the pool, widens its page's bounds). On the Pallas backend two paths
+give the same bounds bit for bit (``tests/test_append_key_bounds.py``):
+
+- ``"two_step"``: the plain kernel, then ``append_page_key_bounds`` in XLA (the engine's flow,
+  ``serving/sparse_step.py``).
+- ``"fused"``: one XLA scatter restarts the opened pages, then the kernel's bounds variant writes
+  and widens in one launch (float32 atomic min/max: ``kernels_pallas/rope_append.py``). Float32
+  bounds only (the atomics' type); ``"auto"`` falls back to ``"two_step"`` for any other dtype.
+
+``key_bounds_path="auto"`` takes ``"fused"`` only while ``AUTO_FUSES_KEY_BOUNDS`` says so.
 """
 
 from __future__ import annotations
@@ -16,11 +29,29 @@ import jax.numpy as jnp
 
 from kernels_pallas import rope_append as rope_append_kernels
 from kernels_pallas.platform import choose_backend, interpret_mode
-from paged.kv_cache import KVCache, _validate_append, append_kv, validate_kv_cache
+from paged.kv_cache import KVCache, _validate_append, append_kv, token_slots, validate_kv_cache
 from paged.page_table import PageTable
 from paged.rope import RopeParams, apply_rope, inverse_frequencies
+from paged.sparse_quest import (
+    PageKeyBounds,
+    append_page_key_bounds,
+    restart_opened_pages,
+    validate_key_bounds,
+)
 
 DEFAULT_ROPE = RopeParams()  # Llama 2's: theta 10000, rotate-half, no scaling
+KEY_BOUNDS_PATHS = ("auto", "fused", "two_step")
+
+# Whether key_bounds_path="auto" takes the fused kernel (which keeps the bounds in the append's
+# launch) over the two-step flow (the plain kernel, then XLA's update) on the Pallas backend.
+# Measured on an H100 (2026-12-07, a previous run of this same design,
+# docs/benchmark_results/2026-11-30-gpu-checks.md, nineteenth session), median us a call, plain
+# append / fused / two-step: decode B=64 4.77 / 29.99 / 11.27, decode B=8 3.93 / 30.26 / 9.11,
+# chunk 1 x 512 6.14 / 40.15 / 58.85. The fused launch is slower at decode, the step that matters,
+# so "auto" keeps the two-step update and the fused path is opt-in. Those figures were taken of an
+# implementation since lost; this one is to be re-measured (bench/probes/append_bounds.py, stage
+# append-bounds of bench/run_on_gpu.sh) before this changes.
+AUTO_FUSES_KEY_BOUNDS = False
 
 
 def _validate_rope_append(q, k, v, positions, batch_indices, cache, page_table, rope) -> None:
@@ -60,7 +91,9 @@ def rope_append_kv(
     *,
     rope: RopeParams = DEFAULT_ROPE,
     backend: str = "auto",
-) -> tuple[jax.Array, KVCache]:
+    key_bounds: PageKeyBounds | None = None,
+    key_bounds_path: str = "auto",
+):
     """Applies RoPE to new tokens' q and k, and writes the rotated k and v into the pages.
 
     Token ``t`` (request ``b = batch_indices[t]``, position ``p = positions[t]``) is rotated by
@@ -82,9 +115,19 @@ def rope_append_kv(
       page_table: the table after the append (it already covers the new tokens).
       rope: the model's ``RopeParams`` (theta, convention, Llama 3.1 scaling); static.
       backend: ``"auto"``, ``"reference"`` or ``"pallas"`` (module docstring).
+      key_bounds: optional ``PageKeyBounds`` of the pool, ``[num_pages, Hkv, D]`` each, any
+        floating dtype (float32 typically), kept up to date when given: pages whose slot 0 this
+        call writes restart, then every written key, rotated and rounded as the pool stores
+        it, widens its page's bounds; a token not written (outside the table under ``jit``)
+        touches nothing (``paged.append_page_key_bounds``).
+      key_bounds_path: with ``key_bounds`` on the Pallas backend, ``"fused"`` (the kernel keeps
+        the bounds in its launch; float32 bounds), ``"two_step"`` (the kernel, then XLA's update)
+        or ``"auto"`` (``AUTO_FUSES_KEY_BOUNDS``: today ``"two_step"``). The reference backend
+        has one path, the reference. Same bounds either way (module docstring).
 
     Returns:
-      ``(q_rotated [T, Hq, D] in q's dtype, the updated cache)``.
+      ``(q_rotated [T, Hq, D] in q's dtype, the updated cache)``; with ``key_bounds``,
+      ``(q_rotated, cache, bounds)``, the bounds in their own dtype.
 
     Raises:
       ValueError: naming the argument and value, for shape or dtype mismatches (q, k, v, the
@@ -93,7 +136,9 @@ def rope_append_kv(
         batch, a (request, position) given twice, and page-table invariants (page indices
         outside the pool, ...), two tokens writing one (page, slot) of a shared page (copying it
         first, copy-on-write, is the caller's job: ``paged.append_kv``);
-        ``backend="pallas"`` with float64 arrays. Under ``jit`` the value checks cannot run:
+        ``backend="pallas"`` with float64 arrays; ``key_bounds`` not a ``PageKeyBounds`` of the
+        pool's shape, an unknown ``key_bounds_path``, ``"fused"`` on the Pallas backend with
+        bounds not float32. Under ``jit`` the value checks cannot run:
         such a token's q is still rotated but its k and v are not written (the kernel masks
         the store; never an access outside the pool), and of two tokens writing one slot one
         write is kept, unspecified which (``docs/invalid_input.md``).
@@ -109,6 +154,12 @@ def rope_append_kv(
       [0.5403, 0.8415, 0.5403, 0.8415]
     """
     _validate_rope_append(q, k, v, positions, batch_indices, cache, page_table, rope)
+    if key_bounds_path not in KEY_BOUNDS_PATHS:
+        raise ValueError(
+            f"key_bounds_path must be one of {KEY_BOUNDS_PATHS}, got {key_bounds_path!r}"
+        )
+    if key_bounds is not None:
+        validate_key_bounds(key_bounds, cache)
     chosen = choose_backend(
         "rope_append_kv",
         backend,
@@ -116,10 +167,71 @@ def rope_append_kv(
         kernel="rope_append",
     ).backend
     if q.shape[0] == 0:  # nothing to rotate or write
-        return q, cache
+        return (q, cache) if key_bounds is None else (q, cache, key_bounds)
     if chosen == "reference":
-        return _rope_append_reference(q, k, v, positions, batch_indices, cache, page_table, rope)
-    q_rotated, k_pages, v_pages = rope_append_kernels.rope_append(
+        return _rope_append_reference(
+            q, k, v, positions, batch_indices, cache, page_table, rope, key_bounds
+        )
+    fused = key_bounds is not None and _fuses_key_bounds(key_bounds, key_bounds_path)
+    outputs = rope_append_pallas(
+        q,
+        k,
+        v,
+        positions,
+        batch_indices,
+        cache,
+        page_table,
+        rope=rope,
+        key_bounds=key_bounds if fused else None,
+    )
+    if key_bounds is None or fused:
+        return outputs
+    q_rotated, cache = outputs
+    bounds = append_page_key_bounds(key_bounds, cache, page_table, batch_indices, positions)
+    return q_rotated, cache, bounds
+
+
+def _fuses_key_bounds(key_bounds: PageKeyBounds, key_bounds_path: str) -> bool:
+    """Whether the Pallas path keeps ``key_bounds`` in the kernel's launch (module docstring)."""
+    float32 = key_bounds.kmin.dtype == jnp.float32
+    if key_bounds_path == "fused" and not float32:
+        raise ValueError(
+            "key_bounds_path='fused' needs float32 bounds (the kernel's atomic min and max), got "
+            f"key_bounds of dtype {key_bounds.kmin.dtype}"
+        )
+    if key_bounds_path == "auto":
+        return AUTO_FUSES_KEY_BOUNDS and float32
+    return key_bounds_path == "fused"
+
+
+def rope_append_pallas(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    positions: jax.Array,
+    batch_indices: jax.Array,
+    cache: KVCache,
+    page_table: PageTable,
+    *,
+    rope: RopeParams = DEFAULT_ROPE,
+    key_bounds: PageKeyBounds | None = None,
+    num_warps: int = 4,
+):
+    """``rope_append_kv``'s kernel call, unvalidated (the public function validates): the
+    plain kernel, or with ``key_bounds`` (float32) the fused path, one XLA scatter restarting the
+    pages this call opens and then the kernel's bounds variant. For probes and tuning, which
+    set the launch (``num_warps``).
+
+    Returns:
+      ``(q_rotated, cache)``, or ``(q_rotated, cache, bounds)`` with ``key_bounds``.
+    """
+    bounds = ()
+    if key_bounds is not None:
+        # Before the launch: inside it, the program of slot 0 could not restart its page
+        # before the page's other programs widen it (kernels_pallas/rope_append.py).
+        pages, slots = token_slots(page_table, batch_indices, positions)
+        bounds = tuple(restart_opened_pages(key_bounds, pages, slots))
+    outputs = rope_append_kernels.rope_append(
         q,
         k,
         v,
@@ -132,11 +244,17 @@ def rope_append_kv(
         page_table.page_indices,
         cache.k_pages,
         cache.v_pages,
+        *bounds,
         layout=cache.layout,
         interleaved=rope.interleaved,
+        num_warps=num_warps,
         interpret=interpret_mode(),
     )
-    return q_rotated, KVCache(k_pages, v_pages, cache.layout)
+    q_rotated, k_pages, v_pages = outputs[:3]
+    cache = KVCache(k_pages, v_pages, cache.layout)
+    if key_bounds is None:
+        return q_rotated, cache
+    return q_rotated, cache, PageKeyBounds(*outputs[3:])
 
 
 def kernel_supports(q, k, v, cache: KVCache) -> str | None:
@@ -148,9 +266,17 @@ def kernel_supports(q, k, v, cache: KVCache) -> str | None:
     return None
 
 
-def _rope_append_reference(q, k, v, positions, batch_indices, cache, page_table, rope):
-    """Rotate (``apply_rope``), round once to the stored dtypes, then ``append_kv``."""
+def _rope_append_reference(
+    q, k, v, positions, batch_indices, cache, page_table, rope, key_bounds=None
+):
+    """Rotate (``apply_rope``), round once to the stored dtypes, then ``append_kv`` (which keeps
+    ``key_bounds`` when given)."""
     q_rotated = apply_rope(q, positions, rope).astype(q.dtype)
     k_rotated = apply_rope(k, positions, rope).astype(cache.dtype)
-    cache = append_kv(cache, page_table, k_rotated, v, batch_indices, positions)
-    return q_rotated, cache
+    if key_bounds is None:
+        cache = append_kv(cache, page_table, k_rotated, v, batch_indices, positions)
+        return q_rotated, cache
+    cache, bounds = append_kv(
+        cache, page_table, k_rotated, v, batch_indices, positions, key_bounds=key_bounds
+    )
+    return q_rotated, cache, bounds

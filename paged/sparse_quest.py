@@ -39,7 +39,7 @@ import numpy as np
 
 from kernels_pallas.platform import is_concrete
 from paged.attention_reference import token_mask
-from paged.kv_cache import KVCache, token_slots, validate_kv_cache
+from paged.kv_cache import INVALID_PAGE, KVCache, token_slots, validate_kv_cache, written_keys
 from paged.page_table import PageTable, validate_page_table
 from paged.sparse_tables import MIN_INDICES, compact_rows
 
@@ -211,6 +211,101 @@ def reset_page_key_bounds(bounds: PageKeyBounds, pages: jax.Array) -> PageKeyBou
         bounds.kmin.at[pages].set(jnp.inf, mode="drop"),
         bounds.kmax.at[pages].set(-jnp.inf, mode="drop"),
     )
+
+
+def restart_opened_pages(
+    bounds: PageKeyBounds, pages: jax.Array, slots: jax.Array
+) -> PageKeyBounds:
+    """The bounds with every page an append opens made empty: the pages of the tokens written
+    into slot 0 (``pages``, ``slots``: int ``[nnz]`` from ``token_slots``; ``INVALID_PAGE``, a
+    dropped token, restarts nothing).
+
+    Why slot 0: a request writes its positions in increasing order into its own pages, so the
+    first write its current owner makes into a page is at slot 0, and whatever the bounds held
+    before (a previous owner's keys, before the page was freed and reused) must be forgotten
+    then (``serving/sparse_step.py`` has the whole argument).
+
+    Example:
+      >>> bounds = PageKeyBounds(jnp.zeros((3, 1, 1)), jnp.ones((3, 1, 1)))
+      >>> out = restart_opened_pages(bounds, jnp.array([1, 2]), jnp.array([0, 3]))
+      >>> out.kmin[:, 0, 0].tolist()
+      [0.0, inf, 0.0]
+    """
+    return reset_page_key_bounds(bounds, jnp.where(slots == 0, pages, INVALID_PAGE))
+
+
+def validate_key_bounds(key_bounds, cache: KVCache, *, name: str = "key_bounds") -> None:
+    """Raises ValueError (naming ``name``) unless ``key_bounds`` is a ``PageKeyBounds`` of
+    ``cache``'s pool: ``kmin`` and ``kmax`` both ``[num_pages, num_kv_heads, head_dim]`` of the
+    cache, of one floating dtype (their own: float32 typically, whatever the pool's)."""
+    if not isinstance(key_bounds, PageKeyBounds):
+        raise ValueError(
+            f"{name} must be a paged.PageKeyBounds (kmin, kmax), got {type(key_bounds).__name__}"
+        )
+    expected = (cache.num_pages, cache.num_kv_heads, cache.head_dim)
+    for field, array in zip(("kmin", "kmax"), key_bounds, strict=True):
+        shape = getattr(array, "shape", None)
+        if shape != expected:
+            raise ValueError(
+                f"{name}.{field} must have the cache's shape [num_pages, num_kv_heads, head_dim]"
+                f" = {expected}, got {shape}"
+            )
+        if not jnp.issubdtype(array.dtype, jnp.floating):
+            raise ValueError(f"{name}.{field} must be a floating array, got dtype {array.dtype}")
+    if key_bounds.kmin.dtype != key_bounds.kmax.dtype:
+        raise ValueError(
+            f"{name}.kmin dtype {key_bounds.kmin.dtype} differs from {name}.kmax dtype "
+            f"{key_bounds.kmax.dtype}"
+        )
+
+
+def append_page_key_bounds(
+    bounds: PageKeyBounds,
+    cache: KVCache,
+    page_table: PageTable,
+    batch_indices: jax.Array,
+    positions: jax.Array,
+) -> PageKeyBounds:
+    """The bounds after an append whose keys ``cache`` already holds (the reference of
+    ``append_kv(..., key_bounds=)`` and ``rope_append_kv(..., key_bounds=)``).
+
+    Two steps: every page the append opened (wrote slot 0 of) restarts
+    (``restart_opened_pages``), then each written key, read back from the pool, so exactly as
+    the pool holds it (cast to its dtype, after RoPE where the append rotated), widens its page's
+    bounds (``update_page_key_bounds``). A token the append dropped (outside the table, under
+    ``jit``) touches no bound. Of two tokens writing one slot (undetectable under ``jit``) the
+    key the pool kept counts, for both.
+
+    Args:
+      bounds: ``[num_pages, KVH, D]`` each, the pool's bounds before the append.
+      cache: the pool after the append.
+      page_table: the table the append wrote through.
+      batch_indices, positions: int ``[nnz]``, the append's tokens.
+
+    Returns:
+      The updated ``PageKeyBounds``, in ``bounds``' dtype.
+
+    Raises:
+      ValueError: ``bounds`` not a ``PageKeyBounds`` of the pool, and ``update_page_key_bounds``'s
+        errors.
+
+    Example:
+      >>> from paged import append_kv, new_kv_cache
+      >>> cache = new_kv_cache(2, 2, 1, 1, jnp.bfloat16)
+      >>> table = PageTable.from_page_lists([[1]], seq_lens=[1], page_size=2)
+      >>> key = jnp.full((1, 1, 1), 1.001)  # stored as bfloat16: 1.0
+      >>> rows, pos = jnp.zeros(1, jnp.int32), jnp.zeros(1, jnp.int32)
+      >>> cache = append_kv(cache, table, key, key, rows, pos)
+      >>> stale = PageKeyBounds(jnp.full((2, 1, 1), -5.0), jnp.full((2, 1, 1), 5.0))
+      >>> out = append_page_key_bounds(stale, cache, table, rows, pos)
+      >>> out.kmin[:, 0, 0].tolist(), out.kmax[:, 0, 0].tolist()
+      ([-5.0, 1.0], [5.0, 1.0])
+    """
+    validate_key_bounds(bounds, cache, name="bounds")
+    pages, slots = token_slots(page_table, batch_indices, positions)
+    bounds = restart_opened_pages(bounds, pages, slots)
+    keys = written_keys(cache, pages, slots)
+    return update_page_key_bounds(bounds, page_table, keys, batch_indices, positions)
 
 
 def quest_page_scores(

@@ -214,3 +214,19 @@ def test_decode_overhead_probe_builds_its_arms_and_skips_past_its_budget(tmp_pat
     assert arms[:3] == ["floor", "api", "api.turn"]
     assert {"kernel:ring.p2.s2@32", "split:ring.p2.s2@32", "folded:ring.p2.s2@32"} <= set(arms)
     assert all(row.get("skipped") == "budget" for row in rows)
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the Pallas Triton backend's
+def test_append_bounds_probe_runs_a_smoke_case(tmp_path, capsys):
+    """``bench/probes/append_bounds.py`` (issue 19) interpreted on one tiny chunk (three tokens
+    a page, so programs of one launch widen the same page): every arm, the ``--fused-warps`` one
+    included, passes its bit-for-bit checks against the plain arm and the reference bounds, and
+    the JSON has a row an arm."""
+    from bench.probes import append_bounds
+
+    argv = ["--smoke", "--cases", "chunk 1x12", "--fused-warps", "2", "--out", str(tmp_path)]
+    assert append_bounds.main(argv) == 0
+    document = json.loads((tmp_path / "append_bounds.json").read_text())
+    assert [row["arm"] for row in document["rows"]] == ["plain", "fused", "two_step", "fused.w2"]
+    assert [row["check"] for row in document["rows"]] == ["floor", "ok", "ok", "ok"]
+    assert document["failures"] == 0 and "failures: 0" in capsys.readouterr().out
