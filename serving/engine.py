@@ -122,13 +122,13 @@ from serving import cascade_step, host_inputs, programs, sparse_step
 from serving import model as model_lib
 from serving.backend_report import backend_report
 from serving.config import ModelConfig
+from serving.keys import request_key_data, seedless_key_data
 from serving.mla_config import MLAModelConfig
 from serving.mla_model import (
     choose_attention_form,
     new_mla_caches,
     validate_mla_model_params,
 )
-from serving.keys import request_key_data, seedless_key_data
 from serving.requests import Request, RequestOutput
 from serving.scheduler import DecodeBatch, Scheduler, Step
 from serving.step_decision import DEFAULT_PREFILL_GRANT_INTERVAL
