@@ -124,6 +124,7 @@ from serving.backend_report import backend_report
 from serving.config import ModelConfig
 from serving.keys import request_key_data, seedless_key_data
 from serving.mla_config import MLAModelConfig
+from serving.mla_expanded import ExpandedMLAConfig, new_expanded_mla_caches
 from serving.mla_model import (
     choose_attention_form,
     new_mla_caches,
@@ -145,14 +146,16 @@ def _check_model(name: str, model, *, mla: bool = False) -> tuple[ModelConfig, d
     if not (isinstance(model, tuple | list) and len(model) == 2):
         raise ValueError(f"{name} must be a (ModelConfig, params) pair, got {type(model).__name__}")
     config, params = model
-    if isinstance(config, MLAModelConfig):
+    if isinstance(config, MLAModelConfig | ExpandedMLAConfig):
         if not mla:
+            kind = type(config).__name__
             raise ValueError(
-                f"{name}[0] is an MLAModelConfig, but an MLA {name} is not supported: the "
+                f"{name}[0] is an {kind}, but an MLA {name} is not supported: the "
                 f"{name} must be a serving.config.ModelConfig (Llama-style; an MLA model can "
                 f"be the target), got {config!r}"
             )
-        validate_mla_model_params(params, config)
+        model = config.model if isinstance(config, ExpandedMLAConfig) else config
+        validate_mla_model_params(params, model)
         return config, params
     if not isinstance(config, ModelConfig):
         also = " or a serving.mla_config.MLAModelConfig" if mla else ""
@@ -164,7 +167,8 @@ def _check_model(name: str, model, *, mla: bool = False) -> tuple[ModelConfig, d
 def max_verified_tokens(config: ModelConfig | MLAModelConfig) -> int:
     """The most tokens a row the target may verify in one step (``num_speculative + 1``): the
     longest query run of the target's decode attention kernel, ``paged.decode.MAX_KERNEL_Q_LEN``
-    for a Llama-style target, ``paged.mla_decode.MLA_MAX_KERNEL_Q_LEN`` for an MLA one.
+    for a Llama-style target (and an ``ExpandedMLAConfig``, whose K/V pages that kernel reads),
+    ``paged.mla_decode.MLA_MAX_KERNEL_Q_LEN`` for an MLA one.
 
     Example:
       >>> from serving.mla_config import MLA_TINY
@@ -273,8 +277,11 @@ class Engine:
     ):
         self.target_config, self.target_params = _check_model("target", target, mla=True)
         # An MLA target (serving/mla_model.py): latent caches, forward_paged_mla in the
-        # programs, the MLA kernel's plans; no cascade, no sparse decode (refused below).
+        # programs, the MLA kernel's plans; no cascade, no sparse decode (refused below). An
+        # ExpandedMLAConfig (serving/mla_expanded.py, the benchmarks' baseline) has KV caches
+        # and the decode kernel's plans, and the same refusals.
         self.mla = isinstance(self.target_config, MLAModelConfig)
+        self.mla_family = self.mla or isinstance(self.target_config, ExpandedMLAConfig)
         self.max_verified_tokens = max_verified_tokens(self.target_config)
         if isinstance(num_speculative, bool) or not isinstance(num_speculative, int):
             raise ValueError(f"num_speculative must be an integer, got {num_speculative!r}")
@@ -314,13 +321,13 @@ class Engine:
                 f"got {max_steps_per_program!r}"
             )
         cascade_step.check_cascade_arguments(cascade, cascade_crossover)
-        if self.mla and cascade == "on":
+        if self.mla_family and cascade == "on":
             raise ValueError(
                 "cascade='on' is not supported with an MLA target: cascade attention runs over "
                 "KV-cache pages, the latent cache has no cascade path (use 'auto' or 'off', "
                 "which decode plainly)"
             )
-        if self.mla and sparse is not None:
+        if self.mla_family and sparse is not None:
             raise ValueError(
                 f"sparse={sparse!r} is not supported with an MLA target: sparse decode selects "
                 "KV-cache pages by their key bounds, the latent cache keeps none (use None)"
@@ -366,6 +373,10 @@ class Engine:
                 backend, self.target_config, self.scheduler.page_size
             )
             self.target_caches = new_mla_caches(self.target_config, num_pages, page_size)
+        elif self.mla_family:
+            self.target_caches = new_expanded_mla_caches(
+                self.target_config, num_pages, page_size, layout
+            )
         else:
             self.target_caches = model_lib.new_caches(
                 self.target_config, num_pages, page_size, layout
@@ -405,7 +416,7 @@ class Engine:
         config = self.target_config
         q_len = num_speculative + 1
         self._abstract_query = self._abstract_cache = None
-        if not self.mla:
+        if not self.mla_family:
             self._abstract_query = jax.ShapeDtypeStruct(
                 (self.parallel, config.num_q_heads, config.head_dim)
                 if q_len == 1
@@ -792,7 +803,7 @@ class Engine:
     def _cascade_levels(self, tables, active) -> tuple[list | None, str | None]:
         """The cascade levels of each step of a decode program (``tables``, host), or None;
         and why not (None when cascaded)."""
-        if self.mla:
+        if self.mla_family:
             return None, (
                 "an MLA target: cascade attention runs over KV-cache pages, the latent cache "
                 "has no cascade path"

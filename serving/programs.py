@@ -70,6 +70,7 @@ from serving import model as model_lib
 from serving.config import ModelConfig
 from serving.keys import step_keys
 from serving.mla_config import MLAModelConfig
+from serving.mla_expanded import ExpandedMLAConfig, forward_paged_mla_expanded
 from serving.mla_model import forward_paged_mla
 from serving.sparse_step import BoundedCaches, SparseDecode
 
@@ -148,11 +149,16 @@ def _target_forward(params, config: ModelConfig, tokens, target_caches, page_tab
     An MLA target (``config`` an ``MLAModelConfig``, static: chosen when traced) runs
     ``serving.mla_model.forward_paged_mla`` over its ``paged.LatentCache`` list (its form,
     absorbed or not, by the step's ``L``; no cascade, no sparse decode: the engine refuses
-    them). Returns ``(logits, target_caches)``, the state of the type given."""
-    if isinstance(config, MLAModelConfig):
+    them); an ``ExpandedMLAConfig`` (``serving/mla_expanded.py``) runs
+    ``forward_paged_mla_expanded`` over its ``KVCache`` list, alike. Returns ``(logits,
+    target_caches)``, the state of the type given."""
+    if isinstance(config, MLAModelConfig | ExpandedMLAConfig):
         if options.pop("cascade", None) is not None or options.pop("sparse", None) is not None:
             raise ValueError("an MLA target decodes plainly: no cascade levels, no sparse decode")
-        return forward_paged_mla(params, config, tokens, target_caches, page_table, **options)
+        forward = (
+            forward_paged_mla if isinstance(config, MLAModelConfig) else forward_paged_mla_expanded
+        )
+        return forward(params, config, tokens, target_caches, page_table, **options)
     if not isinstance(target_caches, BoundedCaches):
         return model_lib.forward_paged(params, config, tokens, target_caches, page_table, **options)
     logits, caches, bounds = model_lib.forward_paged(

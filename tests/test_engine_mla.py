@@ -25,13 +25,19 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import paged
 from serving import model_files
 from serving.__main__ import MLA_MODEL_NAMES, MLA_WEIGHTS_SEED, main
 from serving.config import TINY_DRAFT
 from serving.engine import Engine, max_verified_tokens
 from serving.mla_config import MLA_MODELS, MLA_TEST, MLA_TINY
+from serving.mla_expanded import (
+    ExpandedMLAConfig,
+    forward_paged_mla_expanded,
+    new_expanded_mla_caches,
+)
 from serving.mla_generate import DRAFT_WEIGHTS, generate_mla
-from serving.mla_model import init_mla_model_params
+from serving.mla_model import forward_paged_mla, init_mla_model_params, new_mla_caches
 from serving.model import init_params
 from serving.requests import Request, SamplingParams
 
@@ -162,6 +168,34 @@ def test_sampling_is_seed_deterministic_plainly_and_speculatively(target, zero_d
         assert runs[0] != runs[2]
         assert runs[0][1] == runs[2][1] == greedy[1]
         assert [len(tokens) for tokens in runs[0]] == MAX_TOKENS
+
+
+def test_the_expanded_baseline_computes_the_latent_models_function(target):
+    """``forward_paged_mla_expanded`` (per-head K/V pages, the probe's baseline) against
+    ``forward_paged_mla`` on the same weights: a 3-token prefill of two requests, then a
+    2-token step (a verification's shape) that crosses into a second, scattered page."""
+    config, params = target
+    expanded = ExpandedMLAConfig(config)
+    tables = [
+        paged.PageTable.from_page_lists(page_lists, seq_lens=lengths, page_size=PAGE_SIZE)
+        for page_lists, lengths in [([[3], [6]], [3, 3]), ([[3, 1], [6, 2]], [5, 5])]
+    ]
+    steps = [jnp.array([[9, 8, 7], [4, 3, 2]], jnp.int32), jnp.array([[11, 5], [12, 0]], jnp.int32)]
+    logits = {}
+    for model, forward, caches in [
+        (config, forward_paged_mla, new_mla_caches(config, 8, PAGE_SIZE)),
+        (expanded, forward_paged_mla_expanded, new_expanded_mla_caches(expanded, 8, PAGE_SIZE)),
+    ]:
+        run = jax.jit(forward, static_argnames=("config", "backend"))
+        kept = []
+        for tokens, table in zip(steps, tables, strict=True):
+            out, caches = run(params, model, tokens, caches, table, backend="reference")
+            kept.append(np.asarray(out))
+        logits[model] = np.concatenate(kept, axis=1)
+    np.testing.assert_allclose(logits[expanded], logits[config], rtol=2e-4, atol=2e-4)
+    assert ExpandedMLAConfig(MLA_TINY).head_dim == 256  # 192-wide keys: the next power of two
+    with pytest.raises(ValueError, match="head_dim must be at least max"):
+        ExpandedMLAConfig(MLA_TEST, head_dim=16)
 
 
 # --- refusals --------------------------------------------------------------------------------
