@@ -182,14 +182,21 @@ class Engine:
     """Continuous-batching decode of a target model, optionally with a draft for speculation.
 
     Args:
-      target: ``(ModelConfig, params)`` of the model whose distribution the outputs follow.
+      target: ``(ModelConfig, params)`` of the model whose distribution the outputs follow, or
+        ``(MLAModelConfig, params)`` of an MLA model (``serving/mla_model.py``: latent caches,
+        the MLA kernel's plans on the Pallas backend; no cascade, no sparse decode;
+        ``docs/mla.md``), or ``(ExpandedMLAConfig, params)`` of the same on expanded K/V
+        pages (``serving/mla_expanded.py``, the benchmarks' baseline).
       draft: ``(ModelConfig, params)`` of the draft model, required when ``num_speculative >
-        0`` (same vocabulary as the target), else ignored (None).
+        0`` (same vocabulary as the target; Llama-style, whatever the target), else ignored
+        (None).
       num_pages: pages in each KV pool (target and draft pools have this many; page 0 pads).
       page_size: tokens per page (a power of two for the Pallas attention kernel).
       parallel: decode slots, the static batch ``B`` of every decode step.
-      num_speculative: drafts per step ``n`` (0: plain decoding); ``n + 1`` is at most 16, the
-        decode attention kernel's longest query run (``paged.decode.MAX_KERNEL_Q_LEN``).
+      num_speculative: drafts per step ``n`` (0: plain decoding); ``n + 1`` is at most
+        ``max_verified_tokens(target config)``, 16: the target's decode attention kernel's
+        longest query run (``paged.decode.MAX_KERNEL_Q_LEN``, or for an MLA target
+        ``paged.mla_decode.MLA_MAX_KERNEL_Q_LEN``).
       backend: ``"auto"``, ``"reference"`` or ``"pallas"``, for every op of every program,
         prefill chunks of every length included (chunks longer than 16 tokens run the causal
         prefill attention kernel, shorter ones the decode kernel; ``backend_report`` says which).
@@ -236,8 +243,10 @@ class Engine:
         of two in range, a ``cascade`` mode not in ``("auto", "on", "off")`` or a
         ``cascade_crossover`` that is not a ``paged.CascadeCrossover``, a ``sparse`` mode not in
         ``(None, "quest", "recent")``, a ``sparse_budget`` that is not a whole number of pages
-        (two or more), ``sparse`` with ``num_speculative > 0`` or ``cascade="on"``, and
-        whatever ``Scheduler`` refuses).
+        (two or more), ``sparse`` with ``num_speculative > 0`` or ``cascade="on"``; with an MLA
+        target ``cascade="on"``, ``sparse``, an MLA draft, and ``backend="pallas"`` where the
+        MLA kernel cannot run the model (the reason named); and whatever ``Scheduler``
+        refuses).
 
     Example:
       >>> from serving.config import TINY_DRAFT
