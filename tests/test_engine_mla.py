@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 
 import paged
-from serving import model_files
+from serving import model_files, programs
 from serving.__main__ import MLA_MODEL_NAMES, MLA_WEIGHTS_SEED, main
 from serving.config import TINY_DRAFT
 from serving.engine import Engine, max_verified_tokens
@@ -237,6 +237,66 @@ def test_pallas_is_refused_where_the_mla_kernel_cannot_run_the_page_size():
     params = _shapes_only(init_mla_model_params, MLA_TINY)
     with pytest.raises(ValueError, match="page_size must be one of"):
         _engine((MLA_TINY, params), backend="pallas")
+
+
+def test_the_pallas_backend_plans_each_step_for_the_mla_kernel():
+    """On ``backend="pallas"`` with sizes the kernel takes (``MLA_TINY``, 16-token pages), the
+    engine's decode inputs carry the MLA kernel's plan of the step's table (``plan_mla_decode``
+    with ``q_len = n + 1``), made on the host; nothing is run (the kernel runs compiled in the
+    ``gpu``-marked test below; interpreted, the model takes minutes)."""
+    from kernels_pallas.mla_decode_mgpu import plan_mla_decode
+
+    params = _shapes_only(init_mla_model_params, MLA_TINY)
+    for draft, num_speculative in [
+        (None, 0),
+        ((TINY_DRAFT, _shapes_only(init_params, TINY_DRAFT)), 2),
+    ]:
+        engine = Engine(
+            (MLA_TINY, params),
+            draft,
+            num_pages=8,
+            page_size=16,
+            parallel=2,
+            backend="pallas",
+            num_speculative=num_speculative,
+        )
+        assert engine._target_kernel_plans()
+        engine.submit(Request("a", [1], SamplingParams(temperature=0, max_tokens=2)))
+        step = engine.scheduler.plan_step(1)  # a one-token prompt decodes at once
+        inputs = engine._decode_inputs(step.decode)
+        expected = plan_mla_decode(inputs.page_table, 16, num_speculative + 1)
+        for field in ("work_request", "work_page_start", "work_page_end", "merge_indptr"):
+            np.testing.assert_array_equal(getattr(inputs.plan, field), getattr(expected, field))
+        assert len(inputs.draft_plans) == (num_speculative + 1 if num_speculative else 0)
+        assert all(plan is not None for plan in inputs.draft_plans)  # the draft's own kernel
+
+
+def test_the_pallas_backend_plans_each_absorbed_prefill_chunk(monkeypatch):
+    """A prefill chunk the MLA kernel runs (absorbed: shorter than 171 tokens at these sizes)
+    reaches ``prefill_step`` with its plan (``plan_mla_decode`` with ``q_len`` the chunk's
+    length); the program itself is not run (a spy stands in for it)."""
+    from kernels_pallas.mla_decode_mgpu import plan_mla_decode
+
+    seen = []
+
+    def spy(*args, **static):
+        seen.append(args)
+        return args[2], args[3]
+
+    monkeypatch.setattr(programs, "prefill_step_jit", spy)
+    params = _shapes_only(init_mla_model_params, MLA_TINY)
+    engine = Engine((MLA_TINY, params), num_pages=8, page_size=16, parallel=2, backend="pallas")
+    engine.submit(Request("a", list(range(1, 22)), SamplingParams(temperature=0, max_tokens=2)))
+    for chunk in engine.scheduler.plan_step(1).prefill:
+        engine._run_prefill_chunk(chunk)
+    lengths = []
+    for args in seen:
+        token_ids, table, plan = args[4:]
+        lengths.append(token_ids.shape[1])
+        expected = plan_mla_decode(table, 16, token_ids.shape[1])
+        for field in ("work_request", "work_page_start", "work_page_end", "merge_indptr"):
+            np.testing.assert_array_equal(getattr(plan, field), getattr(expected, field))
+    assert lengths == [16, 4]  # 20 tokens to prefill: power-of-two chunks
 
 
 def test_cascade_auto_decodes_plainly_and_the_bound_is_the_mla_kernels(target):
