@@ -19,6 +19,8 @@
 # Issues 19 and 21: sparse-tests, quest-scores, quest-select, tune-decode, check-decode.
 # Issue 19 (the append keeps Quest's key bounds): append-bounds.
 # Issue 20: mla-decode.
+# Issue 20: mla-decode; mla-engine (the MLA model through the engine, latent cache against
+# expanded K/V pages: bytes a token, tokens/s, ITL).
 # Issue 18 (one ragged launch for a mixed step, prototype): ragged-attention.
 # Issue 17: cascade-shared (the shared-level kernel's tests and probe), cascade-crossover,
 # cascade-variants, cascade-stages.
@@ -304,6 +306,18 @@ for stage in "$@"; do
       fi
       timeout 300 python3 -m bench.probes.mla_decode ${MLA_PROBE_ARGS:-} 2>&1 \
         | tee "$out/mla_decode_probe.log" | grep -E '^H=|^copy|FAILED|MISMATCH' ;;
+    mla-engine)  # issue 20: the engine's MLA tests compiled (gpu-marked included: the MLA
+      # kernel in the engine against the reference), then the probe: the MLA model through the
+      # engine, latent cache against the same weights on expanded K/V pages, B 1/8/32 at 1K and
+      # 4K (not yet run; 540 s at most: tests 150, probe 390 with no case started after 300 s;
+      # MLA_ENGINE_PROBE_ONLY=1 skips the tests, MLA_ENGINE_ARGS="--batches 1 --contexts 4096"
+      # runs a part; the JSON is rewritten after every row)
+      if [ -z "${MLA_ENGINE_PROBE_ONLY:-}" ]; then
+        timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_engine_mla.py 2>&1 \
+          | tee "$out/gpu_engine_mla_tests.log" | tail -n 4
+      fi
+      timeout 390 python3 -m bench.probes.mla_engine --budget-s 300 --out "$out/mla-engine" \
+          ${MLA_ENGINE_ARGS:-} 2>&1 | tee "$out/mla_engine_probe.log" | grep -vE '^$' ;;
     ragged-attention)  # issue 18: the ragged kernel's tests compiled (gpu-marked included), then
       # the probe: one ragged launch against the engine's two (decode + chunk), checked, timed
       # (not yet run; 540 s at most, room for the preamble in a 600 s command; the probe's JSON is rewritten after each case, so a cut run

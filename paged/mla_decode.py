@@ -38,6 +38,13 @@ MLA_KERNEL_NAME = "mla_decode_mgpu"
 # mla-decode), with the report cited here, as kernels_pallas/platform.AUTO_PICKS_KERNEL cites
 # its evidence. Flipping it is the whole change: choose_mla_backend reads nothing else.
 AUTO_PICKS_MLA_KERNEL = False
+
+# The longest query run (new tokens a request) the engine verifies on this kernel
+# (serving.engine.max_verified_tokens: num_speculative + 1 for an MLA target). The kernel has no
+# bound of its own (a request's q_len x H query rows are cut into 64-row tiles, one program
+# each; its tests run q_len 1 to 9 interpreted and up to 4 compiled), so this is a choice: the
+# decode kernel's MAX_KERNEL_Q_LEN, one --speculative range for every target.
+MLA_MAX_KERNEL_Q_LEN = 16
 NOT_MEASURED_REASON = "the MLA kernel has not been run and measured faster on the H200 yet"
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import jax
 
 from kernels_pallas.platform import record_backends
+from paged.mla_decode import MLA_KERNEL_NAME
 from paged.sparse import QUEST_SCORES_KERNEL, QUEST_SELECT_KERNEL
 from serving.programs import decode_step, prefill_step
 
@@ -37,9 +38,14 @@ OP_OF_OPERATION = {
     "top_k_mask_logits": "sampling",
     "chain_speculative_sampling": "speculative acceptance",
 }
-# Choices recorded with no operation (``paged.sparse.choose_quest_backend``: ``AUTO_PICKS_KERNEL``
-# has no entry for them), by the kernel they would run.
-OP_OF_KERNEL = {QUEST_SCORES_KERNEL: "sparse selection", QUEST_SELECT_KERNEL: "sparse selection"}
+# Choices recorded with no operation (``paged.sparse.choose_quest_backend``,
+# ``paged.mla_decode.choose_mla_backend``: ``AUTO_PICKS_KERNEL`` has no entry for them), by the
+# kernel they would run. An MLA target's absorbed attention is the step's attention.
+OP_OF_KERNEL = {
+    QUEST_SCORES_KERNEL: "sparse selection",
+    QUEST_SELECT_KERNEL: "sparse selection",
+    MLA_KERNEL_NAME: "attention",
+}
 
 
 def op_of(record) -> str:

@@ -117,11 +117,19 @@ import paged
 from kernels_pallas.platform import BACKENDS, resolve_backend
 from paged.cascade_plan import CASCADE_CROSSOVER, CascadeCrossover
 from paged.decode import MAX_KERNEL_Q_LEN
+from paged.mla_decode import MLA_MAX_KERNEL_Q_LEN, choose_mla_backend
 from serving import cascade_step, host_inputs, programs, sparse_step
 from serving import model as model_lib
 from serving.backend_report import backend_report
 from serving.config import ModelConfig
 from serving.keys import request_key_data, seedless_key_data
+from serving.mla_config import MLAModelConfig
+from serving.mla_expanded import ExpandedMLAConfig, new_expanded_mla_caches
+from serving.mla_model import (
+    choose_attention_form,
+    new_mla_caches,
+    validate_mla_model_params,
+)
 from serving.requests import Request, RequestOutput
 from serving.scheduler import DecodeBatch, Scheduler, Step
 from serving.step_decision import DEFAULT_PREFILL_GRANT_INTERVAL
@@ -132,28 +140,63 @@ from serving.step_stats import AcceptanceStats, RequestTiming, StepOutput, StepS
 MAX_STEPS_PER_PROGRAM = 32
 
 
-def _check_model(name: str, model) -> tuple[ModelConfig, dict]:
+def _check_model(name: str, model, *, mla: bool = False) -> tuple[ModelConfig, dict]:
+    """``(config, params)`` of ``model`` checked; ``mla``: an ``MLAModelConfig`` is allowed
+    (the target's case; a draft must be Llama-style)."""
     if not (isinstance(model, tuple | list) and len(model) == 2):
         raise ValueError(f"{name} must be a (ModelConfig, params) pair, got {type(model).__name__}")
     config, params = model
+    if isinstance(config, MLAModelConfig | ExpandedMLAConfig):
+        if not mla:
+            kind = type(config).__name__
+            raise ValueError(
+                f"{name}[0] is an {kind}, but an MLA {name} is not supported: the "
+                f"{name} must be a serving.config.ModelConfig (Llama-style; an MLA model can "
+                f"be the target), got {config!r}"
+            )
+        model = config.model if isinstance(config, ExpandedMLAConfig) else config
+        validate_mla_model_params(params, model)
+        return config, params
     if not isinstance(config, ModelConfig):
-        raise ValueError(f"{name}[0] must be a serving.config.ModelConfig, got {config!r}")
+        also = " or a serving.mla_config.MLAModelConfig" if mla else ""
+        raise ValueError(f"{name}[0] must be a serving.config.ModelConfig{also}, got {config!r}")
     model_lib.validate_params(params, config)
     return config, params
+
+
+def max_verified_tokens(config: ModelConfig | MLAModelConfig) -> int:
+    """The most tokens a row the target may verify in one step (``num_speculative + 1``): the
+    longest query run of the target's decode attention kernel, ``paged.decode.MAX_KERNEL_Q_LEN``
+    for a Llama-style target (and an ``ExpandedMLAConfig``, whose K/V pages that kernel reads),
+    ``paged.mla_decode.MLA_MAX_KERNEL_Q_LEN`` for an MLA one.
+
+    Example:
+      >>> from serving.mla_config import MLA_TINY
+      >>> max_verified_tokens(MLA_TINY)
+      16
+    """
+    return MLA_MAX_KERNEL_Q_LEN if isinstance(config, MLAModelConfig) else MAX_KERNEL_Q_LEN
 
 
 class Engine:
     """Continuous-batching decode of a target model, optionally with a draft for speculation.
 
     Args:
-      target: ``(ModelConfig, params)`` of the model whose distribution the outputs follow.
+      target: ``(ModelConfig, params)`` of the model whose distribution the outputs follow, or
+        ``(MLAModelConfig, params)`` of an MLA model (``serving/mla_model.py``: latent caches,
+        the MLA kernel's plans on the Pallas backend; no cascade, no sparse decode;
+        ``docs/mla.md``), or ``(ExpandedMLAConfig, params)`` of the same on expanded K/V
+        pages (``serving/mla_expanded.py``, the benchmarks' baseline).
       draft: ``(ModelConfig, params)`` of the draft model, required when ``num_speculative >
-        0`` (same vocabulary as the target), else ignored (None).
+        0`` (same vocabulary as the target; Llama-style, whatever the target), else ignored
+        (None).
       num_pages: pages in each KV pool (target and draft pools have this many; page 0 pads).
       page_size: tokens per page (a power of two for the Pallas attention kernel).
       parallel: decode slots, the static batch ``B`` of every decode step.
-      num_speculative: drafts per step ``n`` (0: plain decoding); ``n + 1`` is at most 16, the
-        decode attention kernel's longest query run (``paged.decode.MAX_KERNEL_Q_LEN``).
+      num_speculative: drafts per step ``n`` (0: plain decoding); ``n + 1`` is at most
+        ``max_verified_tokens(target config)``, 16: the target's decode attention kernel's
+        longest query run (``paged.decode.MAX_KERNEL_Q_LEN``, or for an MLA target
+        ``paged.mla_decode.MLA_MAX_KERNEL_Q_LEN``).
       backend: ``"auto"``, ``"reference"`` or ``"pallas"``, for every op of every program,
         prefill chunks of every length included (chunks longer than 16 tokens run the causal
         prefill attention kernel, shorter ones the decode kernel; ``backend_report`` says which).
@@ -200,8 +243,10 @@ class Engine:
         of two in range, a ``cascade`` mode not in ``("auto", "on", "off")`` or a
         ``cascade_crossover`` that is not a ``paged.CascadeCrossover``, a ``sparse`` mode not in
         ``(None, "quest", "recent")``, a ``sparse_budget`` that is not a whole number of pages
-        (two or more), ``sparse`` with ``num_speculative > 0`` or ``cascade="on"``, and
-        whatever ``Scheduler`` refuses).
+        (two or more), ``sparse`` with ``num_speculative > 0`` or ``cascade="on"``; with an MLA
+        target ``cascade="on"``, ``sparse``, an MLA draft, and ``backend="pallas"`` where the
+        MLA kernel cannot run the model (the reason named); and whatever ``Scheduler``
+        refuses).
 
     Example:
       >>> from serving.config import TINY_DRAFT
@@ -239,12 +284,19 @@ class Engine:
         sparse: str | None = None,
         sparse_budget: int = sparse_step.DEFAULT_SPARSE_BUDGET,
     ):
-        self.target_config, self.target_params = _check_model("target", target)
+        self.target_config, self.target_params = _check_model("target", target, mla=True)
+        # An MLA target (serving/mla_model.py): latent caches, forward_paged_mla in the
+        # programs, the MLA kernel's plans; no cascade, no sparse decode (refused below). An
+        # ExpandedMLAConfig (serving/mla_expanded.py, the benchmarks' baseline) has KV caches
+        # and the decode kernel's plans, and the same refusals.
+        self.mla = isinstance(self.target_config, MLAModelConfig)
+        self.mla_family = self.mla or isinstance(self.target_config, ExpandedMLAConfig)
+        self.max_verified_tokens = max_verified_tokens(self.target_config)
         if isinstance(num_speculative, bool) or not isinstance(num_speculative, int):
             raise ValueError(f"num_speculative must be an integer, got {num_speculative!r}")
-        if not 0 <= num_speculative < MAX_KERNEL_Q_LEN:
+        if not 0 <= num_speculative < self.max_verified_tokens:
             raise ValueError(
-                f"num_speculative must be in [0, {MAX_KERNEL_Q_LEN - 1}] (the target "
+                f"num_speculative must be in [0, {self.max_verified_tokens - 1}] (the target "
                 f"verifies n + 1 tokens a row), got {num_speculative}"
             )
         self.draft_config, self.draft_params = None, None
@@ -278,6 +330,17 @@ class Engine:
                 f"got {max_steps_per_program!r}"
             )
         cascade_step.check_cascade_arguments(cascade, cascade_crossover)
+        if self.mla_family and cascade == "on":
+            raise ValueError(
+                "cascade='on' is not supported with an MLA target: cascade attention runs over "
+                "KV-cache pages, the latent cache has no cascade path (use 'auto' or 'off', "
+                "which decode plainly)"
+            )
+        if self.mla_family and sparse is not None:
+            raise ValueError(
+                f"sparse={sparse!r} is not supported with an MLA target: sparse decode selects "
+                "KV-cache pages by their key bounds, the latent cache keeps none (use None)"
+            )
         self.cascade = cascade
         self.cascade_crossover = cascade_crossover
         self._cascade_stats = cascade_step.CascadeStats(cascade)
@@ -311,7 +374,22 @@ class Engine:
             num_speculative=num_speculative,
         )
         self._sparse_stats = None if self.sparse is None else sparse_step.SparseStats(self.sparse)
-        self.target_caches = model_lib.new_caches(self.target_config, num_pages, page_size, layout)
+        # Why the MLA kernel cannot run the target's attention (None if it can), for the
+        # choice each step makes (_target_kernel_plans); "pallas" where it cannot is refused.
+        self._mla_unsupported = None
+        if self.mla:
+            self._mla_unsupported = _check_mla_backend(
+                backend, self.target_config, self.scheduler.page_size
+            )
+            self.target_caches = new_mla_caches(self.target_config, num_pages, page_size)
+        elif self.mla_family:
+            self.target_caches = new_expanded_mla_caches(
+                self.target_config, num_pages, page_size, layout
+            )
+        else:
+            self.target_caches = model_lib.new_caches(
+                self.target_config, num_pages, page_size, layout
+            )
         # Quest's key bounds of each target pool (serving/sparse_step.py), or None.
         self.target_key_bounds = (
             sparse_step.new_key_bounds(self.target_caches)
@@ -343,15 +421,18 @@ class Engine:
         self._no_previous_tokens = None  # int32[B, 1] zeros on the device, made once
         # The target's decode queries and one layer's pool, abstract: what the cascade attention
         # backend is chosen from on the host (cascade_step.cascade_attention_backend).
+        # (None for an MLA target, which never cascades.)
         config = self.target_config
         q_len = num_speculative + 1
-        self._abstract_query = jax.ShapeDtypeStruct(
-            (self.parallel, config.num_q_heads, config.head_dim)
-            if q_len == 1
-            else (self.parallel, q_len, config.num_q_heads, config.head_dim),
-            config.jnp_dtype,
-        )
-        self._abstract_cache = programs.abstract(self.target_caches[0])
+        self._abstract_query = self._abstract_cache = None
+        if not self.mla_family:
+            self._abstract_query = jax.ShapeDtypeStruct(
+                (self.parallel, config.num_q_heads, config.head_dim)
+                if q_len == 1
+                else (self.parallel, q_len, config.num_q_heads, config.head_dim),
+                config.jnp_dtype,
+            )
+            self._abstract_cache = programs.abstract(self.target_caches[0])
 
     # --- requests --------------------------------------------------------------------------
 
@@ -620,6 +701,14 @@ class Engine:
             chunk.token_ids[None, :],
             chunk.page_table,
         )
+        if self.mla:
+            # The MLA kernel's plan where it runs the chunk (absorbed, on the kernels'
+            # backend): under jit it needs one, made here on the host; otherwise None.
+            absorbed = choose_attention_form("auto", self.target_config, length) == "absorbed"
+            plan = None
+            if absorbed and self._target_kernel_plans():
+                (plan,) = self._target_plans([chunk.page_table], length)
+            args = (*args, plan)
         # The engine's backend at every chunk length: paged.decode_attention runs chunks of more
         # than MAX_KERNEL_Q_LEN tokens on its prefill kernel, shorter ones on decode's.
         static = dict(
@@ -664,10 +753,12 @@ class Engine:
         levels, reason = self._cascade_levels(tables, batch.active)
         # A cascaded step attends through its levels, a sparse one through a virtual table:
         # neither runs the kernel on the whole table, so neither needs its split-KV plan.
-        plan_target = pallas and levels is None and self.sparse is None
+        kernel = self._target_kernel_plans() if self.mla else pallas
+        plan_target = kernel and levels is None and self.sparse is None
+        q_len = self.num_speculative + 1
         cascade = None
         if num_steps > 1:
-            plans = _plan_tables(tables, self.target_config) if plan_target else (None,) * num_steps
+            plans = self._target_plans(tables, q_len) if plan_target else (None,) * num_steps
             num_steps = _steps_of_one_variant(plans)
             if num_steps > 1:
                 table, plan = programs.stack_steps(tables[:num_steps], plans[:num_steps])
@@ -679,7 +770,7 @@ class Engine:
         else:
             if plan_target:
                 # FlashInfer's plan/run split: plan once on the host, every layer reuses it.
-                (plan,) = _plan_tables([table], self.target_config)
+                (plan,) = self._target_plans([table], q_len)
             if pallas and draft_tables:  # speculating: the draft model's n + 1 tables
                 draft_plans = _plan_tables(draft_tables, self.draft_config)
             cascade = None if levels is None else levels[0]
@@ -701,9 +792,31 @@ class Engine:
             cascade=cascade,
         )
 
+    def _target_kernel_plans(self) -> bool:
+        """Whether the MLA target's absorbed attention runs the Mosaic GPU MLA kernel, which
+        takes a plan made on the host (``paged.mla_decode.choose_mla_backend``'s choice, the one
+        ``paged.mla_decode_attention`` makes when the program is traced)."""
+        choice = choose_mla_backend(self.backend, unsupported=self._mla_unsupported)
+        return choice.backend == "pallas_mgpu"
+
+    def _target_plans(self, tables, q_len: int) -> tuple[paged.DecodePlan, ...]:
+        """The target's split-KV plans for ``tables`` (host), ``q_len`` new tokens a row: the
+        MLA kernel's (``plan_mla_decode``) for an MLA target, the decode kernel's otherwise."""
+        if not self.mla:
+            return _plan_tables(tables, self.target_config)
+        from kernels_pallas.mla_decode_mgpu import plan_mla_decode  # Mosaic GPU: imported late
+
+        heads = self.target_config.attention.num_heads
+        return tuple(plan_mla_decode(table, heads, q_len) for table in tables)
+
     def _cascade_levels(self, tables, active) -> tuple[list | None, str | None]:
         """The cascade levels of each step of a decode program (``tables``, host), or None;
         and why not (None when cascaded)."""
+        if self.mla_family:
+            return None, (
+                "an MLA target: cascade attention runs over KV-cache pages, the latent cache "
+                "has no cascade path"
+            )
         if self.sparse is not None:
             return None, (
                 f"sparse={self.sparse.mode!r}: sparse decode and cascade are exclusive "
@@ -853,6 +966,29 @@ def _steps_of_one_variant(plans) -> int:
     while same < len(plans) and (plans[same].write_final, plans[same].long_chunks) == variant:
         same += 1
     return 1 << (same.bit_length() - 1)
+
+
+def _check_mla_backend(backend: str, config: MLAModelConfig, page_size: int) -> str | None:
+    """Why the MLA kernel cannot run the MLA target's absorbed attention (None if it can);
+    ``backend="pallas"`` where it cannot is refused now, not when the first program traces.
+
+    Raises:
+      ValueError: ``backend='pallas'`` with sizes or a dtype the kernel does not take (named).
+    """
+    if backend == "reference":
+        return None
+    from kernels_pallas.mla_decode_mgpu import unsupported_reason  # Mosaic GPU: imported late
+
+    sizes = config.attention
+    reason = unsupported_reason(
+        config.jnp_dtype, sizes.num_heads, sizes.kv_lora_rank, sizes.qk_rope_head_dim, page_size
+    )
+    if backend == "pallas" and reason is not None:
+        raise ValueError(
+            f"backend='pallas' cannot run the MLA target's attention on the MLA kernel: {reason} "
+            "(backend='reference' or 'auto' runs its reference)"
+        )
+    return reason
 
 
 def _plan_tables(tables, config: ModelConfig) -> tuple[paged.DecodePlan, ...]:

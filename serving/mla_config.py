@@ -1,7 +1,7 @@
 """The shape of an MLA (multi-head latent attention) decoder, and random attention weights.
 
-The model itself is ``serving/mla_model.py`` (not run by the engine yet: ``docs/mla.md``, "Not
-built yet"). This fixes the sizes and the weight layout that the latent cache
+The model itself is ``serving/mla_model.py`` (run by ``serving.engine.Engine`` as a target, and
+outside it by ``serving/mla_generate.py``: ``docs/mla.md``). This fixes the sizes and the weight layout that the latent cache
 (``paged.mla_cache``), the MLA references (``paged.mla_reference``) and the model take, so a
 model and a benchmark can share them.
 

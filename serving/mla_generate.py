@@ -1,8 +1,8 @@
 """Generation with the MLA decoder, outside the engine: chunked prefill, then batched decode.
 
-``serving.engine.Engine`` runs Llama-style models only (its caches, plans and programs assume
-``paged.KVCache``; ``docs/mla.md`` lists what it would need). This module runs an
-``MLAModelConfig`` model the same way in a plain loop, to exercise every path of
+``serving.engine.Engine`` runs an ``MLAModelConfig`` target too (``python -m serving generate
+--model mla-tiny``); this module runs one the same way in a plain loop, the reference the
+engine's MLA path is tested against (``tests/test_engine_mla.py``), exercising every path of
 ``serving.mla_model.forward_paged_mla`` end to end:
 
 - pages come from a ``paged.PagePool``: a prompt's pages when it is prefilled, one more page

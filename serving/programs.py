@@ -69,6 +69,9 @@ from serving import host_inputs
 from serving import model as model_lib
 from serving.config import ModelConfig
 from serving.keys import step_keys
+from serving.mla_config import MLAModelConfig
+from serving.mla_expanded import ExpandedMLAConfig, forward_paged_mla_expanded
+from serving.mla_model import forward_paged_mla
 from serving.sparse_step import BoundedCaches, SparseDecode
 
 
@@ -143,7 +146,19 @@ def _plain_decode_result(token_ids: jax.Array) -> DecodeResult:
 def _target_forward(params, config: ModelConfig, tokens, target_caches, page_table, **options):
     """``model.forward_paged`` of the target on its state: a list of caches, or a
     ``BoundedCaches`` (``serving/sparse_step.py``), whose key bounds are then kept current.
-    Returns ``(logits, target_caches)``, the state of the type given."""
+    An MLA target (``config`` an ``MLAModelConfig``, static: chosen when traced) runs
+    ``serving.mla_model.forward_paged_mla`` over its ``paged.LatentCache`` list (its form,
+    absorbed or not, by the step's ``L``; no cascade, no sparse decode: the engine refuses
+    them); an ``ExpandedMLAConfig`` (``serving/mla_expanded.py``) runs
+    ``forward_paged_mla_expanded`` over its ``KVCache`` list, alike. Returns ``(logits,
+    target_caches)``, the state of the type given."""
+    if isinstance(config, MLAModelConfig | ExpandedMLAConfig):
+        if options.pop("cascade", None) is not None or options.pop("sparse", None) is not None:
+            raise ValueError("an MLA target decodes plainly: no cascade levels, no sparse decode")
+        forward = (
+            forward_paged_mla if isinstance(config, MLAModelConfig) else forward_paged_mla_expanded
+        )
+        return forward(params, config, tokens, target_caches, page_table, **options)
     if not isinstance(target_caches, BoundedCaches):
         return model_lib.forward_paged(params, config, tokens, target_caches, page_table, **options)
     logits, caches, bounds = model_lib.forward_paged(
@@ -166,7 +181,7 @@ def decode_step(
     inputs: DecodeInputs,
     previous_token_ids: jax.Array | None = None,
     *,
-    target_config: ModelConfig,
+    target_config: ModelConfig | MLAModelConfig,
     draft_config: ModelConfig | None,
     num_speculative: int,
     backend: str,
@@ -184,7 +199,9 @@ def decode_step(
         the device (overlapped steps): a row whose ``inputs.token_ids`` is negative (the
         scheduler's ``UNRESOLVED_TOKEN``) feeds the token its slot sampled there. None: every
         row's token comes from ``inputs``.
-      target_config, draft_config: the models (static).
+      target_config, draft_config: the models (static); the target may be an
+        ``MLAModelConfig`` (its caches then ``paged.LatentCache``s, ``inputs.plan`` the MLA
+        kernel's, and its forward ``serving.mla_model.forward_paged_mla``), the draft not.
       num_speculative: ``n`` (static); 0 is plain decoding.
       backend: for every op (static).
       sparse: a ``serving.sparse_step.SparseDecode`` (static): the target attends over its
@@ -278,7 +295,7 @@ def decode_steps(
     inputs: DecodeInputs,
     previous_token_ids: jax.Array | None = None,
     *,
-    target_config: ModelConfig,
+    target_config: ModelConfig | MLAModelConfig,
     draft_config: ModelConfig | None,
     backend: str,
     sparse: SparseDecode | None = None,
@@ -431,8 +448,9 @@ def prefill_step(
     draft_caches,
     token_ids: jax.Array,
     page_table: paged.PageTable,
+    target_plan: paged.DecodePlan | None = None,
     *,
-    target_config: ModelConfig,
+    target_config: ModelConfig | MLAModelConfig,
     draft_config: ModelConfig | None,
     backend: str,
 ):
@@ -442,15 +460,21 @@ def prefill_step(
     Args:
       token_ids: int32[1, L], the chunk.
       page_table: one row covering the chunk's end.
-      target_caches: a list of caches, or a ``serving.sparse_step.BoundedCaches`` (whose key
-        bounds the chunk's keys widen); a chunk attends densely whatever the engine's sparse
-        mode.
+      target_plan: an MLA target's plan for the MLA kernel (``plan_mla_decode`` of
+        ``page_table`` with ``q_len = L``) where that kernel runs the chunk; None otherwise
+        (always for a Llama-style target, whose chunks need no plan).
+      target_caches: a list of caches (``paged.LatentCache`` for an MLA target), or a
+        ``serving.sparse_step.BoundedCaches`` (whose key bounds the chunk's keys widen); a
+        chunk attends densely whatever the engine's sparse mode.
 
     Returns:
       ``(target_caches, draft_caches)``, ``target_caches`` of the type given.
     """
+    options = dict(backend=backend)
+    if target_plan is not None:
+        options["plan"] = target_plan
     _, target_caches = _target_forward(
-        target_params, target_config, token_ids, target_caches, page_table, backend=backend
+        target_params, target_config, token_ids, target_caches, page_table, **options
     )
     if draft_config is not None:
         _, draft_caches = model_lib.forward_paged(

@@ -171,6 +171,27 @@ def test_engine_dispatch_probe_runs_a_smoke_case(tmp_path, capsys):
     assert rows[0]["block_steps"] > 1 and rows[0]["block_device_us_per_step"] > 0
 
 
+def test_mla_engine_probe_runs_its_tiny_case(tmp_path, capsys):
+    """The MLA engine probe (issue 20) on a CPU: both layouts of ``MLA_TEST`` through the
+    engine, a row each with the cache bytes a token (latent ``2 x (32 + 8) x 4``; expanded
+    ``2 x 2 x 4 heads x 32 x 4`` padded, ``2 x 4 x 36 x 4`` unpadded) and steps timed (figures
+    on a CPU mean nothing; the code paths do)."""
+    from bench.probes import mla_engine
+
+    assert mla_engine.main(["--tiny", "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "mla_engine.json").read_text())
+    assert report["cache_bytes_per_token"] == {
+        "latent": 320,
+        "expanded": 2048,
+        "expanded_unpadded": 1152,
+    }
+    rows = report["rows"]
+    assert [row["arm"] for row in rows] == ["latent/reference", "expanded/reference"]
+    for row in rows:
+        assert row["steps"] > 0 and row["tokens_per_s"] > 0 and row["itl_ms_p50"] > 0
+    assert "B/token" in capsys.readouterr().out
+
+
 def test_device_time_is_read_from_a_perfetto_trace(tmp_path):
     """``bench.harness.device_trace`` (the decode suite's device figures, the
     ``decode_overhead`` probe's ``--trace``) on a hand-made trace: device kernels summed per

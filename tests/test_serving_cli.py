@@ -23,6 +23,7 @@ from serving.__main__ import (
 from serving.paged_demo import device_description
 
 GENERATE_FLAGS = (
+    "--model",
     "--prompt",
     "--max-tokens",
     "--temperature",
