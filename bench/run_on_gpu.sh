@@ -18,7 +18,6 @@
 # with 1, 4 and 8 decode steps a program); one device command each.
 # Issues 19 and 21: sparse-tests, quest-scores, quest-select, tune-decode, check-decode.
 # Issue 19 (the append keeps Quest's key bounds): append-bounds.
-# Issue 20: mla-decode.
 # Issue 20: mla-decode; mla-engine (the MLA model through the engine, latent cache against
 # expanded K/V pages: bytes a token, tokens/s, ITL).
 # Issue 18 (one ragged launch for a mixed step, prototype): ragged-attention.

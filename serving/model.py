@@ -47,7 +47,7 @@ from kernels_pallas.platform import is_concrete
 from serving.cascade_step import cascade_attention_backend
 from serving.config import ModelConfig
 from serving.layers import fused_add_rmsnorm, rmsnorm
-from serving.sparse_step import SparseDecode, append_key_bounds, sparse_attention
+from serving.sparse_step import SparseDecode, sparse_attention
 
 # ----------------------------------------------------------------------------------------------
 # Parameters
@@ -412,7 +412,7 @@ def forward_paged(
         ``key_bounds``, which must be given) and ``plan`` is not used (the virtual table is
         another table). Prefill chunks pass None: they attend densely.
       key_bounds: one ``paged.PageKeyBounds`` a layer, or None. Given, each layer's bounds are
-        kept current with the keys it writes (``serving.sparse_step.append_key_bounds``: a page
+        kept current with the keys it writes (``paged.rope_append_kv``'s ``key_bounds``: a page
         whose slot 0 is written restarts) before it attends, and returned.
 
     Returns:
@@ -455,7 +455,11 @@ def forward_paged(
 
     def attention(index, q, k, v):
         flat = lambda x: x.reshape(batch * length, *x.shape[2:])
-        q_rotated, cache = paged.rope_append_kv(
+        # With the layer's bounds the append keeps them too (a page whose slot 0 it writes
+        # restarts, then each written key widens its page), before the attention: Quest scores
+        # the new keys' pages too.
+        bounds = None if key_bounds is None else key_bounds[index]
+        appended = paged.rope_append_kv(
             flat(q),
             flat(k),
             flat(v),
@@ -465,14 +469,14 @@ def forward_paged(
             page_table,
             rope=config.rope,
             backend=backend,
+            key_bounds=bounds,
         )
-        new_caches_list.append(cache)
-        bounds = None
-        if key_bounds is not None:  # before the attention: Quest scores the new keys' pages too
-            bounds = append_key_bounds(
-                key_bounds[index], cache, page_table, batch_indices, positions
-            )
+        if bounds is None:
+            q_rotated, cache = appended
+        else:
+            q_rotated, cache, bounds = appended
             new_bounds.append(bounds)
+        new_caches_list.append(cache)
         # One new token keeps decode's [B, H, D] query (the single-token kernel path).
         q_rotated = q_rotated.reshape(q.shape if length > 1 else (batch, *q.shape[2:]))
         if sparse is not None:

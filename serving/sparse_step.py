@@ -27,14 +27,14 @@ refuses sparse with speculation: below).
 Quest's key bounds (``BoundedCaches.key_bounds``, one ``PageKeyBounds`` a layer, kept only for
 ``"quest"``: nothing else reads them)
 -----------------------------------------------------------------------------------------------
-Each layer, after ``paged.rope_append_kv`` wrote a step's keys (prefill chunks and decode steps
-alike), ``append_key_bounds`` widens each written page's bounds by the keys as the pool now
-holds them (read back from the pool, so they equal ``paged.page_key_bounds`` of the pool
+Each layer's ``paged.rope_append_kv`` (prefill chunks and decode steps alike) is given the
+layer's bounds (``key_bounds=``) and widens each written page's bounds by the keys as the pool
+now holds them (read back from the pool, so they equal ``paged.page_key_bounds`` of the pool
 exactly, whatever rounding the append kernel did). Pages are freed and reused on the host
 (``serving/scheduler.py``) without the device being told; instead, **a page's bounds restart
-when its first slot is written**: an append into slot 0 of a page resets the page
-(``reset_page_key_bounds``) before its keys are added. Why that is enough, so that a stale
-bound is never read:
+when its first slot is written**: an append into slot 0 of a page resets the page before its
+keys are added (``paged.append_page_key_bounds``, the append's reference). Why that is enough,
+so that a stale bound is never read:
 
 - A request writes its positions in increasing order, from where its valid keys end, into its
   own private pages (a shared prefix page is full and below every holder's length: never
@@ -78,12 +78,10 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 import paged
-from paged.kv_cache import INVALID_PAGE, token_slots
-from paged.sparse_quest import empty_page_key_bounds, reset_page_key_bounds
+from paged.sparse_quest import empty_page_key_bounds
 from paged.sparse_recent import recent_pages_selection
 
 SPARSE_MODES = ("quest", "recent")
@@ -192,45 +190,6 @@ def new_key_bounds(caches: list[paged.KVCache]) -> list[paged.PageKeyBounds]:
         empty_page_key_bounds(cache.num_pages, cache.num_kv_heads, cache.head_dim, cache.dtype)
         for cache in caches
     ]
-
-
-def written_keys(cache: paged.KVCache, pages: jax.Array, slots: jax.Array) -> jax.Array:
-    """The keys the pool holds at ``(pages[i], slots[i])``: ``[nnz, num_kv_heads, head_dim]``.
-    A page outside the pool (``INVALID_PAGE``, a dropped token) reads page 0: its key is then
-    dropped by the bounds' scatter as it was by the append's."""
-    pages = jnp.where(pages < cache.num_pages, pages, 0)
-    if cache.layout == "HND":  # [P, KVH, S, D]: the two gathered axes go first, [nnz, KVH, D]
-        return cache.k_pages[pages, :, slots]
-    return cache.k_pages[pages, slots]  # [P, S, KVH, D]
-
-
-def append_key_bounds(
-    bounds: paged.PageKeyBounds,
-    cache: paged.KVCache,
-    page_table: paged.PageTable,
-    batch_indices: jax.Array,
-    positions: jax.Array,
-) -> paged.PageKeyBounds:
-    """One layer's bounds after an append of ``positions`` (its keys already in ``cache``).
-
-    A page whose slot 0 is written restarts (its previous owner's keys forgotten: module
-    docstring), then every written key widens its page's bounds
-    (``paged.update_page_key_bounds``).
-
-    Args:
-      bounds: the layer's ``PageKeyBounds`` before the append.
-      cache: the layer's pool after the append.
-      page_table: the table the append wrote through.
-      batch_indices, positions: int ``[nnz]``, the append's tokens (``rope_append_kv``'s).
-
-    Returns:
-      The updated ``PageKeyBounds``.
-    """
-    pages, slots = token_slots(page_table, batch_indices, positions)
-    opened = jnp.where(slots == 0, pages, INVALID_PAGE)  # INVALID_PAGE: no reset (dropped)
-    bounds = reset_page_key_bounds(bounds, opened)
-    keys = written_keys(cache, pages, slots)
-    return paged.update_page_key_bounds(bounds, page_table, keys, batch_indices, positions)
 
 
 def sparse_attention(

@@ -271,7 +271,7 @@ def test_kept_key_bounds_equal_the_bounds_of_the_pool(target, quest_small_budget
 
 @pytest.mark.parametrize("layout", ["HND", "NHD"])
 def test_a_page_restarts_when_its_first_slot_is_written(layout):
-    """``append_key_bounds`` on a page holding an old owner's bounds: a write into its slot 0
+    """``paged.append_page_key_bounds`` (what the engine's append keeps) on a page holding an old owner's bounds: a write into its slot 0
     forgets them (the bounds are the new keys', as the pool holds them, per KV head); a write
     into a later slot widens them. Plain ``update_page_key_bounds`` keeps the old keys: what a
     reused page would show without the restart."""
@@ -281,13 +281,13 @@ def test_a_page_restarts_when_its_first_slot_is_written(layout):
     keys = jnp.array([[[1.0, -1.0], [5.0, 6.0]], [[2.0, 3.0], [4.0, 7.0]]])  # [token, head, D]
     batch, positions = jnp.zeros(2, jnp.int32), jnp.arange(2, dtype=jnp.int32)
     cache = paged.append_kv(cache, table, keys, keys, batch, positions)
-    restarted = sparse_step.append_key_bounds(stale, cache, table, batch, positions)
+    restarted = paged.append_page_key_bounds(stale, cache, table, batch, positions)
     assert restarted.kmin[2].tolist() == [[1.0, -1.0], [4.0, 6.0]]
     assert restarted.kmax[2].tolist() == [[2.0, 3.0], [5.0, 7.0]]
     recomputed = paged.page_key_bounds(cache, table)
     np.testing.assert_array_equal(restarted.kmin[2], recomputed.kmin[2])
     assert restarted.kmin[1].tolist() == [[-9.0, -9.0]] * 2  # pages not written keep theirs
-    widened = sparse_step.append_key_bounds(stale, cache, table, batch[1:], positions[1:])
+    widened = paged.append_page_key_bounds(stale, cache, table, batch[1:], positions[1:])
     assert widened.kmin[2].tolist() == [[-9.0, -9.0]] * 2  # slot 1 alone: no restart
     kept_old = paged.update_page_key_bounds(stale, table, keys, batch, positions)
     assert kept_old.kmin[2].tolist() == [[-9.0, -9.0]] * 2
