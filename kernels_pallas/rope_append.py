@@ -70,11 +70,11 @@ every non-negative one; among negative floats the order of their bits as unsigne
 reversed. So ``min`` with a value ``>= 0`` is a signed integer min, with a value ``< 0`` an
 unsigned integer max (and ``max`` the other way round): two masked atomics an element for each
 bound (one of them does nothing), each with acquire-release semantics, issued one after another
-by each thread. That chain, not bytes, is the likely cost: ``--fused-warps`` in the probe times
-more threads with shorter chains.
-Measured on an H100 (2026-12-07, a previous version of this design, ``paged/rope_append.py``):
-the fused launch cost about 25 us more than the plain one at decode, where the two-step flow cost
-5 to 7 us more; it was faster only at a 512-token chunk. So it is opt-in. Two consequences of the
+by each thread. That chain, not bytes, is the cost, as measured on an H100 (the probe's device
+trace at decode B=8: this launch 25.4 us a call against 3.8 for the plain kernel, 15.2 at 8
+warps, where each thread's chain is half as long; the restart's scatters 2.7 us). The whole
+fused call costs about 25 us more than the plain one at decode, where the two-step flow costs 5
+to 7 us more; it is faster only at a 512-token chunk. So it is opt-in. Two consequences of the
 integer order: ``-0.0`` counts as below ``+0.0`` (XLA's min of the two zeros may keep either; the
 bounds then differ from the two-step flow's in the sign of a zero only, the same value), and NaN
 keys are not ordered (a NaN key makes its page's bounds meaningless either way).
@@ -86,8 +86,8 @@ runs the atomic primitive itself there too.
 
 Status: checked in interpret mode against float64 references, and compiled, checked and timed
 on the H200 (``docs/benchmark_results/2026-12-01-fused_ops.md``). The bounds variant: checked in
-interpret mode against the two-step flow (bit for bit) and lowered to Triton on a CPU; compiled
-and timed on an H100 in a previous version, this one not yet (``bench/probes/append_bounds.py``).
+interpret mode against the two-step flow (bit for bit), compiled, checked bit for bit and timed on
+an H100 at d16a256 (``bench/probes/append_bounds.py``; figures in ``docs/sparse_decode.md``).
 """
 
 from __future__ import annotations

@@ -44,13 +44,11 @@ KEY_BOUNDS_PATHS = ("auto", "fused", "two_step")
 
 # Whether key_bounds_path="auto" takes the fused kernel (which keeps the bounds in the append's
 # launch) over the two-step flow (the plain kernel, then XLA's update) on the Pallas backend.
-# Measured on an H100 (2026-12-07, a previous run of this same design,
-# docs/benchmark_results/2026-11-30-gpu-checks.md, nineteenth session), median us a call, plain
-# append / fused / two-step: decode B=64 4.77 / 29.99 / 11.27, decode B=8 3.93 / 30.26 / 9.11,
-# chunk 1 x 512 6.14 / 40.15 / 58.85. The fused launch is slower at decode, the step that matters,
-# so "auto" keeps the two-step update and the fused path is opt-in. Those figures were taken of an
-# implementation since lost; this one is to be re-measured (bench/probes/append_bounds.py, stage
-# append-bounds of bench/run_on_gpu.sh) before this changes.
+# Measured on an H100 at d16a256 (docs/sparse_decode.md, section "Quest"), median us a call,
+# plain append / fused / two-step: decode B=64 4.24 / 29.57 / 11.08, decode B=8 3.61 / 27.66 /
+# 8.85, chunk 1 x 512 5.90 / 37.85 / 59.38 (fused at 8 warps: 18.58, 17.37, 39.32). The fused
+# launch is slower at decode, the step that matters (its atomics, not the restart), so "auto"
+# keeps the two-step update and the fused path is opt-in. Not yet measured on the H200.
 AUTO_FUSES_KEY_BOUNDS = False
 
 
