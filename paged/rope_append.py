@@ -11,10 +11,13 @@ arrays; ``backend="pallas"`` runs it everywhere (interpreted on a CPU), and
 Quest's key bounds (``key_bounds=``, issue 19): the reference keeps them by
 ``paged.append_page_key_bounds`` after the append (pages opened at slot 0 restart, then each
 written key, read back from the pool, widens its page's bounds). On the Pallas backend two paths
-give the same bounds bit for bit (``tests/test_append_key_bounds.py``):
+give the same bounds bit for bit (``tests/test_append_key_bounds.py``), with one exception: two
+tokens of one call writing the same slot (undetectable under ``jit``) widen the two-step bounds
+by the key the pool kept, the fused ones by both keys (looser, still true bounds):
 
-- ``"two_step"``: the plain kernel, then ``append_page_key_bounds`` in XLA (the engine's flow,
-  ``serving/sparse_step.py``).
+- ``"two_step"``: the plain kernel, then ``append_page_key_bounds`` in XLA (the engine's flow:
+  the engine keeps its bounds in the pools' dtype, bfloat16 on a GPU, so it always takes this
+  path, whatever ``AUTO_FUSES_KEY_BOUNDS`` says).
 - ``"fused"``: one XLA scatter restarts the opened pages, then the kernel's bounds variant writes
   and widens in one launch (float32 atomic min/max: ``kernels_pallas/rope_append.py``). Float32
   bounds only (the atomics' type); ``"auto"`` falls back to ``"two_step"`` for any other dtype.
@@ -121,7 +124,7 @@ def rope_append_kv(
       key_bounds_path: with ``key_bounds`` on the Pallas backend, ``"fused"`` (the kernel keeps
         the bounds in its launch; float32 bounds), ``"two_step"`` (the kernel, then XLA's update)
         or ``"auto"`` (``AUTO_FUSES_KEY_BOUNDS``: today ``"two_step"``). The reference backend
-        has one path, the reference. Same bounds either way (module docstring).
+        has one path, the reference. Same bounds either way but for one case (module docstring).
 
     Returns:
       ``(q_rotated [T, Hq, D] in q's dtype, the updated cache)``; with ``key_bounds``,

@@ -168,7 +168,8 @@ def max_verified_tokens(config: ModelConfig | MLAModelConfig) -> int:
     """The most tokens a row the target may verify in one step (``num_speculative + 1``): the
     longest query run of the target's decode attention kernel, ``paged.decode.MAX_KERNEL_Q_LEN``
     for a Llama-style target (and an ``ExpandedMLAConfig``, whose K/V pages that kernel reads),
-    ``paged.mla_decode.MLA_MAX_KERNEL_Q_LEN`` for an MLA one.
+    ``paged.mla_decode.MLA_MAX_KERNEL_Q_LEN`` for an MLA one (a chosen limit, the decode
+    kernel's: the MLA kernel has none of its own; its tests reach ``q_len`` 9).
 
     Example:
       >>> from serving.mla_config import MLA_TINY

@@ -1,9 +1,9 @@
 """The shape of an MLA (multi-head latent attention) decoder, and random attention weights.
 
 The model itself is ``serving/mla_model.py`` (run by ``serving.engine.Engine`` as a target, and
-outside it by ``serving/mla_generate.py``: ``docs/mla.md``). This fixes the sizes and the weight layout that the latent cache
-(``paged.mla_cache``), the MLA references (``paged.mla_reference``) and the model take, so a
-model and a benchmark can share them.
+outside it by ``serving/mla_generate.py``: ``docs/mla.md``). This fixes the sizes and the weight
+layout that the latent cache (``paged.mla_cache``), the MLA references (``paged.mla_reference``)
+and the model take, so a model and a benchmark can share them.
 
 - ``MLAConfig``: widths, heads, MLA ranks, RoPE, norm epsilon and dtype (hashable).
 - ``deepseek_v2_lite_like``: DeepSeek-V2-Lite's attention shapes, with fewer layers.

@@ -339,7 +339,7 @@ def test_kernel_rejects_bad_bounds():
             )  # fmt: skip
 
 
-def test_auto_keeps_the_two_step_path_until_measured(monkeypatch):
+def test_auto_keeps_the_two_step_path_the_h100_measured_faster(monkeypatch):
     """``key_bounds_path="auto"`` fuses only while ``AUTO_FUSES_KEY_BOUNDS`` says so, and only
     float32 bounds (the atomics' type)."""
     float32 = empty_page_key_bounds(2, 1, 2)

@@ -37,7 +37,12 @@ from serving.mla_expanded import (
     new_expanded_mla_caches,
 )
 from serving.mla_generate import DRAFT_WEIGHTS, generate_mla
-from serving.mla_model import forward_paged_mla, init_mla_model_params, new_mla_caches
+from serving.mla_model import (
+    choose_attention_form,
+    forward_paged_mla,
+    init_mla_model_params,
+    new_mla_caches,
+)
 from serving.model import init_params
 from serving.requests import Request, SamplingParams
 
@@ -135,6 +140,32 @@ def test_engine_greedy_equals_the_loop_outside_it(plain_engine_output, greedy):
     assert report["decode: attention"] == "reference"
     assert report["prefill: attention"] == "reference"
     assert "an MLA target" in engine.cascade_report().last_reason
+
+
+def test_long_prefill_chunks_run_unabsorbed_and_give_the_loops_output(target):
+    """Chunks of 32 tokens are past ``MLA_TEST``'s crossover (the un-absorbed form: per-head K
+    and V from the gathered latents), so the engine's other prefill form, and its ``plan=None``
+    path, is compared with the loop outside it (which chunks the same prompts its own way)."""
+    config, params = target
+    assert choose_attention_form("auto", config, 32) == "unabsorbed"
+    assert choose_attention_form("auto", config, 4) == "absorbed"
+    prompts = [list(range(60, 100)), [9, 8, 7, 6, 5]]
+    expected = generate_mla(
+        params,
+        config,
+        prompts,
+        max_new_tokens=3,
+        page_size=PAGE_SIZE,
+        num_pages=NUM_PAGES,
+        chunk_size=32,
+        backend="reference",
+    )
+    engine = _engine(target, prefill_chunk_size=32, max_prefill_tokens=32)
+    requests = [
+        Request(index, prompt, SamplingParams(temperature=0.0, max_tokens=3))
+        for index, prompt in enumerate(prompts)
+    ]
+    assert _tokens(engine.generate(requests)) == [list(tokens) for tokens in expected]
 
 
 def test_blocks_of_steps_and_the_synchronous_loop_give_the_same_output(target, greedy):
@@ -239,13 +270,32 @@ def test_pallas_is_refused_where_the_mla_kernel_cannot_run_the_page_size():
         _engine((MLA_TINY, params), backend="pallas")
 
 
-def test_the_pallas_backend_plans_each_step_for_the_mla_kernel():
+def _record_mla_plans(monkeypatch) -> list[tuple[int, int]]:
+    """Spies on ``plan_mla_decode`` (the engine imports it when it plans): the ``(num_heads,
+    q_len)`` of every plan made. A plan of one short request is the same for any ``q_len``
+    (never split), so comparing plans alone would not catch a wrong ``q_len``."""
+    import kernels_pallas.mla_decode_mgpu as mla_kernel
+
+    calls = []
+    real = mla_kernel.plan_mla_decode
+
+    def spy(page_table, num_heads, q_len=1, **options):
+        calls.append((num_heads, q_len))
+        return real(page_table, num_heads, q_len, **options)
+
+    monkeypatch.setattr(mla_kernel, "plan_mla_decode", spy)
+    return calls
+
+
+def test_the_pallas_backend_plans_each_step_for_the_mla_kernel(monkeypatch):
     """On ``backend="pallas"`` with sizes the kernel takes (``MLA_TINY``, 16-token pages), the
     engine's decode inputs carry the MLA kernel's plan of the step's table (``plan_mla_decode``
-    with ``q_len = n + 1``), made on the host; nothing is run (the kernel runs compiled in the
-    ``gpu``-marked test below; interpreted, the model takes minutes)."""
+    with the target's heads and ``q_len = n + 1``), made on the host; nothing is run (the
+    kernel runs compiled in the ``gpu``-marked test below; interpreted, the model takes
+    minutes)."""
     from kernels_pallas.mla_decode_mgpu import plan_mla_decode
 
+    calls = _record_mla_plans(monkeypatch)
     params = _shapes_only(init_mla_model_params, MLA_TINY)
     for draft, num_speculative in [
         (None, 0),
@@ -263,7 +313,10 @@ def test_the_pallas_backend_plans_each_step_for_the_mla_kernel():
         assert engine._target_kernel_plans()
         engine.submit(Request("a", [1], SamplingParams(temperature=0, max_tokens=2)))
         step = engine.scheduler.plan_step(1)  # a one-token prompt decodes at once
+        calls.clear()
         inputs = engine._decode_inputs(step.decode)
+        assert calls == [(MLA_TINY.attention.num_heads, num_speculative + 1)]
+        calls.clear()
         expected = plan_mla_decode(inputs.page_table, 16, num_speculative + 1)
         for field in ("work_request", "work_page_start", "work_page_end", "merge_indptr"):
             np.testing.assert_array_equal(getattr(inputs.plan, field), getattr(expected, field))
@@ -284,6 +337,7 @@ def test_the_pallas_backend_plans_each_absorbed_prefill_chunk(monkeypatch):
         return args[2], args[3]
 
     monkeypatch.setattr(programs, "prefill_step_jit", spy)
+    calls = _record_mla_plans(monkeypatch)
     params = _shapes_only(init_mla_model_params, MLA_TINY)
     engine = Engine((MLA_TINY, params), num_pages=8, page_size=16, parallel=2, backend="pallas")
     engine.submit(Request("a", list(range(1, 22)), SamplingParams(temperature=0, max_tokens=2)))
@@ -297,6 +351,8 @@ def test_the_pallas_backend_plans_each_absorbed_prefill_chunk(monkeypatch):
         for field in ("work_request", "work_page_start", "work_page_end", "merge_indptr"):
             np.testing.assert_array_equal(getattr(plan, field), getattr(expected, field))
     assert lengths == [16, 4]  # 20 tokens to prefill: power-of-two chunks
+    heads = MLA_TINY.attention.num_heads
+    assert calls[: len(lengths)] == [(heads, length) for length in lengths]
 
 
 def test_cascade_auto_decodes_plainly_and_the_bound_is_the_mla_kernels(target):
@@ -364,7 +420,9 @@ def test_the_engine_on_the_mla_kernel_gives_the_references_output():
         Request(i, [int(t) for t in p], SamplingParams(temperature=0, max_tokens=8))
         for i, p in enumerate(prompts)
     ]
-    for num_speculative in (0, 3):
+    # Chunks of 16, and of 128: the kernel then takes a whole 37-token prompt as one absorbed
+    # chunk (37 query rows a head, past the verification steps' 16; up to 170 at these sizes).
+    for num_speculative, chunk in [(0, 16), (3, 16), (0, 128)]:
         outputs, reports = {}, {}
         for backend in ("reference", "pallas"):
             engine = Engine(
@@ -375,10 +433,10 @@ def test_the_engine_on_the_mla_kernel_gives_the_references_output():
                 parallel=2,
                 backend=backend,
                 num_speculative=num_speculative,
-                prefill_chunk_size=16,
+                prefill_chunk_size=chunk,
             )
             outputs[backend] = _tokens(engine.generate(requests()))
             reports[backend] = engine.backend_report()
-        assert outputs["pallas"] == outputs["reference"], num_speculative
+        assert outputs["pallas"] == outputs["reference"], (num_speculative, chunk)
         assert "mla_decode_mgpu" in reports["pallas"]["decode: attention"]
         assert "mla_decode_mgpu" in reports["pallas"]["prefill: attention"]

@@ -271,9 +271,9 @@ def test_kept_key_bounds_equal_the_bounds_of_the_pool(target, quest_small_budget
 
 @pytest.mark.parametrize("layout", ["HND", "NHD"])
 def test_a_page_restarts_when_its_first_slot_is_written(layout):
-    """``paged.append_page_key_bounds`` (what the engine's append keeps) on a page holding an old owner's bounds: a write into its slot 0
-    forgets them (the bounds are the new keys', as the pool holds them, per KV head); a write
-    into a later slot widens them. Plain ``update_page_key_bounds`` keeps the old keys: what a
+    """``paged.append_page_key_bounds`` (what the engine's append keeps) on a page holding an
+    old owner's bounds: a write into its slot 0 forgets them (the bounds are the new keys', as
+    the pool holds them, per KV head); a write into a later slot widens them. Plain ``update_page_key_bounds`` keeps the old keys: what a
     reused page would show without the restart."""
     cache = paged.new_kv_cache(3, 4, 2, 2, jnp.float32, layout)
     stale = paged.PageKeyBounds(jnp.full((3, 2, 2), -9.0), jnp.full((3, 2, 2), 9.0))

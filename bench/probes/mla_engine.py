@@ -201,7 +201,7 @@ def main(argv=None) -> int:
         f"{sizes['expanded_unpadded']} unpadded ({jax.devices()[0].device_kind}; commit "
         f"{os.environ.get('DECODELAB_COMMIT', 'unknown')})"
     )
-    rows, start = [], time.perf_counter()
+    rows, failures, start = [], 0, time.perf_counter()
     for context in args.contexts:
         for batch in args.batches:
             if time.perf_counter() - start > args.budget_s:
@@ -213,6 +213,7 @@ def main(argv=None) -> int:
                 except Exception as error:  # refused or failed (a kernel that does not
                     # compile for these shapes): say so and go on, the other arms still count
                     print(f"B={batch:3d} ctx={context:6d} {arm:>18}: failed: {error!r:.300}")
+                    failures += 1
                     continue
                 rows.append(row)
                 print(
@@ -226,7 +227,8 @@ def main(argv=None) -> int:
                     args.out.mkdir(parents=True, exist_ok=True)
                     summary = {"cache_bytes_per_token": sizes, "rows": rows}
                     (args.out / "mla_engine.json").write_text(json.dumps(summary, indent=1))
-    return 0
+    print(f"failures: {failures}")
+    return 1 if failures else 0  # a failed arm fails the stage, as the other probes do
 
 
 if __name__ == "__main__":
