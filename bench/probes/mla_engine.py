@@ -55,6 +55,7 @@ import time
 import jax
 import numpy as np
 
+from bench.probes.engine_dispatch import run_requests  # submit all, step to the end
 from serving.engine import Engine
 from serving.mla_config import MLA_TEST, MLAModelConfig, cache_bytes_per_token
 from serving.mla_config import deepseek_v2_lite_like as lite_attention
@@ -96,15 +97,6 @@ def requests_for(batch: int, context: int, new_tokens: int, tag: str) -> list[Re
     ]
 
 
-def run_round(engine: Engine, requests: list[Request]) -> list:
-    for request in requests:
-        engine.submit(request)
-    stats = []
-    while engine.has_unfinished:
-        stats.append(engine.step().stats)
-    return stats
-
-
 def arm_row(config: MLAModelConfig, params, arm: str, batch: int, context: int, args) -> dict:
     """One arm at one case: a warm-up round, then the measured round's figures."""
     layout, backend = arm.split("/")
@@ -122,10 +114,10 @@ def arm_row(config: MLAModelConfig, params, arm: str, batch: int, context: int, 
         seed=SEED,
     )
     start = time.perf_counter()
-    run_round(engine, requests_for(batch, context, new_tokens, "warm"))
+    run_requests(engine, requests_for(batch, context, new_tokens, "warm"))
     warm_s = time.perf_counter() - start
     measured = requests_for(batch, context, new_tokens, "run")
-    stats = run_round(engine, measured)
+    stats = run_requests(engine, measured)
     steps = [
         s.host_s + s.prefill_s + s.decode_s
         for s in stats
