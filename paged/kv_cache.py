@@ -12,6 +12,7 @@ Two layouts (``design.md``):
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +24,9 @@ from paged.page_table import PageTable, validate_page_table
 LAYOUTS = ("HND", "NHD")
 # A page index past any pool: scatters with mode="drop" skip tokens sent there.
 INVALID_PAGE = np.iinfo(np.int32).max
+
+if TYPE_CHECKING:  # paged.sparse_quest imports this module: named for annotations only
+    from paged.sparse_quest import PageKeyBounds
 
 
 @dataclasses.dataclass(frozen=True)
@@ -241,8 +245,8 @@ def append_kv(
     batch_indices: jax.Array,
     positions: jax.Array,
     *,
-    key_bounds=None,
-):
+    key_bounds: PageKeyBounds | None = None,
+) -> KVCache | tuple[KVCache, PageKeyBounds]:
     """Writes ragged new tokens into their pages (reference; returns a new cache).
 
     Token ``i`` goes to page ``page_indices[page_indptr[b] + p // page_size]``, slot
